@@ -1,0 +1,76 @@
+"""Engine configuration: one dataclass, shared by the CLI, the Python API and the server."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Without a flag the CPU gets a fixed KV budget (a fraction of RAM would be greedy on a shared
+# host); a GPU gets a fraction of the memory left after the weights, as vLLM does.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_GPU_KV_FRACTION = 0.85
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = built-in SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" picks cuda when present
+    seed: int = 0
+    max_model_len: int | None = None  # None = the model's own limit
+    block_size: int = 16
+    kv_cache_memory: str | None = None  # bytes ("2GiB", "500000000") or a fraction ("0.5")
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    long_prefill_threshold: int = 512  # per-request prefill cap per step; 0 disables it
+    cache_dir: str | None = None  # converted-weight cache; default ~/.cache/loomserve
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.long_prefill_threshold < 0:
+            raise ValueError("long_prefill_threshold must be >= 0")
+        if self.kv_cache_memory is not None:
+            parse_memory(str(self.kv_cache_memory))  # fail early on a bad value
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir or os.environ.get(
+            "LOOMSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "loomserve"))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_memory(value: str) -> tuple[str, float]:
+    """'0.5' -> ('fraction', 0.5); '2GiB' or '2000000' -> ('bytes', n)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv-cache-memory must be bytes (e.g. 2GiB) or a fraction, got {value!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and number <= 1.0:
+        if number <= 0:
+            raise ValueError("kv-cache-memory fraction must be in (0, 1]")
+        return "fraction", number
+    return "bytes", number * _UNITS[unit]

@@ -1,0 +1,31 @@
+"""What the engine reports per request as it makes progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+    text: str = ""  # all output text so far, stop strings cut off
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous report
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queried_tokens: int = 0  # cumulative
+    prefix_hit_tokens: int = 0  # cumulative
+    prompt_tokens: int = 0  # cumulative, prefill tokens requested
+    generation_tokens: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative

@@ -1,0 +1,76 @@
+"""What a layer group keeps per block, and how the pool's uniform pages are laid out.
+
+A KV cache *spec* describes one layer type's needs per block of `block_size` tokens. Layers with
+the same spec form a *group*; every group draws blocks from one pool whose page size is the
+largest group's bytes per block, so memory moves to whichever group needs it. A block's page is
+one contiguous range of the backing buffer (the packed layout): for a full-attention group it
+holds K and V of every layer of the group, [layers, 2, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    def bytes_per_block_per_layer(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def kind(self) -> str:
+        return "full_attention"
+
+    def bytes_per_block_per_layer(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block_per_layer() * len(self.layer_ids)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The whole cache: groups sharing one pool of `num_blocks` pages of `page_bytes` each."""
+
+    num_blocks: int
+    groups: tuple[KVCacheGroup, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].spec.block_size
+
+    @property
+    def page_bytes(self) -> int:
+        return max(g.bytes_per_block() for g in self.groups)
+
+    @property
+    def capacity_tokens(self) -> int:
+        # Each token needs a block in every group, so the pool holds num_blocks / groups tokens' worth.
+        return self.num_blocks // len(self.groups) * self.block_size
+
+    @staticmethod
+    def num_blocks_for(memory_bytes: int, groups: tuple[KVCacheGroup, ...]) -> int:
+        page = max(g.bytes_per_block() for g in groups)
+        return max(0, memory_bytes // page)
