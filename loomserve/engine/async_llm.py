@@ -1,19 +1,154 @@
-"""Asyncio front of the engine: the server's only way in. (Stub: the engine session fills it in.)
+"""Asyncio front of the engine: the server's only way in.
+
+The engine core runs in one background thread (a forward pass never blocks the event loop);
+requests and aborts reach it through a command queue, and its outputs come back to each
+request's asyncio.Queue through call_soon_threadsafe. Detokenization and stop strings run on
+the event loop side (RequestState), so the core's step stays token-ids only.
 
 Contract
 --------
-AsyncLLM(config: EngineConfig)
-    Loads the model and allocates the KV cache in the constructor. The engine loop runs in a
-    background thread, so the event loop never blocks on a forward pass.
-Attributes: tokenizer (loomserve.model.tokenizer.Tokenizer), model_name (served name),
-    max_model_len (int), vocab_size (int), config (EngineConfig), kv_capacity_tokens (int).
-async generate(prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-               session_id=None, parent_session_id=None, cache_salt=None) -> AsyncIterator[RequestOutput]
-    Validates before yielding anything and raises ValueError with a user-facing message for: an
-    empty prompt, token ids outside [0, vocab_size), prompt longer than max_model_len - 1,
-    prompt + max_tokens beyond max_model_len. max_tokens None = up to the context limit.
-    Yields a RequestOutput per engine step with new tokens; the last one has finished=True.
-    If the consumer stops iterating (aclose / task cancelled / client gone) the request is
-    aborted and its blocks freed.
-async abort(request_id) ; stats() -> EngineStats ; shutdown()
+AsyncLLM(config: EngineConfig) loads the model and allocates the KV cache.
+Attributes: tokenizer, model_name (served name), max_model_len, vocab_size, config,
+kv_capacity_tokens.
+async generate(prompt, params, request_id=None, *, session_id=None, parent_session_id=None,
+cache_salt=None) -> AsyncIterator[RequestOutput]: validates first (ValueError with a user-facing
+message), then yields one RequestOutput per batch of new tokens; the last has finished=True.
+Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
+async abort(request_id); stats() -> EngineStats; shutdown().
 """
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from loomserve.config import EngineConfig
+from loomserve.engine.core import CoreOutput, EngineCore
+from loomserve.engine.output import EngineStats, RequestOutput
+from loomserve.engine.processor import InputProcessor, RequestState
+from loomserve.engine.request import RequestStatus
+from loomserve.sampling_params import SamplingParams
+
+log = logging.getLogger("loomserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop hit an internal error; the request could not be completed."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.config = config
+        self.core = core or EngineCore(config)
+        runner = self.core.runner
+        self.tokenizer = runner.tokenizer
+        self.model_name = config.served_model_name or runner.model_name
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        self.kv_capacity_tokens = runner.kv_cache_config.capacity_tokens
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._stats = self.core.stats()
+        self._thread = threading.Thread(target=self._loop, name="loomserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, *, session_id: str | None = None,
+                       parent_session_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        req = self.inputs.make_request(request_id, prompt, params, session_id=session_id,
+                                       parent_session_id=parent_session_id, cache_salt=cache_salt)
+        state = RequestState(request_id, req.prompt_token_ids, params, self.tokenizer)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", req))
+        try:
+            while not state.finished:
+                outs = [await stream.get()]
+                while not stream.empty():
+                    outs.append(stream.get_nowait())
+                if any(isinstance(o, BaseException) for o in outs):
+                    raise EngineDeadError(f"engine failed: {self._error!r}")
+                out = state.process(outs)
+                if state.stopped_by_string:
+                    self._send(("abort", request_id, RequestStatus.FINISHED_STOPPED))
+                    state.stopped_by_string = False
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not state.finished:
+                self._send(("abort", request_id, RequestStatus.FINISHED_ABORTED))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, RequestStatus.FINISHED_ABORTED))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stopped:
+            self._drain_commands()
+            if not core.has_work():
+                self._stats = core.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = core.step()
+            except BaseException as exc:  # noqa: BLE001 - report, fail the requests, stop
+                log.exception("engine step failed")
+                self._error = exc
+                self._fail_all(exc)
+                return
+            self._stats = core.stats()
+            self._dispatch(outputs)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                if cmd[1].request_id in self._streams:  # not abandoned before it arrived
+                    self.core.add_request(cmd[1])
+            else:
+                self.core.abort(cmd[1], cmd[2])
+
+    def _dispatch(self, outputs: list[CoreOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for loop, stream in list(self._streams.values()):
+            loop.call_soon_threadsafe(stream.put_nowait, exc)

@@ -1,0 +1,81 @@
+"""The engine core: schedule, run, postprocess. Token ids in, token ids out.
+
+It owns the scheduler (control plane), the KV cache manager (data plane) and the model runner
+(execution plane) and is driven by exactly one thread. Text (detokenization, stop strings)
+lives in the front end, off this loop, as in vLLM v1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from loomserve.config import EngineConfig
+from loomserve.engine.output import EngineStats
+from loomserve.engine.request import Request, RequestStatus
+from loomserve.engine.scheduler import Scheduler
+from loomserve.kv.manager import KVCacheManager
+from loomserve.model.runner import ModelRunner
+
+
+@dataclass
+class CoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        self.kv = KVCacheManager(self.runner.kv_cache_config,
+                                 enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.long_prefill_threshold)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_step_seconds = 0.0
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.prompt_tokens += req.num_prompt_tokens
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, status)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[CoreOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched.model_input).sampled if sched.model_input.seqs else {}
+        outputs = []
+        for req, tokens in self.scheduler.update(sched, sampled):
+            self.generation_tokens += len(tokens)
+            done = req.status.finished
+            outputs.append(CoreOutput(req.request_id, tokens, done,
+                                      req.status.value if done else None, req.num_cached_tokens))
+        self.last_step_seconds = time.perf_counter() - t0
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_queried_tokens=kv.stats.prefix_queried_tokens,
+            prefix_hit_tokens=kv.stats.prefix_hit_tokens,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Every request simply has `num_tokens - num_computed_tokens` tokens left to compute: a fresh
+prompt, a preempted request's prompt + outputs, or the one latest token of a decode. Each step:
+
+1. Running requests first, in admission order. Each gets min(left, long-prefill cap, budget)
+   tokens. When the pool cannot hold them, the most recently admitted running request is
+   preempted (blocks freed, recompute later) until it fits, or the request preempts itself.
+2. Then waiting requests, in order, while the budget, `max_num_seqs` and the pool allow; a new
+   request first claims its longest cached prefix. Nothing waiting is admitted in a step that
+   preempted, so the pool is not churned.
+
+The per-request cap (`long_prefill_threshold`) is what keeps short cached agent turns flowing
+beside a long fresh prefill: the long one advances a chunk per step while the rest still fit
+in the budget.
+
+Invariants: a request is in exactly one of `waiting` / `running` or finished; a running
+request's blocks cover its computed tokens; a finished or preempted request holds no block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from loomserve.batch import ModelInput, ScheduledSeq
+from loomserve.engine.request import Request, RequestStatus
+from loomserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    model_input: ModelInput
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 long_prefill_threshold: int = 0) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.long_prefill_threshold = long_prefill_threshold
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # for the runner, reported once
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) and release everything it holds."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(ModelInput([], self._finished_ids))
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self._add_to_batch(out, req, n)
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit, num_hit = self.kv.get_computed_blocks(req)
+            n = self._chunk(req, req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hit, num_hit):
+                break  # the pool is full; running requests free blocks as they finish
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_to_batch(out, req, n)
+            budget -= n
+
+    def _chunk(self, req: Request, left: int, budget: int) -> int:
+        if self.long_prefill_threshold and left > self.long_prefill_threshold:
+            left = self.long_prefill_threshold
+        return min(left, budget)
+
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append((req, n))
+        out.model_input.seqs.append(ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + n],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            num_output_tokens=req.num_output_tokens,
+        ))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts, append sampled tokens, finish what stopped.
+
+        Returns (request, new token ids) for every request that produced a token."""
+        produced = []
+        for req, n in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt yet
+            status = req.append_token(token)
+            produced.append((req, [token]))
+            if status is not None:
+                self.finish(req, status)
+        return produced
