@@ -47,7 +47,7 @@ class AsyncLLM:
         runner = self.core.runner
         self.tokenizer = runner.tokenizer
         self.model_name = config.served_model_name or runner.model_name
-        self.max_model_len = runner.max_model_len
+        self.max_model_len = self.core.max_model_len
         self.vocab_size = runner.vocab_size
         self.kv_capacity_tokens = runner.kv_cache_config.capacity_tokens
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)

@@ -35,6 +35,14 @@ class EngineCore:
                                  enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_threshold)
+        capacity = self.runner.kv_cache_config.capacity_tokens
+        if capacity < config.block_size:
+            raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
+        if config.max_model_len and config.max_model_len > capacity:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the KV cache capacity "
+                             f"of {capacity} tokens: raise --kv-cache-memory")
+        # A request must fit in the pool alone, or preemption could never make room for it.
+        self.max_model_len = min(self.runner.max_model_len, capacity)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_seconds = 0.0

@@ -22,7 +22,7 @@ class LLM:
         self.core = EngineCore(self.config)
         runner = self.core.runner
         self.tokenizer = runner.tokenizer
-        self.inputs = InputProcessor(self.tokenizer, runner.max_model_len, runner.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, runner.vocab_size)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | list[Prompt],
