@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
 from loomserve.engine.output import RequestOutput
-from loomserve.server.errors import APIError, bad_request, install_error_handlers, model_not_found
+from loomserve.server.errors import (
+    APIError, bad_request, engine_unavailable, error_body, install_error_handlers, model_not_found)
 from loomserve.server.metrics import RequestTimer, ServerMetrics
 from loomserve.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
@@ -89,11 +90,16 @@ class _Handler:
                 it = await it
         except ValueError as e:
             raise bad_request(str(e)) from e
+        except RuntimeError as e:  # the engine loop died (EngineDeadError)
+            raise engine_unavailable(e) from e
         try:
             first = await self._until_disconnect(request, it.__anext__())
         except ValueError as e:
             await _close(it)
             raise bad_request(str(e)) from e
+        except RuntimeError as e:
+            await _close(it)
+            raise engine_unavailable(e) from e
         except StopAsyncIteration:
             raise APIError(500, "The engine ended the request without output.",
                            type="internal_server_error")
@@ -162,6 +168,10 @@ class _Handler:
                     out = await it.__anext__()
                 except StopAsyncIteration:
                     break
+                except Exception as e:  # headers are sent: report in-band, as OpenAI does
+                    logger.exception("request %s failed mid-stream", request_id)
+                    yield _sse(error_body(f"{type(e).__name__}: {e}", "internal_server_error"))
+                    break
                 timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
                 for payload in chunks(out, False):
                     yield _sse(payload)
@@ -205,8 +215,8 @@ def build_app(engine) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            if getattr(engine, "errored", False):
-                raise RuntimeError("engine loop has stopped")
+            if not getattr(engine, "is_healthy", True):
+                raise RuntimeError("the engine loop has stopped")
             engine.stats()
         except Exception as e:
             return JSONResponse({"status": "error", "detail": str(e)}, status_code=503)

@@ -36,6 +36,10 @@ def model_not_found(name: str) -> APIError:
                     code="model_not_found")
 
 
+def engine_unavailable(exc: Exception) -> APIError:
+    return APIError(503, f"The engine is unavailable: {exc}", type="service_unavailable_error")
+
+
 def error_body(message: str, type: str, param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,5 @@
+import sys
+
+from loomserve.cli import main
+
+sys.exit(main())
