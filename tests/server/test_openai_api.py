@@ -131,11 +131,24 @@ def test_seed_makes_sampling_reproducible(client, server):
     assert a == b
 
 
-def test_session_headers_and_cache_salt_are_accepted(client, server):
+def test_session_headers_and_cache_salt_reach_the_engine(client, server, monkeypatch):
+    seen = []
+    generate = server.engine.generate
+
+    def spy(prompt, params, request_id=None, **kw):
+        seen.append((request_id, kw))
+        return generate(prompt, params, request_id, **kw)
+
+    monkeypatch.setattr(server.engine, "generate", spy)
     r = chat(client, server, max_tokens=2, extra_headers={"X-Session-ID": "s-1",
                                                           "X-Parent-Session-ID": "s-0"},
              extra_body={"cache_salt": "tenant-a", "ignore_eos": True})
     assert r.usage.completion_tokens == 2
+    client.completions.create(model=server.model, prompt="no session", max_tokens=1)
+    (rid, kw), (rid2, kw2) = seen
+    assert rid == r.id and rid.startswith("chatcmpl-") and rid2.startswith("cmpl-")
+    assert kw == {"session_id": "s-1", "parent_session_id": "s-0", "cache_salt": "tenant-a"}
+    assert kw2 == {"session_id": None, "parent_session_id": None, "cache_salt": None}
 
 
 def test_async_client_concurrent_requests(aclient_factory, server):
