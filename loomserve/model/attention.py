@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache for a mixed batch of prefill chunks and decode tokens.
+
+A step's tokens are flattened into one sequence, decode tokens first and prefill chunks after,
+so every layer sees one contiguous slice per kind. Everything that depends on the batch and not
+on the layer (write slots, padded block tables, masks) lives in `AttentionMetadata`, built once
+per step; a layer only indexes and calls SDPA.
+
+- Decode seqs (one query token each) run as ONE padded SDPA call: each seq's blocks are gathered
+  into [seqs, kv_heads, padded_len, head_dim] and a mask hides the padding. The query heads of a
+  kv head are laid out as that kv head's query rows, so GQA needs no repeat of K/V.
+- Each prefill chunk runs its own SDPA call: a chunk starting at position 0 attends to its own
+  fresh K/V with is_causal; a chunk after cached positions (a later chunk, or a prefix hit)
+  gathers its blocks and uses a mask where query i sees keys 0 .. start_pos + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flattened batch
+    end: int
+    start_pos: int
+    block_table: torch.Tensor | None = None  # [blocks], only when start_pos > 0
+    mask: torch.Tensor | None = None  # [1, 1, q_len, context], only when start_pos > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [tokens] block id each new K/V row is written to
+    slot_offsets: torch.Tensor  # [tokens] offset inside that block
+    num_decode: int = 0
+    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
+                   block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """decodes: (start_pos, block_table) per decode token, in batch order, before the prefills.
+    prefills: (start_pos, num_tokens, block_table) per chunk. Returns metadata and positions."""
+    positions: list[int] = []
+    for start_pos, _ in decodes:
+        positions.append(start_pos)
+    for start_pos, n, _ in prefills:
+        positions.extend(range(start_pos, start_pos + n))
+    tables = [t for _, t in decodes] + [t for _, _, t in prefills]
+    counts = [1] * len(decodes) + [n for _, n, _ in prefills]
+    blocks = _slot_blocks(positions, tables, counts, block_size)
+    pos_t = torch.tensor(positions, dtype=torch.long)
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(blocks, dtype=torch.long, device=device),
+        slot_offsets=(pos_t % block_size).to(device),
+        num_decode=len(decodes),
+    )
+    if decodes:
+        lens = [p + 1 for p, _ in decodes]
+        max_blocks = (max(lens) + block_size - 1) // block_size
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for _, t in decodes]
+        meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        key_pos = torch.arange(max_blocks * block_size)
+        mask = key_pos[None, :] < torch.tensor(lens)[:, None]
+        meta.decode_mask = mask[:, None, None, :].to(device)
+    row = len(decodes)
+    for start_pos, n, table in prefills:
+        chunk = PrefillChunk(row, row + n, start_pos)
+        if start_pos > 0:
+            ctx = start_pos + n
+            nblk = (ctx + block_size - 1) // block_size
+            chunk.block_table = torch.tensor(table[:nblk], dtype=torch.long, device=device)
+            q_pos = torch.arange(start_pos, ctx)
+            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            chunk.mask = mask[None, None].to(device)
+        meta.prefills.append(chunk)
+        row += n
+    return meta, pos_t.to(device)
+
+
+def _slot_blocks(positions: list[int], tables: list[list[int]], counts: list[int],
+                 block_size: int) -> list[int]:
+    out, row = [], 0
+    for table, c in zip(tables, counts):
+        for p in positions[row:row + c]:
+            out.append(table[p // block_size])
+        row += c
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (already rotated).
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views of the packed pages.
+    Writes the new K/V into their slots, returns [tokens, heads, head_dim]."""
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    d = meta.num_decode
+    if not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scale, kv_heads, group)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, kv_heads, group)
+    for c in meta.prefills:
+        qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, hd]
+        if c.block_table is None:
+            kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0)
+            vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+        else:
+            ctx = c.mask.shape[-1]
+            kc = k_cache[c.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+            vc = v_cache[c.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale,
+                                               enable_gqa=group > 1)
+        out[c.start:c.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float, kv_heads: int, group: int) -> torch.Tensor:
+    d, heads, head_dim = q.shape
+    # [decodes, blocks, block_size, kv_heads, hd] -> [decodes, kv_heads, padded_len, hd]
+    kc = k_cache[meta.decode_tables].flatten(1, 2).transpose(1, 2)
+    vc = v_cache[meta.decode_tables].flatten(1, 2).transpose(1, 2)
+    # A kv head's `group` query heads become its `group` query rows: GQA without repeating K/V.
+    qd = q.view(d, kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+    return o.reshape(d, heads, head_dim)

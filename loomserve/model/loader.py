@@ -1,0 +1,67 @@
+"""load_model: an HF folder, a .gguf file, or None (the built-in default) -> model + tokenizer."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from loomserve.model.config import ModelConfig
+from loomserve.model.default import DEFAULT_MODEL_NAME, default_model_path
+from loomserve.model.gguf_loader import cached_conversion
+from loomserve.model.llama import LlamaForCausalLM
+from loomserve.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
+    folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
+
+
+def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
+    """(HF folder, model name) for a model argument, converting a GGUF on first use."""
+    name = None
+    if path is None:
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    path = os.path.expanduser(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return cached_conversion(path, cache_dir), name or os.path.splitext(os.path.basename(path))[0]
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        return path, name or os.path.basename(os.path.normpath(path))
+    raise FileNotFoundError(f"model {path!r} is neither a .gguf file nor an HF folder with config.json "
+                            "(models are never fetched from the hub)")
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
+               cache_dir: str) -> LoadedModel:
+    device = torch.device(device)
+    folder, name = resolve_model(path, cache_dir)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    # Build on the meta device: no time spent initializing weights that are overwritten next.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(_iter_safetensors(folder))
+    model.init_rotary(cfg.max_position_embeddings, device, dtype)
+    model.eval().requires_grad_(False)
+    tokenizer = Tokenizer.from_folder(folder, cfg.eos_token_ids)
+    return LoadedModel(model, cfg, tokenizer, name, folder)
+
+
+def _iter_safetensors(folder: str):
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

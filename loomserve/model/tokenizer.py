@@ -1,0 +1,87 @@
+"""Tokenizer: a fast HF tokenizer plus the model's chat template and its set of stop tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# End-of-turn markers of common chat formats. A chat model ends its turn with one of these, not
+# with the tokenizer's eos (SmolLM2 and Qwen use <|im_end|>, Llama 3 <|eot_id|>), so any of them
+# that the chat template writes is also a stop token.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None,
+                 eos_token_ids: frozenset[int] | set[int] | tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.chat_template = chat_template
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        vocab = hf_tokenizer.get_vocab()
+        for tok in _TURN_END_TOKENS:
+            if chat_template and tok in chat_template and tok in vocab:
+                eos.add(vocab[tok])
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @classmethod
+    def from_folder(cls, folder: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            hf = AutoTokenizer.from_pretrained(folder)
+        except Exception:  # a tokenizer_class transformers can't resolve offline: tokenizer.json is enough
+            hf = PreTrainedTokenizerFast.from_pretrained(folder)
+        return cls(hf, _read_chat_template(folder) or getattr(hf, "chat_template", None), eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions API instead")
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.hf.bos_token or "", eos_token=self.hf.eos_token or "", **kwargs)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        # The environment HF chat templates are written for: trimmed blocks, loop controls, and a
+        # raise_exception() the template calls on bad input (surfaced as ValueError).
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        return env.from_string(self.chat_template)
+
+
+def _read_chat_template(folder: str) -> str | None:
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tmpl = json.load(f).get("chat_template")
+    if isinstance(tmpl, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in tmpl}
+        tmpl = named.get("default") or next(iter(named.values()), None)
+    return tmpl
