@@ -1,8 +1,26 @@
 """A client that goes away mid-request frees its request: no running request, no blocks held."""
 
+import time
+
 import httpx
+import pytest
 
 from tests.server.test_metrics import scrape
+
+
+@pytest.fixture
+def slow_engine(server, monkeypatch):
+    """Pace the real engine's steps (15 ms each) so a fast machine cannot finish the whole
+    generation before the client's disconnect is seen. The engine does not wait for its
+    consumer, so slowing the stream alone would not do."""
+    core = server.engine.core
+    step = core.step
+
+    def paced_step():
+        time.sleep(0.015)
+        return step()
+
+    monkeypatch.setattr(core, "step", paced_step)
 
 
 def _long_request(server, prompt="Tell me everything"):
@@ -11,7 +29,7 @@ def _long_request(server, prompt="Tell me everything"):
             "ignore_eos": True}
 
 
-def test_stream_disconnect_aborts_the_request(client, server):
+def test_stream_disconnect_aborts_the_request(client, server, slow_engine):
     server.wait_idle()
     body = _long_request(server)
     generated_before = scrape(server)["loomserve_generation_tokens_total"]
@@ -28,7 +46,7 @@ def test_stream_disconnect_aborts_the_request(client, server):
     assert generated < body["max_tokens"], "the request ran to the end instead of being aborted"
 
 
-def test_non_streaming_disconnect_aborts_the_request(server):
+def test_non_streaming_disconnect_aborts_the_request(server, slow_engine):
     server.wait_idle()
     body = _long_request(server, "Another long story")
     generated_before = scrape(server)["loomserve_generation_tokens_total"]
