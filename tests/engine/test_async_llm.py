@@ -46,7 +46,7 @@ def test_concurrent_streams_match_their_final_text(engine):
 
 
 def test_event_loop_stays_responsive_while_the_model_runs(engine):
-    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
         gen = asyncio.create_task(collect(engine, "a long generation", params))
@@ -62,7 +62,7 @@ def test_event_loop_stays_responsive_while_the_model_runs(engine):
 
 
 def test_closing_the_stream_aborts_and_frees_blocks(engine):
-    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
         stream = engine.generate("abandoned", params)

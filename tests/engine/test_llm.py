@@ -81,7 +81,7 @@ def test_different_cache_salts_never_share(llm):
 def test_long_prefill_threshold_lets_short_turns_through():
     llm = make_llm(max_num_batched_tokens=64, long_prefill_threshold=32)
     core, inputs = llm.core, llm.inputs
-    long_req = inputs.make_request("long", prompts(1, lo=400, hi=400)[0], GREEDY)
+    long_req = inputs.make_request("long", prompts(1, lo=200, hi=200)[0], GREEDY)
     short_req = inputs.make_request("short", [5, 6, 7], GREEDY)
     core.add_request(long_req)
     core.add_request(short_req)
