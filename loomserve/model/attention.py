@@ -41,9 +41,12 @@ class AttentionMetadata:
 
 
 def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
-                   block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+                   block_size: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> tuple[AttentionMetadata, torch.Tensor]:
     """decodes: (start_pos, block_table) per decode token, in batch order, before the prefills.
-    prefills: (start_pos, num_tokens, block_table) per chunk. Returns metadata and positions."""
+    prefills: (start_pos, num_tokens, block_table) per chunk. Returns metadata and positions.
+    Masks are additive (0 / -inf) in the model dtype: SDPA would otherwise convert a boolean
+    mask in every layer."""
     positions: list[int] = []
     for start_pos, _ in decodes:
         positions.append(start_pos)
@@ -65,7 +68,7 @@ def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[in
         meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
         key_pos = torch.arange(max_blocks * block_size)
         mask = key_pos[None, :] < torch.tensor(lens)[:, None]
-        meta.decode_mask = mask[:, None, None, :].to(device)
+        meta.decode_mask = _additive(mask[:, None, None, :], dtype, device)
     row = len(decodes)
     for start_pos, n, table in prefills:
         chunk = PrefillChunk(row, row + n, start_pos)
@@ -75,10 +78,15 @@ def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[in
             chunk.block_table = torch.tensor(table[:nblk], dtype=torch.long, device=device)
             q_pos = torch.arange(start_pos, ctx)
             mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            chunk.mask = mask[None, None].to(device)
+            chunk.mask = _additive(mask[None, None], dtype, device)
         meta.prefills.append(chunk)
         row += n
     return meta, pos_t.to(device)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, float("-inf")).to(device)
 
 
 def _slot_blocks(positions: list[int], tables: list[list[int]], counts: list[int],

@@ -21,6 +21,10 @@ from loomserve.model.sampler import Sampler
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if os.environ.get("LOOMSERVE_NUM_THREADS"):
+            # On a shared CPU host, fewer OpenMP threads than cores avoids spin-waiting on
+            # descheduled siblings, which can cost more than the parallelism gains.
+            torch.set_num_threads(int(os.environ["LOOMSERVE_NUM_THREADS"]))
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         loaded = load_model(config.model, self.dtype, self.device, config.resolved_cache_dir)
@@ -108,7 +112,7 @@ class ModelRunner:
         meta, positions = build_metadata(
             [(s.start_pos, s.block_ids[0]) for s in decodes],
             [(s.start_pos, len(s.token_ids), s.block_ids[0]) for s in prefills],
-            self.block_size, self.device)
+            self.block_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
         due = [s for s in seqs if s.sample]

@@ -64,3 +64,19 @@ def test_qwen2_bias_matches_hf(tmp_path):
     torch.testing.assert_close(got["q"], want[13], atol=1e-4, rtol=1e-4)
     out = r.execute(ModelInput([seq("q", [tokens[13]], 14, blocks.cover(table, 15), sample=False)]))
     assert out.sampled == {}
+
+
+def test_bfloat16_runner_tracks_fp32_reference():
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / "tiny-llama"), dtype=torch.float32).eval()
+    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-llama"), device="cpu", dtype="bfloat16",
+                                 block_size=4, kv_cache_memory="1MiB"))
+    assert r.kv_cache_config.groups[0].spec.dtype == torch.bfloat16
+    tokens = torch.randint(3, 400, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = ref_logits(ref, tokens)
+    blocks, table = Blocks(4), []
+    got = logits_of(r, [seq("b", tokens[:12], 0, blocks.cover(table, 12))])
+    torch.testing.assert_close(got["b"], want[11], atol=0.1, rtol=0.05)
+    got = logits_of(r, [seq("b", tokens[12:], 12, blocks.cover(table, 13))])
+    torch.testing.assert_close(got["b"], want[12], atol=0.1, rtol=0.05)
