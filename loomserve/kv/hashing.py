@@ -1,0 +1,166 @@
+"""Chained block hashes, incremental per request and per session.
+
+A block's key is H(parent key, its token ids, extra keys) with xxh3-128, a 16-byte `bytes`
+digest. The parent of block 0 is a fixed 16-byte root, tokens are packed as int32, so every
+field but the trailing extra keys has a fixed length and the encoding is unambiguous. The only
+extra key today is the request's `cache_salt`, mixed into block 0 only: chaining carries it into
+every later key, so requests with different salts (or salt vs. none) never share a block.
+
+`BlockHasher` extends `req.block_hashes` (which only it appends to) up to a number of full
+blocks, hashing only blocks not hashed yet (prompt blocks, then blocks filled by generated
+tokens). It also keeps a bounded LRU memo session_id -> (salt, token list, hash list) of the
+session's latest request: a new turn whose tokens start with the same tokens takes the previous
+chain for the unchanged blocks and hashes only its new suffix. The unchanged prefix is verified
+(list comparison, in C) before reuse, never assumed; on a mismatch only the blocks before the
+first differing block are reused.
+
+The memo holds references to the previous request's `all_token_ids` and `block_hashes`, not
+copies: both lists must be append-only (the KVRequest contract), and reuse reads only the part
+covered by the hashes present at reuse time.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+_digest = xxhash.xxh3_128_digest
+ROOT_HASH = b"\x00" * 16  # parent of block 0
+_SALT_TAG = b"\x01salt:"
+_VERIFY_CHUNK_BLOCKS = 256
+
+
+def salt_bytes(cache_salt: str | None) -> bytes:
+    return b"" if cache_salt is None else _SALT_TAG + cache_salt.encode()
+
+
+def pack_tokens(token_ids) -> bytes:
+    return array("i", token_ids).tobytes()
+
+
+def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
+    """Key of one block: H(parent or ROOT, int32 tokens, extra)."""
+    return _digest((parent or ROOT_HASH) + pack_tokens(token_ids) + extra)
+
+
+def hash_chain(token_ids, block_size: int, cache_salt: str | None = None,
+               parent: bytes | None = None, start_block: int = 0,
+               end_block: int | None = None, out: list[bytes] | None = None) -> list[bytes]:
+    """Keys of full blocks start_block..end_block-1 of token_ids, chained from `parent`
+    (the key of block start_block-1, None when start_block == 0). Appends to and returns `out`."""
+    if out is None:
+        out = []
+    if end_block is None:
+        end_block = len(token_ids) // block_size
+    if end_block <= start_block:
+        return out
+    buf = pack_tokens(token_ids[start_block * block_size:end_block * block_size])
+    nb = 4 * block_size
+    digest = _digest
+    append = out.append
+    off = 0
+    i = start_block
+    if i == 0:
+        parent = _digest(ROOT_HASH + buf[:nb] + salt_bytes(cache_salt))
+        append(parent)
+        off = nb
+        i = 1
+    end = (end_block - start_block) * nb
+    while off < end:
+        parent = digest(parent + buf[off:off + nb])
+        append(parent)
+        off += nb
+    return out
+
+
+def _common_full_blocks(a: list[int], b: list[int], num_blocks: int, block_size: int) -> int:
+    """Number of leading full blocks (at most num_blocks) where lists a and b hold the same
+    tokens. Every token of the blocks counted is compared."""
+    n = num_blocks * block_size
+    # Fast path, one slice: b is the previous request's whole token list (often a prefix of a).
+    lb = len(b)
+    if lb <= len(a) and lb - n < block_size:
+        if a[:lb] == b:
+            return num_blocks
+    elif a[:n] == b[:n]:
+        return num_blocks
+    # Find the first differing block: chunks first, then blocks inside the first bad chunk.
+    step = _VERIFY_CHUNK_BLOCKS * block_size
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo = hi
+    hi = min(n, lo + step)
+    while lo < hi:
+        if a[lo:lo + block_size] != b[lo:lo + block_size]:
+            break
+        lo += block_size
+    return lo // block_size
+
+
+class BlockHasher:
+    def __init__(self, block_size: int, max_sessions: int = 1024) -> None:
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, tuple[str | None, list[int], list[bytes]]] = OrderedDict()
+        # Counters for tests and benchmarks.
+        self.hashed_blocks = 0
+        self.reused_blocks = 0
+
+    def ensure(self, req, num_blocks: int | None = None) -> list[bytes]:
+        """Extend req.block_hashes to cover min(num_blocks, full blocks of all_token_ids)."""
+        tokens = req.all_token_ids
+        bs = self.block_size
+        full = len(tokens) // bs
+        if num_blocks is None or num_blocks > full:
+            num_blocks = full
+        hashes = req.block_hashes
+        have = len(hashes)
+        if have >= num_blocks:
+            return hashes
+        if have == 0 and req.session_id is not None:
+            have = self._reuse_session(req, num_blocks)
+            if have >= num_blocks:
+                return hashes
+        hash_chain(tokens, bs, req.cache_salt, hashes[-1] if have else None, have, num_blocks,
+                   hashes)
+        self.hashed_blocks += num_blocks - have
+        return hashes
+
+    def _reuse_session(self, req, num_blocks: int) -> int:
+        entry = self._sessions.get(req.session_id)
+        if entry is None:
+            return 0
+        salt, old_tokens, old_hashes = entry
+        if salt != req.cache_salt:
+            return 0
+        m = min(len(old_hashes), num_blocks)
+        if m == 0:
+            return 0
+        m = _common_full_blocks(req.all_token_ids, old_tokens, m, self.block_size)
+        if m:
+            req.block_hashes.extend(old_hashes[:m])
+            self.reused_blocks += m
+        return m
+
+    def remember(self, req) -> None:
+        """Make req the session's latest request (no-op without a session_id)."""
+        sid = req.session_id
+        if sid is None or not req.block_hashes:
+            return
+        sessions = self._sessions
+        sessions[sid] = (req.cache_salt, req.all_token_ids, req.block_hashes)
+        sessions.move_to_end(sid)
+        while len(sessions) > self.max_sessions:
+            sessions.popitem(last=False)
+
+    def end_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)

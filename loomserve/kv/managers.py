@@ -1,0 +1,158 @@
+"""Per-layer-type managers: the policy of one KV group over the shared pool.
+
+A manager owns, for one group, each request's block list; it decides how many blocks a request
+needs for a number of tokens, which cached blocks can serve a prefix hit, which blocks can be
+freed early and which get cached. New layer types (sliding window, linear/SSM state) plug in by
+subclassing SingleTypeKVManager and registering the spec kind in MANAGER_REGISTRY; the pool and
+the coordinator do not change.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+from loomserve.kv.pool import Block, BlockPool
+
+_ref_cnt = attrgetter("ref_cnt")
+
+
+def count_free(blocks: list[Block]) -> int:
+    """How many of blocks are unreferenced (in the free queue); the loop runs in C."""
+    return list(map(_ref_cnt, blocks)).count(0)
+from loomserve.kv.spec import KVCacheSpec
+
+
+class SingleTypeKVManager:
+    """Blocks of one KV group, per request.
+
+    Invariants (checked by the tests):
+    - req_blocks[rid][i] holds the KV of token positions [i*bs, (i+1)*bs) of request rid for
+      this group; req_block_ids[rid] is the list of their ids, same length, same order. Both
+      lists only grow until free(rid), and are the same objects for the request's lifetime.
+    - Every block in req_blocks[rid] holds exactly one reference for rid.
+    - num_cached[rid] = n means req_blocks[rid][:n] are cached under (or hold tokens identical
+      to the cached blocks of) req.block_hashes[:n], and no later block is cached by rid.
+    - free(rid) releases blocks tail first, so shared heads of prefixes are evicted last.
+    - A hit returned by find_longest_hit is a prefix of the request's blocks-to-be: hit[i]
+      holds the tokens of block i.
+    """
+
+    kind: str = ""
+    # True when any prefix of a hit is itself a hit (full attention), so the coordinator may
+    # truncate instead of asking again when another group lowers the hit length.
+    prefix_closed_hits: bool = False
+
+    def __init__(self, spec: KVCacheSpec, group_id: int, pool: BlockPool) -> None:
+        self.spec = spec
+        self.group_id = group_id
+        self.pool = pool
+        self.block_size = spec.block_size
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    # -- hits -----------------------------------------------------------------------------
+    def find_longest_hit(self, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
+        """Cached blocks serving the longest hit of at most max_blocks blocks."""
+        raise NotImplementedError
+
+    # -- allocation -----------------------------------------------------------------------
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                               hit_blocks: list[Block]) -> int:
+        """Free-queue blocks this group consumes to cover num_tokens positions after claiming
+        hit_blocks: new blocks plus hit blocks that are free (cached but unreferenced)."""
+        have = len(self.req_blocks.get(request_id, ())) + len(hit_blocks)
+        new = max(0, self.num_blocks_needed(num_tokens) - have)
+        if not hit_blocks:
+            return new
+        return new + count_free(hit_blocks)
+
+    def claim_hit(self, request_id: str, hit_blocks: list[Block]) -> None:
+        """Append hit blocks (one reference each) to the request's list; they are cached."""
+        blocks = self.req_blocks.setdefault(request_id, [])
+        ids = self.req_block_ids.setdefault(request_id, [])
+        if not hit_blocks:
+            self.num_cached.setdefault(request_id, 0)
+            return
+        if blocks:
+            raise ValueError(f"prefix hit for request {request_id} that already holds blocks")
+        self.pool.touch(hit_blocks)
+        blocks.extend(hit_blocks)
+        ids.extend([b.block_id for b in hit_blocks])
+        self.num_cached[request_id] = len(hit_blocks)
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> None:
+        blocks = self.req_blocks.setdefault(request_id, [])
+        ids = self.req_block_ids.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        n = self.num_blocks_needed(num_tokens) - len(blocks)
+        if n > 0:
+            new = self.pool.allocate(n)
+            blocks.extend(new)
+            ids.extend([b.block_id for b in new])
+
+    # -- caching --------------------------------------------------------------------------
+    def cache_full_blocks(self, request_id: str, num_full_blocks: int,
+                          block_hashes: list[bytes], token_ids: list[int]) -> None:
+        """Cache the request's blocks [num_cached, num_full_blocks) under their hashes."""
+        start = self.num_cached.get(request_id, 0)
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            return
+        end = min(num_full_blocks, len(blocks))
+        if end <= start:
+            return
+        bs = self.block_size
+        pool = self.pool
+        self.num_cached[request_id] = end
+        if not pool.hooks:
+            pool.cache_blocks(self.group_id, blocks[start:end], block_hashes[start:end])
+        else:
+            pool.cache_blocks(self.group_id, blocks[start:end], block_hashes[start:end],
+                              block_hashes[start - 1] if start else None,
+                              token_ids[start * bs:end * bs], bs)
+
+    # -- release --------------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        blocks = self.req_blocks.pop(request_id, None)
+        self.req_block_ids.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int] | None:
+        return self.req_block_ids.get(request_id)
+
+
+class FullAttentionManager(SingleTypeKVManager):
+    """Every token keeps its KV: blocks = ceil(tokens / bs); hits match left to right."""
+
+    kind = "full_attention"
+    prefix_closed_hits = True
+
+    def find_longest_hit(self, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
+        return self.pool.lookup_prefix(self.group_id, block_hashes, max_blocks)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+MANAGER_REGISTRY: dict[str, type[SingleTypeKVManager]] = {
+    FullAttentionManager.kind: FullAttentionManager,
+}
+
+
+def register_manager(cls: type[SingleTypeKVManager]) -> type[SingleTypeKVManager]:
+    MANAGER_REGISTRY[cls.kind] = cls
+    return cls
+
+
+def manager_for(spec: KVCacheSpec, group_id: int, pool: BlockPool) -> SingleTypeKVManager:
+    try:
+        cls = MANAGER_REGISTRY[spec.kind]
+    except KeyError:
+        raise NotImplementedError(f"no KV manager for layer kind {spec.kind!r}") from None
+    return cls(spec, group_id, pool)

@@ -1,0 +1,313 @@
+"""The block pool: uniform blocks, reference counts, one free/evictable queue, the hash map.
+
+Mechanism only: the pool knows nothing of attention types. Group ids appear only as a tag on
+cached hashes (one hash -> block dict per group, equivalent to keying one dict by
+(group, hash)); which blocks a request needs, hits and frees is decided by the managers.
+
+Free and evictable are one queue, an intrusive doubly linked list through the blocks'
+prev_free/next_free slots with head and tail sentinels: popleft, append, appendleft and
+remove-from-middle are O(1) and allocate nothing. A freed block keeps its hash and stays
+hittable until it is popped for reuse; then its hash is dropped and BlockRemoved emitted.
+Freed blocks without a hash go to the front (reused first), hashed ones to the back (LRU).
+
+Null block: with reserve_null_block=True, block 0 is set aside as a placeholder (for managers
+that must fill skipped positions, e.g. sliding window); it is never in the free queue, never
+hashed, never counted as free or in use. Full attention does not need it, so it is off by
+default and every block id 0..num_blocks-1 is usable.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHook
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.group_id = -1  # group whose hash map holds block_hash; -1 when unhashed
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks, LRU order (front = reused first)."""
+
+    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+        self.head = Block(-1)  # sentinels
+        self.tail = Block(-2)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> Block:
+        b = self.head.next_free
+        if b is self.tail:
+            raise IndexError("no free block")
+        n = b.next_free
+        self.head.next_free = n
+        n.prev_free = self.head
+        b.prev_free = b.next_free = None
+        self.num_free -= 1
+        return b
+
+    def append(self, b: Block) -> None:
+        t = self.tail
+        p = t.prev_free
+        p.next_free = b
+        b.prev_free = p
+        b.next_free = t
+        t.prev_free = b
+        self.num_free += 1
+
+    def appendleft(self, b: Block) -> None:
+        h = self.head
+        n = h.next_free
+        h.next_free = b
+        b.prev_free = h
+        b.next_free = n
+        n.prev_free = b
+        self.num_free += 1
+
+    def remove(self, b: Block) -> None:
+        p = b.prev_free
+        n = b.next_free
+        if p is None or n is None:
+            raise ValueError(f"{b} is not in the free queue")
+        p.next_free = n
+        n.prev_free = p
+        b.prev_free = b.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self) -> Iterator[Block]:
+        b = self.head.next_free
+        while b is not self.tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, num_groups: int = 1, enable_caching: bool = True,
+                 event_hooks: Iterable[EventHook] = (), reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError("pool needs at least one usable block")
+        self.num_blocks = num_blocks
+        self.num_groups = num_groups
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block: Block | None = None
+        usable = self.blocks
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            usable = self.blocks[1:]
+        self.num_usable = len(usable)
+        self.free_queue = FreeBlockQueue(usable)
+        # One hash -> block map per group: the group-tagged hash map.
+        self.cached: list[dict[bytes, Block]] = [{} for _ in range(num_groups)]
+        self.hooks: list[EventHook] = list(event_hooks)
+        # Bumped whenever a cached hash is dropped, so a hit computed earlier can be trusted
+        # without re-checking each block if nothing was dropped since.
+        self.eviction_epoch = 0
+
+    # -- events ---------------------------------------------------------------------------
+    def subscribe(self, fn: EventHook) -> None:
+        self.hooks.append(fn)
+
+    def _emit(self, event) -> None:
+        for fn in self.hooks:
+            fn(event)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable - self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable
+
+    def get_cached_block(self, group_id: int, block_hash: bytes) -> Block | None:
+        return self.cached[group_id].get(block_hash)
+
+    def lookup_prefix(self, group_id: int, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
+        """Cached blocks for the longest run of block_hashes[:max_blocks] from the left."""
+        if max_blocks <= 0:
+            return []
+        found = list(map(self.cached[group_id].get, block_hashes[:max_blocks]))
+        try:
+            del found[found.index(None):]
+        except ValueError:
+            pass
+        return found
+
+    # -- reference counting -----------------------------------------------------------------
+    def touch(self, blocks: list[Block]) -> None:
+        """Take one reference on each block (cache hits); free ones leave the free queue."""
+        q = self.free_queue
+        removed = 0
+        for b in blocks:
+            if b.ref_cnt == 0:
+                p = b.prev_free
+                n = b.next_free
+                p.next_free = n
+                n.prev_free = p
+                b.prev_free = b.next_free = None
+                removed += 1
+            b.ref_cnt += 1
+        q.num_free -= removed
+
+    def allocate(self, n: int) -> list[Block]:
+        """Pop n blocks from the front of the free queue, one reference each. Their old hashes
+        are dropped (BlockRemoved). Raises ValueError, changing nothing, if fewer are free."""
+        q = self.free_queue
+        if n > q.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {q.num_free} free")
+        out = []
+        append = out.append
+        head = q.head
+        b = head
+        dropped: dict[int, list[bytes]] | None = None
+        for _ in range(n):
+            b = b.next_free
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                g = b.group_id
+                cached = self.cached[g]
+                if cached.get(h) is b:
+                    del cached[h]
+                b.block_hash = None
+                b.group_id = -1
+                if self.hooks:
+                    if dropped is None:
+                        dropped = {}
+                    dropped.setdefault(g, []).append(h)
+                self.eviction_epoch += 1
+            append(b)
+        # Unlink the run [first .. b] from the front in one step.
+        nxt = b.next_free
+        head.next_free = nxt
+        nxt.prev_free = head
+        for b in out:
+            b.prev_free = b.next_free = None
+        q.num_free -= n
+        if dropped:
+            for g, hs in dropped.items():
+                self._emit(BlockRemoved(hs, g))
+        return out
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference per block, in the given order (pass a request's blocks reversed to
+        free tail first). Blocks reaching zero join the free queue: hashed at the back,
+        unhashed at the front. Freeing a block with no reference raises (double free)."""
+        q = self.free_queue
+        head = q.head
+        tail = q.tail
+        added = 0
+        for b in blocks:
+            c = b.ref_cnt - 1
+            if c > 0:
+                b.ref_cnt = c
+                continue
+            if c < 0:
+                q.num_free += added
+                raise AssertionError(f"double free of {b}")
+            b.ref_cnt = 0
+            if b.block_hash is None:
+                n = head.next_free
+                head.next_free = b
+                b.prev_free = head
+                b.next_free = n
+                n.prev_free = b
+            else:
+                p = tail.prev_free
+                p.next_free = b
+                b.prev_free = p
+                b.next_free = tail
+                tail.prev_free = b
+            added += 1
+        q.num_free += added
+
+    # -- caching --------------------------------------------------------------------------
+    def cache_blocks(self, group_id: int, blocks: list[Block], block_hashes: list[bytes],
+                     parent_hash: bytes | None = None, token_ids: list[int] | None = None,
+                     block_size: int = 0) -> None:
+        """Make blocks hittable under block_hashes (same length, chain order). A hash that
+        another block already holds keeps that block; this one stays unhashed (a duplicate,
+        reused first once freed). token_ids/block_size only feed the BlockStored event."""
+        if not self.enable_caching:
+            return
+        cached = self.cached[group_id]
+        setdefault = cached.setdefault
+        stored_all = True
+        for b, h in zip(blocks, block_hashes):
+            if b.block_hash is not None:
+                raise AssertionError(f"{b} is already cached")
+            if setdefault(h, b) is b:
+                b.block_hash = h
+                b.group_id = group_id
+            else:
+                stored_all = False
+        if self.hooks and blocks:
+            if stored_all:
+                self._emit(BlockStored(list(block_hashes), parent_hash,
+                                       list(token_ids) if token_ids is not None else [],
+                                       block_size, group_id))
+            else:
+                # Report only the runs actually stored, each with its own parent.
+                self._emit_stored_runs(group_id, blocks, block_hashes, parent_hash, token_ids,
+                                       block_size)
+
+    def _emit_stored_runs(self, group_id, blocks, block_hashes, parent_hash, token_ids,
+                          block_size) -> None:
+        run: list[int] = []
+        run_parent = parent_hash
+        prev = parent_hash
+        for i, (b, h) in enumerate(zip(blocks, block_hashes)):
+            if b.block_hash is h:
+                if not run:
+                    run_parent = prev
+                run.append(i)
+            elif run:
+                self._emit_run(group_id, run, block_hashes, run_parent, token_ids, block_size)
+                run = []
+            prev = h
+        if run:
+            self._emit_run(group_id, run, block_hashes, run_parent, token_ids, block_size)
+
+    def _emit_run(self, group_id, run, block_hashes, parent, token_ids, block_size) -> None:
+        lo, hi = run[0], run[-1] + 1
+        toks = list(token_ids[lo * block_size:hi * block_size]) if token_ids is not None else []
+        self._emit(BlockStored(block_hashes[lo:hi], parent, toks, block_size, group_id))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only allowed when no block is in use."""
+        if self.num_used_blocks:
+            return False
+        for cached in self.cached:
+            for b in cached.values():
+                b.block_hash = None
+                b.group_id = -1
+            cached.clear()
+        self.eviction_epoch += 1
+        if self.hooks:
+            self._emit(AllBlocksCleared())
+        return True
