@@ -13,7 +13,7 @@ import torch
 from loomserve.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig, parse_memory
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-from loomserve.model.attention import build_metadata
+from loomserve.model.attention import GatherWorkspace, build_metadata
 from loomserve.model.loader import load_model
 from loomserve.model.sampler import Sampler
 
@@ -45,6 +45,7 @@ class ModelRunner:
         self.kv_cache_config = self._kv_cache_config()
         self.kv_buffer = self._allocate_kv()
         self.sampler = Sampler(self.device, config.seed)
+        self.workspace = GatherWorkspace()
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class ModelRunner:
             [(s.start_pos, s.block_ids[0]) for s in decodes],
             [(s.start_pos, len(s.token_ids), s.block_ids[0]) for s in prefills],
             self.block_size, self.device, self.dtype)
+        meta.workspace = self.workspace
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta)
         due = [s for s in seqs if s.sample]
