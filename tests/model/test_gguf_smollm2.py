@@ -73,3 +73,15 @@ def test_greedy_matches_hf_generate(smol_runner):
             hf = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert mine == hf, (tok.decode(mine), tok.decode(hf))
+
+
+def test_restart_reuses_converted_folder(smol_runner, monkeypatch):
+    from loomserve.model import gguf_loader
+    from loomserve.model.default import default_model_path
+
+    def no_conversion(*_):
+        raise AssertionError("a restart must not dequantize again")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", no_conversion)
+    folder = gguf_loader.cached_conversion(default_model_path(), smol_runner.config.resolved_cache_dir)
+    assert folder == smol_runner.model_folder
