@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from loomserve.batch import ModelInput, ModelOutput, ScheduledSeq
@@ -76,7 +77,12 @@ class ModelRunner:
     def _allocate_kv(self) -> torch.Tensor:
         """One backing buffer of packed pages; every layer gets strided K and V views into it."""
         kc, mc = self.kv_cache_config, self.model_config
-        buf = torch.zeros(kc.num_blocks, kc.page_bytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cpu":
+            # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
+            # with the pages actually used instead of the whole budget at start.
+            buf = torch.from_numpy(np.zeros((kc.num_blocks, kc.page_bytes), dtype=np.uint8))
+        else:
+            buf = torch.zeros(kc.num_blocks, kc.page_bytes, dtype=torch.uint8, device=self.device)
         pages = buf.view(self.dtype).view(kc.num_blocks, mc.num_layers, 2, self.block_size,
                                           mc.num_kv_heads, mc.head_dim)
         for i, layer in enumerate(self.model.model.layers):
