@@ -8,7 +8,8 @@ Python list (as a server re-tokenizing the chat would produce). Per turn we time
   create the request (vLLM hashes its prompt blocks in Request.__init__) + get_computed_blocks
   + allocate_slots for the whole uncached prompt + append 1 generated token and allocate_slots
   for it (decode) + free at the end of the turn.
-Building the token list is not timed. The session is repeated --reps times on a fresh manager;
+Building the token list is not timed. A second loomserve row runs without session_id, so
+every turn rehashes its whole prompt (what the session memo saves). The session is repeated --reps times on a fresh manager;
 per turn we take the median over repetitions, then report the median over all turns and over
 the last 8 turns (120K-128K tokens).
 
@@ -58,17 +59,50 @@ def make_session(seed: int, turns: int = TURNS, total: int = TOTAL):
     return lengths, tokens
 
 
-def _summarize(per_turn_reps: list[list[float]]) -> dict:
-    per_turn = [statistics.median(col) for col in zip(*per_turn_reps)]
+def _summarize(reps: list[tuple[list[float], list[tuple]]]) -> dict:
+    """reps: per repetition, (per-turn totals, per-turn phase tuples)."""
+    per_turn = [statistics.median(col) for col in zip(*(r[0] for r in reps))]
+    names = ("hash_lookup", "allocate_prompt", "decode_1", "free")
+    last = [[statistics.median(r[1][t][i] for r in reps) for t in range(TURNS - 8, TURNS)]
+            for i in range(4)]
     return {
         "median_ms_all_turns": statistics.median(per_turn) * 1e3,
         "median_ms_last8_turns": statistics.median(per_turn[-8:]) * 1e3,
+        "last8_phase_median_ms": {n: statistics.median(v) * 1e3 for n, v in zip(names, last)},
         "per_turn_ms": [t * 1e3 for t in per_turn],
     }
 
 
+def _drive(lengths, tokens, new_request, lookup, allocate, append_token, free):
+    """One session on a fresh manager: per-turn total seconds and phase split."""
+    times, phases = [], []
+    for t, plen in enumerate(lengths):
+        prompt = tokens[:plen].tolist()
+        nxt = int(tokens[plen])
+        t0 = time.perf_counter()
+        req = new_request(t, prompt)
+        hit, n_hit = lookup(req)
+        t1 = time.perf_counter()
+        if not allocate(req, plen - n_hit, hit, n_hit):
+            raise RuntimeError("pool too small")
+        req.num_computed_tokens = plen
+        t2 = time.perf_counter()
+        append_token(req, nxt)
+        if not allocate(req, 1, None, 0):
+            raise RuntimeError("pool too small")
+        req.num_computed_tokens += 1
+        t3 = time.perf_counter()
+        free(req)
+        t4 = time.perf_counter()
+        if t:  # the whole previous turn (prompt + generated token) must hit, block aligned
+            assert n_hit == (lengths[t - 1] + 1) // BLOCK_SIZE * BLOCK_SIZE, (t, n_hit)
+        times.append(t4 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+    return times, phases
+
+
 # -- loomserve ----------------------------------------------------------------------------
-def run_loomserve(seed: int, reps: int) -> dict:
+def loomserve_rep(seed: int, rep: int, session: bool = True):
     sys.path.insert(0, ROOT)
     from dataclasses import dataclass, field
 
@@ -90,44 +124,18 @@ def run_loomserve(seed: int, reps: int) -> dict:
     lengths, tokens = make_session(seed)
     spec = FullAttentionSpec(BLOCK_SIZE, 8, 128, torch.bfloat16)
     num_blocks = TOTAL // BLOCK_SIZE + 512
-    totals, phases = [], []
-    for rep in range(reps):
-        kv = KVCacheManager(KVCacheConfig(num_blocks, (KVCacheGroup(spec, (0,)),)))
-        times, ph = [], []
-        for t, plen in enumerate(lengths):
-            prompt = tokens[:plen].tolist()
-            nxt = int(tokens[plen])
-            t0 = time.perf_counter()
-            req = Req(f"s-{rep}-{t}", prompt, plen, session_id="agent")
-            hit, n_hit = kv.get_computed_blocks(req)
-            t1 = time.perf_counter()
-            if not kv.allocate_slots(req, plen - n_hit, hit, n_hit):
-                raise RuntimeError("pool too small")
-            req.num_computed_tokens = plen
-            t2 = time.perf_counter()
-            req.all_token_ids.append(nxt)
-            if not kv.allocate_slots(req, 1):
-                raise RuntimeError("pool too small")
-            req.num_computed_tokens += 1
-            t3 = time.perf_counter()
-            kv.free(req)
-            t4 = time.perf_counter()
-            if t:
-                assert n_hit >= (lengths[t - 1] + 1) // BLOCK_SIZE * BLOCK_SIZE, (t, n_hit)
-            times.append(t4 - t0)
-            ph.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-        totals.append(times)
-        phases.append(ph)
-    out = _summarize(totals)
-    names = ("hash_lookup", "allocate_prompt", "decode_1", "free")
-    last = [[statistics.median(r[t][i] for r in phases) for t in range(TURNS - 8, TURNS)]
-            for i in range(4)]
-    out["last8_phase_median_ms"] = {n: statistics.median(v) * 1e3 for n, v in zip(names, last)}
-    return out
+    kv = KVCacheManager(KVCacheConfig(num_blocks, (KVCacheGroup(spec, (0,)),)))
+    sid = "agent" if session else None
+    return _drive(lengths, tokens,
+                  lambda t, prompt: Req(f"s-{rep}-{t}", prompt, len(prompt), session_id=sid),
+                  kv.get_computed_blocks,
+                  lambda req, n, hit, n_hit: kv.allocate_slots(req, n, hit, n_hit),
+                  lambda req, tok: req.all_token_ids.append(tok),
+                  kv.free)
 
 
 # -- vLLM (run inside the peer venv) ------------------------------------------------------
-def run_vllm(seed: int, reps: int, hash_algo: str) -> dict:
+def vllm_rep(seed: int, rep: int, hash_algo: str):
     import logging
 
     logging.disable(logging.WARNING)
@@ -136,8 +144,7 @@ def run_vllm(seed: int, reps: int, hash_algo: str) -> dict:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, KVCacheTensor)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
     lengths, tokens = make_session(seed)
@@ -148,58 +155,58 @@ def run_vllm(seed: int, reps: int, hash_algo: str) -> dict:
                              dtype=torch.bfloat16)
     num_blocks = TOTAL // BLOCK_SIZE + 512
     sp = SamplingParams(max_tokens=1)
-    totals, phases = [], []
-    for rep in range(reps):
-        cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-        kv = KVCacheManager(cfg, max_model_len=TOTAL + 1024, scheduler_block_size=BLOCK_SIZE,
-                            hash_block_size=BLOCK_SIZE, enable_caching=True)
-        times, ph = [], []
-        for t, plen in enumerate(lengths):
-            prompt = tokens[:plen].tolist()
-            nxt = int(tokens[plen])
-            t0 = time.perf_counter()
-            req = Request(f"s-{rep}-{t}", prompt, sp, None, block_hasher=hasher,
-                          session_id="agent")
-            blocks, n_hit = kv.get_computed_blocks(req)[:2]
-            t1 = time.perf_counter()
-            if kv.allocate_slots(req, plen - n_hit, n_hit, blocks) is None:
-                raise RuntimeError("pool too small")
-            req.num_computed_tokens = plen
-            t2 = time.perf_counter()
-            req.append_output_token_ids(nxt)
-            if kv.allocate_slots(req, 1) is None:
-                raise RuntimeError("pool too small")
-            req.num_computed_tokens += 1
-            t3 = time.perf_counter()
-            kv.free(req)
-            t4 = time.perf_counter()
-            if t:
-                assert n_hit >= (lengths[t - 1] + 1) // BLOCK_SIZE * BLOCK_SIZE, (t, n_hit)
-            times.append(t4 - t0)
-            ph.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-        totals.append(times)
-        phases.append(ph)
-    out = _summarize(totals)
-    names = ("hash_lookup", "allocate_prompt", "decode_1", "free")
-    last = [[statistics.median(r[t][i] for r in phases) for t in range(TURNS - 8, TURNS)]
-            for i in range(4)]
-    out["last8_phase_median_ms"] = {n: statistics.median(v) * 1e3 for n, v in zip(names, last)}
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    kv = KVCacheManager(cfg, max_model_len=TOTAL + 1024, scheduler_block_size=BLOCK_SIZE,
+                        hash_block_size=BLOCK_SIZE, enable_caching=True)
+
+    def allocate(req, n, blocks, n_hit):
+        if blocks is None:
+            return kv.allocate_slots(req, n) is not None
+        return kv.allocate_slots(req, n, n_hit, blocks) is not None
+
+    return _drive(lengths, tokens,
+                  lambda t, prompt: Request(f"s-{rep}-{t}", prompt, sp, None,
+                                            block_hasher=hasher, session_id="agent"),
+                  lambda req: kv.get_computed_blocks(req)[:2],
+                  allocate,
+                  lambda req, tok: req.append_output_token_ids(tok),
+                  kv.free)
+
+
+def vllm_driver(seed: int) -> None:
+    """Peer-venv side: one line in (hash algo, rep), one JSON line out."""
     import vllm
-    out["version"] = vllm.__version__
-    out["hash_algo"] = hash_algo
-    return out
+
+    print(json.dumps({"version": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        algo, rep = line.split()
+        times, phases = vllm_rep(seed, int(rep), algo)
+        print(json.dumps({"times": times, "phases": phases}), flush=True)
 
 
-def vllm_subprocess(seed: int, reps: int, hash_algo: str) -> dict:
-    if not os.path.exists(VLLM_PY):
-        return {"error": f"{VLLM_PY} missing: run benchmarks/peers/vllm_env.sh"}
-    proc = subprocess.run([VLLM_PY, os.path.abspath(__file__), "--driver", "vllm", "--seed",
-                           str(seed), "--reps", str(reps), "--hash-algo", hash_algo],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        return {"error": proc.stderr[-3000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class VllmPeer:
+    def __init__(self, seed: int) -> None:
+        self.proc = subprocess.Popen(
+            [VLLM_PY, os.path.abspath(__file__), "--driver", "vllm", "--seed", str(seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.version = self._read()["version"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(self.proc.stderr.read()[-3000:])
+        return json.loads(line)
+
+    def rep(self, algo: str, rep: int):
+        self.proc.stdin.write(f"{algo} {rep}\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        return r["times"], r["phases"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -209,11 +216,10 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-hash-algos", default="sha256,xxhash")
     ap.add_argument("--driver", choices=["vllm"], help=argparse.SUPPRESS)
-    ap.add_argument("--hash-algo", default="sha256", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kv_manager_cost.json"))
     args = ap.parse_args()
     if args.driver == "vllm":
-        print(json.dumps(run_vllm(args.seed, args.reps, args.hash_algo)))
+        vllm_driver(args.seed)
         return
 
     lengths, _ = make_session(args.seed)
@@ -221,11 +227,34 @@ def main() -> None:
                             "block_size": BLOCK_SIZE, "seed": args.seed, "reps": args.reps,
                             "new_tokens_per_turn_min_max": [
                                 min(b - a for a, b in zip([-1] + lengths, lengths)),
-                                max(b - a for a, b in zip([-1] + lengths, lengths))]},
-               "loomserve": run_loomserve(args.seed, args.reps)}
-    if not args.no_vllm:
-        for algo in args.vllm_hash_algos.split(","):
-            results[f"vllm_{algo}"] = vllm_subprocess(args.seed, args.reps, algo)
+                                max(b - a for a, b in zip([-1] + lengths, lengths))]}}
+    algos = [] if args.no_vllm else args.vllm_hash_algos.split(",")
+    peer = None
+    if algos:
+        try:
+            if not os.path.exists(VLLM_PY):
+                raise RuntimeError(f"{VLLM_PY} missing: run benchmarks/peers/vllm_env.sh")
+            peer = VllmPeer(args.seed)
+        except Exception as e:  # noqa: BLE001 - report, keep the loomserve side
+            for algo in algos:
+                results[f"vllm_{algo}"] = {"error": str(e)}
+            algos = []
+    # Repetitions are interleaved (loomserve, loomserve without session, each vLLM variant)
+    # so drift in a shared machine's load hits every row alike.
+    runs: dict[str, list] = {"loomserve": [], "loomserve_nosess": []}
+    runs.update({f"vllm_{a}": [] for a in algos})
+    for rep in range(args.reps):
+        runs["loomserve"].append(loomserve_rep(args.seed, rep))
+        # Without a session id every turn rehashes its whole prompt (xxh3-128).
+        runs["loomserve_nosess"].append(loomserve_rep(args.seed, rep, session=False))
+        for a in algos:
+            runs[f"vllm_{a}"].append(peer.rep(a, rep))
+    if peer is not None:
+        peer.close()
+    for name, reps in runs.items():
+        results[name] = _summarize(reps)
+        if name.startswith("vllm_"):
+            results[name].update(version=peer.version, hash_algo=name[5:])
 
     print(f"{'manager':<16}{'median/turn ms':>16}{'last 8 (128K) ms':>18}{'ratio@128K':>12}")
     ours = results["loomserve"]["median_ms_last8_turns"]
@@ -233,7 +262,7 @@ def main() -> None:
         if name == "workload":
             continue
         if "error" in r:
-            print(f"{name:<16} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            print(f"{name:<16} failed: {(r['error'].strip().splitlines() or ['?'])[-1]}")
             continue
         ratio = r["median_ms_last8_turns"] / ours
         r["ratio_vs_loomserve_at_128k"] = ratio

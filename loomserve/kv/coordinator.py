@@ -98,15 +98,24 @@ class KVCacheCoordinator:
         if hit is not None and num_hit_blocks > 0:
             if num_hit_blocks > hit.num_blocks:
                 raise ValueError("num_hit_tokens exceeds the hit")
+            if request_id in self._ids:
+                raise ValueError(f"prefix hit for request {request_id} that already holds blocks")
             self._validate(hit, block_hashes)
             hit_blocks = [blocks[:num_hit_blocks] for blocks in hit.blocks]
         else:
             hit_blocks = None
-        need = 0
-        for g, mgr in enumerate(managers):
-            need += mgr.num_blocks_to_allocate(request_id, num_tokens,
-                                               hit_blocks[g] if hit_blocks else [])
-        if need > self.pool.num_free_blocks:
+        free = self.pool.num_free_blocks
+        # Cheap upper bound first (every hit block counted as free); scan hits only if needed.
+        for exact in (False, True):
+            need = 0
+            for g, mgr in enumerate(managers):
+                need += mgr.num_blocks_to_allocate(request_id, num_tokens,
+                                                   hit_blocks[g] if hit_blocks else [], exact)
+            if need <= free:
+                break
+            if hit_blocks is None:
+                return False
+        else:
             return False
         if hit_blocks is not None:
             for g, mgr in enumerate(managers):

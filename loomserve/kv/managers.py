@@ -14,6 +14,7 @@ from operator import attrgetter
 from loomserve.kv.pool import Block, BlockPool
 
 _ref_cnt = attrgetter("ref_cnt")
+_block_id = attrgetter("block_id")
 
 
 def count_free(blocks: list[Block]) -> int:
@@ -61,14 +62,15 @@ class SingleTypeKVManager:
         raise NotImplementedError
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                               hit_blocks: list[Block]) -> int:
+                               hit_blocks: list[Block], exact: bool = True) -> int:
         """Free-queue blocks this group consumes to cover num_tokens positions after claiming
-        hit_blocks: new blocks plus hit blocks that are free (cached but unreferenced)."""
+        hit_blocks: new blocks plus hit blocks that are free (cached but unreferenced).
+        With exact=False, an upper bound that counts every hit block as free (no scan)."""
         have = len(self.req_blocks.get(request_id, ())) + len(hit_blocks)
         new = max(0, self.num_blocks_needed(num_tokens) - have)
         if not hit_blocks:
             return new
-        return new + count_free(hit_blocks)
+        return new + (count_free(hit_blocks) if exact else len(hit_blocks))
 
     def claim_hit(self, request_id: str, hit_blocks: list[Block]) -> None:
         """Append hit blocks (one reference each) to the request's list; they are cached."""
@@ -81,7 +83,7 @@ class SingleTypeKVManager:
             raise ValueError(f"prefix hit for request {request_id} that already holds blocks")
         self.pool.touch(hit_blocks)
         blocks.extend(hit_blocks)
-        ids.extend([b.block_id for b in hit_blocks])
+        ids.extend(map(_block_id, hit_blocks))
         self.num_cached[request_id] = len(hit_blocks)
 
     def allocate_new(self, request_id: str, num_tokens: int) -> None:
@@ -92,7 +94,7 @@ class SingleTypeKVManager:
         if n > 0:
             new = self.pool.allocate(n)
             blocks.extend(new)
-            ids.extend([b.block_id for b in new])
+            ids.extend(map(_block_id, new))
 
     # -- caching --------------------------------------------------------------------------
     def cache_full_blocks(self, request_id: str, num_full_blocks: int,

@@ -18,6 +18,7 @@ default and every block id 0..num_blocks-1 is usable.
 
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Iterable, Iterator
 
 from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHook
@@ -37,6 +38,9 @@ class Block:
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
         return f"Block({self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+_is_block = bool  # blocks are always truthy, a dict miss (None) is not
 
 
 class FreeBlockQueue:
@@ -151,12 +155,7 @@ class BlockPool:
         """Cached blocks for the longest run of block_hashes[:max_blocks] from the left."""
         if max_blocks <= 0:
             return []
-        found = list(map(self.cached[group_id].get, block_hashes[:max_blocks]))
-        try:
-            del found[found.index(None):]
-        except ValueError:
-            pass
-        return found
+        return list(takewhile(_is_block, map(self.cached[group_id].get, block_hashes[:max_blocks])))
 
     # -- reference counting -----------------------------------------------------------------
     def touch(self, blocks: list[Block]) -> None:

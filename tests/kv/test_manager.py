@@ -197,3 +197,17 @@ def test_two_groups_all_or_nothing():
     assert kv.num_free_blocks == 4
     assert kv.allocate_slots(a, 8)
     assert kv.num_free_blocks == 0
+
+
+def test_hit_for_request_holding_blocks_rejected_without_change():
+    kv = KVCacheManager(make_config(12, 4, num_groups=2))
+    a = Req("a", list(range(9)))
+    run_prompt(kv, a)
+    b = Req("b", list(range(9)))
+    hit, n = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 1)  # b now holds blocks without using the hit
+    free = kv.num_free_blocks
+    with pytest.raises(ValueError):
+        kv.allocate_slots(b, 1, hit, n)
+    assert kv.num_free_blocks == free and all(
+        blk.ref_cnt == 1 for blk in kv.pool.blocks if blk.block_id in kv.get_block_ids("a")[0])
