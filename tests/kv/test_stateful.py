@@ -7,7 +7,7 @@ requesting prompt's prefix, block by block.
 
 import random
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -61,9 +61,11 @@ class KVMachine(RuleBasedStateMachine):
         """Prefix lookup + allocation for a request holding no blocks."""
         hit, n_hit = self.kv.get_computed_blocks(req)
         self._check_hit(req, hit, n_hit)
+        event("prefix hit" if n_hit else "no prefix hit")
         free_before = self.kv.num_free_blocks
         n_new = min(chunk, len(req.all_token_ids) - n_hit)
         if not self.kv.allocate_slots(req, n_new, hit, n_hit):
+            event("allocation refused")
             assert self.kv.num_free_blocks == free_before
             assert self.kv.get_block_ids(req.request_id) == [[]] * self.num_groups
             return False
@@ -119,6 +121,7 @@ class KVMachine(RuleBasedStateMachine):
             req.num_computed_tokens += n
             self._record(req, old, 0)
         else:  # preempt by recompute
+            event("preempted on full pool")
             self.kv.free(req)
             req.num_computed_tokens = 0
             self.waiting[rid] = self.running.pop(rid)
@@ -188,7 +191,7 @@ class TwoGroupKVMachine(KVMachine):
     num_blocks = 40
 
 
-_settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+_settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
                      suppress_health_check=list(HealthCheck))
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = _settings
