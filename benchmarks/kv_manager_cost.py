@@ -1,7 +1,8 @@
 """Per-turn CPU cost of the KV cache manager in a long agent session: loomserve vs vLLM v1.
 
 Workload: one agent session of 64 turns whose prompt grows to 128K tokens (131072), each turn
-adding 1K-4K new tokens (seeded random draws, rescaled so they sum to 128K); block size 16 and
+adding 1K-4K new tokens (seeded draws from 1K + 3K * Beta(1, 2), mean 2K, rescaled to sum
+to 128K); block size 16 and
 enough blocks to hold the whole session. Each turn is a new request (session_id set) whose
 prompt is the previous prompt, the token generated last turn and the new tokens, as a fresh
 Python list (as a server re-tokenizing the chat would produce). Per turn we time:
@@ -46,9 +47,19 @@ TURNS = 64
 def make_session(seed: int, turns: int = TURNS, total: int = TOTAL):
     """Prompt length per turn (cumulative) and the session's token ids."""
     rng = np.random.default_rng(seed)
-    inc = rng.integers(1024, 4097, turns).astype(np.float64)
-    inc = np.clip(np.round(inc * (total - turns) / inc.sum()), 1024, 4096).astype(np.int64)
-    inc[-1] += (total - turns) - inc.sum()  # one generated token per turn completes the total
+    lo, hi = 1024, 4096
+    target = total - turns  # one generated token per turn completes the total
+    # 1K + 3K * Beta(1, 2): spans 1K-4K with mean 2K, so 64 turns reach ~128K; then the
+    # excesses over 1K are rescaled (clipped at 4K) to hit 128K exactly.
+    x = lo + (hi - lo) * rng.beta(1.0, 2.0, turns)
+    for _ in range(20):
+        x = np.minimum(hi, lo + (x - lo) * (target - turns * lo) / (x.sum() - turns * lo))
+    inc = np.floor(x).astype(np.int64)
+    for i in np.argsort(inc):  # hand out the rounding remainder, 1 token each
+        if inc.sum() == target:
+            break
+        inc[i] += inc[i] < hi
+    assert inc.sum() == target and inc.min() >= lo and inc.max() <= hi
     lengths = []
     p = 0
     for i in range(turns):
@@ -225,9 +236,10 @@ def main() -> None:
     lengths, _ = make_session(args.seed)
     results = {"workload": {"turns": TURNS, "final_prompt_tokens": lengths[-1] + 1,
                             "block_size": BLOCK_SIZE, "seed": args.seed, "reps": args.reps,
+                            # new prompt tokens per turn (after the generated token)
                             "new_tokens_per_turn_min_max": [
-                                min(b - a for a, b in zip([-1] + lengths, lengths)),
-                                max(b - a for a, b in zip([-1] + lengths, lengths))]}}
+                                min(b - a - 1 for a, b in zip([-1] + lengths, lengths)),
+                                max(b - a - 1 for a, b in zip([-1] + lengths, lengths))]}}
     algos = [] if args.no_vllm else args.vllm_hash_algos.split(",")
     peer = None
     if algos:
