@@ -103,10 +103,16 @@ def _common_full_blocks(a: list[int], b: list[int], num_blocks: int, block_size:
 
 
 class BlockHasher:
-    def __init__(self, block_size: int, max_sessions: int = 1024) -> None:
+    def __init__(self, block_size: int, max_sessions: int = 1024,
+                 max_memo_tokens: int = 4_000_000) -> None:
         self.block_size = block_size
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, tuple[str | None, list[int], list[bytes]]] = OrderedDict()
+        # The memo keeps finished requests' token lists alive (~36 bytes per token as Python
+        # ints), so it is bounded by total tokens as well as by sessions (LRU on both).
+        self.max_memo_tokens = max_memo_tokens
+        self._memo_tokens = 0
+        self._sessions: OrderedDict[str, tuple[str | None, list[int], list[bytes], int]] = (
+            OrderedDict())
         # Counters for tests and benchmarks.
         self.hashed_blocks = 0
         self.reused_blocks = 0
@@ -135,7 +141,7 @@ class BlockHasher:
         entry = self._sessions.get(req.session_id)
         if entry is None:
             return 0
-        salt, old_tokens, old_hashes = entry
+        salt, old_tokens, old_hashes, _ = entry
         if salt != req.cache_salt:
             return 0
         m = min(len(old_hashes), num_blocks)
@@ -153,13 +159,21 @@ class BlockHasher:
         if sid is None or not req.block_hashes:
             return
         sessions = self._sessions
-        sessions[sid] = (req.cache_salt, req.all_token_ids, req.block_hashes)
+        old = sessions.get(sid)
+        if old is not None:
+            self._memo_tokens -= old[3]
+        n = len(req.all_token_ids)
+        sessions[sid] = (req.cache_salt, req.all_token_ids, req.block_hashes, n)
+        self._memo_tokens += n
         sessions.move_to_end(sid)
-        while len(sessions) > self.max_sessions:
-            sessions.popitem(last=False)
+        while len(sessions) > self.max_sessions or (
+                self._memo_tokens > self.max_memo_tokens and len(sessions) > 1):
+            self._memo_tokens -= sessions.popitem(last=False)[1][3]
 
     def end_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        old = self._sessions.pop(session_id, None)
+        if old is not None:
+            self._memo_tokens -= old[3]
 
     @property
     def num_sessions(self) -> int:

@@ -105,3 +105,15 @@ def test_session_memo_bounded_and_end_session():
     h.end_session("b")
     h.end_session("zz")
     assert h.num_sessions == 1
+
+
+def test_session_memo_bounded_by_tokens():
+    h = BlockHasher(4, max_sessions=10, max_memo_tokens=20)
+    for s in "abc":
+        r = Req(s, toks(8), session_id=s)
+        h.ensure(r)
+        h.remember(r)
+    assert h.num_sessions == 2  # 24 tokens > 20: the oldest session went
+    h.end_session("c")
+    h.end_session("b")
+    assert h.num_sessions == 0 and h._memo_tokens == 0
