@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="An LLM serving engine for agentic traffic.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(sub)
+    from loomserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
