@@ -1,0 +1,231 @@
+"""Reports over replay results: the summary table, `loomserve bench compare`, and PNG plots.
+
+`loomserve bench compare A.json B.json [C.json ...] [--json] [--plots DIR]` sets runs side by
+side with ratios against the first run (B/A). With --plots it also draws the Pareto view
+(interactivity vs TPGS, one point per run, labelled by concurrency) and the TTFT CDFs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# (label, path into the result, format, higher is better?)
+ROWS = [
+    ("concurrency", ("config", "concurrency"), "{:.0f}", None),
+    ("scale (tokens/block)", ("config", "scale"), "{:.0f}", None),
+    ("time scale", ("config", "time_scale"), "{:g}", None),
+    ("prompt mode", ("server", "mode"), "{}", None),
+    ("window s", ("metrics", "window_s"), "{:.1f}", None),
+    ("requests ok", ("metrics", "requests", "ok"), "{:.0f}", True),
+    ("errors", ("metrics", "requests", "errors"), "{:.0f}", False),
+    ("truncated", ("metrics", "requests", "truncated"), "{:.0f}", None),
+    ("TPGS tok/s/device", ("metrics", "tpgs"), "{:.1f}", True),
+    ("output tok/s", ("metrics", "output_tps"), "{:.1f}", True),
+    ("interactivity (E2E) tok/s", ("metrics", "interactivity"), "{:.2f}", True),
+    ("interactivity (ITL p90) tok/s", ("metrics", "interactivity_itl_p90"), "{:.2f}", True),
+    ("TTFT p50 s", ("metrics", "ttft_s", "p50"), "{:.4f}", False),
+    ("TTFT p90 s", ("metrics", "ttft_s", "p90"), "{:.4f}", False),
+    ("TTFT p99 s", ("metrics", "ttft_s", "p99"), "{:.4f}", False),
+    ("ITL p50 s", ("metrics", "itl_s", "p50"), "{:.4f}", False),
+    ("ITL p90 s", ("metrics", "itl_s", "p90"), "{:.4f}", False),
+    ("ITL p99 s", ("metrics", "itl_s", "p99"), "{:.4f}", False),
+    ("E2E p50 s", ("metrics", "e2e_s", "p50"), "{:.3f}", False),
+    ("E2E p90 s", ("metrics", "e2e_s", "p90"), "{:.3f}", False),
+    ("E2E p99 s", ("metrics", "e2e_s", "p99"), "{:.3f}", False),
+    ("hit rate served", ("metrics", "hit_rate", "served"), "{:.2%}", True),
+    ("hit rate theoretical", ("metrics", "hit_rate", "theoretical"), "{:.2%}", None),
+    ("prompt tokens", ("metrics", "tokens", "prompt"), "{:.0f}", None),
+    ("output tokens", ("metrics", "tokens", "output"), "{:.0f}", None),
+    ("tokens per $", ("metrics", "cost", "tokens_per_usd"), "{:.4g}", True),
+    ("served $", ("metrics", "cost", "served_usd"), "{:.4g}", False),
+    ("API-equivalent $", ("metrics", "cost", "api_equivalent_usd"), "{:.4g}", None),
+    ("API / served cost", ("metrics", "cost", "api_to_served_ratio"), "{:.3g}", True),
+]
+
+
+def get(obj, path):
+    for k in path:
+        if not isinstance(obj, dict) or k not in obj:
+            return None
+        obj = obj[k]
+    return obj
+
+
+def _fmt(fmt: str, v) -> str:
+    if v is None:
+        return "-"
+    try:
+        return fmt.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def summary_table(result: dict) -> str:
+    m = result.get("metrics", {})
+    lines = [f"agentx replay: {get(result, ('config', 'model'))} @ "
+             f"{get(result, ('config', 'endpoint'))}" + ("  (INTERRUPTED, partial)"
+                                                          if result.get("interrupted") else "")]
+    width = max(len(r[0]) for r in ROWS)
+    for label, path, fmt, _ in ROWS:
+        lines.append(f"  {label:<{width}}  {_fmt(fmt, get(result, path))}")
+    errs = m.get("errors_by_kind") or {}
+    if errs:
+        lines.append("  errors by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(errs.items())))
+    for note in get(result, ("server", "notes")) or []:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def compare(results: list[dict], labels: list[str] | None = None) -> dict:
+    labels = labels or [f"run{i}" for i in range(len(results))]
+    rows = []
+    for label, path, fmt, better in ROWS:
+        vals = [get(r, path) for r in results]
+        base = vals[0]
+        ratios = []
+        for v in vals[1:]:
+            ok = isinstance(v, (int, float)) and isinstance(base, (int, float)) and base
+            ratios.append(v / base if ok and not isinstance(v, bool) else None)
+        rows.append({"metric": label, "key": ".".join(path), "values": vals, "ratios": ratios,
+                     "higher_is_better": better})
+    return {"command": "compare", "labels": labels, "rows": rows}
+
+
+def compare_table(cmp: dict) -> str:
+    labels = cmp["labels"]
+    fmts = {label: fmt for label, _, fmt, _ in ROWS}
+    head = ["metric", *labels] + [f"{lb}/{labels[0]}" for lb in labels[1:]]
+    body = []
+    for row in cmp["rows"]:
+        fmt = fmts.get(row["metric"], "{}")
+        body.append([row["metric"], *(_fmt(fmt, v) for v in row["values"]),
+                     *(_fmt("{:.3f}", r) for r in row["ratios"])])
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    out = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                     for i, (c, w) in enumerate(zip(line, widths))) for line in [head, *body]]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- plots
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(result: dict, fallback: str) -> str:
+    c = get(result, ("config", "concurrency"))
+    return f"{fallback} (c={c})" if c is not None else fallback
+
+
+def plot_pareto(results: list[dict], path: str, labels: list[str] | None = None) -> str:
+    """Interactivity (y) vs TPGS (x), one point per run; runs sharing a label prefix joined."""
+    plt = _plt()
+    labels = labels or [f"run{i}" for i in range(len(results))]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    pts = []
+    for r, lb in zip(results, labels):
+        x, y = get(r, ("metrics", "tpgs")), get(r, ("metrics", "interactivity"))
+        if x is None or y is None:
+            continue
+        pts.append((x, y, lb, get(r, ("config", "concurrency"))))
+    pts.sort()
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+        for x, y, lb, c in pts:
+            ax.annotate(f"{lb}" + (f" c={c}" if c is not None else ""), (x, y), fontsize=8,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("TPGS (tokens/s/device)")
+    ax.set_ylabel("interactivity (1 / P90 E2E per output token), tok/s")
+    ax.set_title("AgentX: interactivity vs throughput")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_cdf(results: list[dict], path: str, labels: list[str] | None = None) -> str:
+    plt = _plt()
+    labels = labels or [f"run{i}" for i in range(len(results))]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for r, lb in zip(results, labels):
+        cdf = get(r, ("metrics", "ttft_cdf")) or []
+        if cdf:
+            ax.plot([p[0] for p in cdf], [p[1] for p in cdf], label=_label(r, lb))
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_hit_rate(result: dict, path: str) -> str:
+    plt = _plt()
+    tl = get(result, ("metrics", "timeline")) or []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    t = [b["t"] for b in tl]
+    ax.plot(t, [b["served_hit_rate"] for b in tl], ".-", label="served")
+    ax.plot(t, [b["theoretical_hit_rate"] for b in tl], "--", label="theoretical (infinite cache)")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("time since first measured request (s)")
+    ax.set_ylabel("prefix-cache hit rate")
+    ax.set_title("hit rate over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_run_plots(result: dict, folder: str) -> list[str]:
+    os.makedirs(folder, exist_ok=True)
+    return [plot_hit_rate(result, os.path.join(folder, "hit_rate_over_time.png")),
+            plot_ttft_cdf([result], os.path.join(folder, "ttft_cdf.png"), ["run"]),
+            plot_pareto([result], os.path.join(folder, "pareto.png"), ["run"])]
+
+
+# ---------------------------------------------------------------------------- CLI (compare)
+
+def add_arguments(p) -> None:
+    p.add_argument("results", nargs="+", help="replay result JSON files (A B [C ...])")
+    p.add_argument("--labels", nargs="+", default=None, help="names for the runs")
+    p.add_argument("--plots", default=None,
+                   help="write pareto.png (interactivity vs TPGS) and ttft_cdf.png here")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+
+
+def main(args) -> int:
+    if len(args.results) < 2 and not args.plots:
+        print("compare needs at least two result files", file=sys.stderr)
+        return 2
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    labels = args.labels or [os.path.splitext(os.path.basename(p))[0] for p in args.results]
+    if len(labels) != len(results):
+        print("--labels needs one name per result", file=sys.stderr)
+        return 2
+    cmp = compare(results, labels)
+    print(compare_table(cmp), file=sys.stderr if args.json else sys.stdout)
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+        for p in (plot_pareto(results, os.path.join(args.plots, "pareto.png"), labels),
+                  plot_ttft_cdf(results, os.path.join(args.plots, "ttft_cdf.png"), labels)):
+            print(f"wrote {p}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(cmp))
+    return 0
