@@ -211,19 +211,23 @@ class Pacer:
                 e = heapq.heappop(heap)
                 if not e[2].done():
                     e[2].set_result(True)
+                    # the released agent is about to send: restart the idle window, so the
+                    # next timer is not pulled in before that request is in flight
+                    self.idle_since = max(self.idle_since, now)
             if not heap:
                 await self._wake.wait()
                 continue
-            earliest = heap[0][0]
+            target = earliest = heap[0][0]
             if self.inflight == 0:
-                limit = max(self.idle_since + self.pull_in_s, now)
-                if earliest > limit:
-                    shift = earliest - limit
+                limit = self.idle_since + self.pull_in_s
+                if now >= limit:  # idle for pull_in_s: pull every timer in by the same amount
+                    shift = earliest - now
                     for e in heap:  # a uniform shift keeps the heap order
                         e[0] -= shift
                     self.pulled_in_s += shift
-                    earliest = limit
-            sleeper = asyncio.ensure_future(self.clock.sleep(earliest - now))
+                    continue
+                target = min(earliest, limit)
+            sleeper = asyncio.ensure_future(self.clock.sleep(target - now))
             waker = asyncio.ensure_future(self._wake.wait())
             try:
                 await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
