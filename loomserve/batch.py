@@ -12,6 +12,23 @@ from loomserve.sampling_params import SamplingParams
 
 
 @dataclass
+class StateDirective:
+    """Where one request's recurrent state (a linear/SSM-state group) lives and moves this step.
+
+    The live state sits in page `running_block` and is updated in place as tokens are computed.
+    Before the chunk: `init_from` copies a kept checkpoint page into it (a prefix hit), or
+    `zero_init` clears it (a sequence starting at position 0); neither = continue from it.
+    `saves` lists (n, page): once the state has consumed the first n tokens of the sequence
+    (start_pos < n <= start_pos + len(token_ids), n block aligned), copy it into `page`. That is
+    how checkpoints are taken inside a chunk without splitting the batch."""
+
+    running_block: int
+    init_from: int | None = None
+    zero_init: bool = False
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
 class ScheduledSeq:
     """One request's share of a step.
 
@@ -33,6 +50,8 @@ class ScheduledSeq:
     sampling: SamplingParams
     # Generated tokens so far; the runner uses len() to derive per-token seeds.
     num_output_tokens: int = 0
+    # Linear/SSM-state groups only: group index -> what to do with the request's state.
+    states: dict[int, StateDirective] = field(default_factory=dict)
 
 
 @dataclass

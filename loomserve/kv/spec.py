@@ -9,6 +9,7 @@ holds K and V of every layer of the group, [layers, 2, block_size, kv_heads, hea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,40 @@ class FullAttentionSpec(KVCacheSpec):
     def bytes_per_block_per_layer(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Attention over the last `sliding_window` positions only (query at p sees p-window+1..p).
+
+    Blocks wholly before the window can go back to the pool; a prefix hit at p needs the blocks
+    covering [p - window, p) to be cached."""
+
+    sliding_window: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"
+
+
+@dataclass(frozen=True)
+class LinearStateSpec(KVCacheSpec):
+    """A fixed-size recurrent state per request (Gated DeltaNet, Mamba2): conv + recurrent tensors.
+
+    One page holds one whole state of every layer of the group, whatever block_size is: the state
+    does not grow with tokens. block_size here is only the hit granularity (checkpoints are taken
+    at block boundaries, so prefix hits stay as fine-grained as attention's)."""
+
+    state_shapes: tuple[tuple[int, ...], ...] = ()  # one layer's state tensors, e.g. (conv, ssm)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def kind(self) -> str:
+        return "linear_state"
+
+    def bytes_per_block_per_layer(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(s) for s in self.state_shapes) * elem
 
 
 @dataclass(frozen=True)
