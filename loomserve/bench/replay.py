@@ -259,7 +259,7 @@ class Replayer:
                  scale_output: bool = False, warmup: bool = True, seed: int | None = None,
                  mode: str = "ids", pull_in_s: float = 10.0, drain_timeout_s: float = 60.0,
                  error_backoff_s: float = 1.0, run_nonce: str | None = None,
-                 on_record=None) -> None:
+                 on_record=None, text_ratio: float = 1.0) -> None:
         self.sessions = [s for s in sessions if s.main]
         if not self.sessions:
             raise ValueError("no trace with a main-agent request to replay")
@@ -280,6 +280,7 @@ class Replayer:
         self.error_backoff_s = error_backoff_s
         self.nonce = run_nonce or os.urandom(4).hex()
         self.on_record = on_record
+        self.text_ratio = text_ratio
         self.pacer = Pacer(clock, pull_in_s)
         self.records: list[RequestRecord] = []
         self.stopping = False
@@ -454,6 +455,8 @@ class Replayer:
             return None
         max_tokens = self.max_tokens_for(req, ctx.block_size)
         cap = self.max_context - max_tokens if self.max_context else None
+        if cap is not None and self.mode == "text" and self.text_ratio > 1:
+            cap = max(1, int(cap / self.text_ratio))  # words that tokenize to several tokens
         agent = sub_agent or "main"
         prompt = self.builder.build(ctx.scope, ctx.id, req.hash_ids, req.in_tokens,
                                     ctx.block_size, cap, pad_key=f"{agent}:{turn}")
@@ -590,7 +593,7 @@ async def probe_server(transport: Transport, model: str | None, vocab_size: int 
             raise RuntimeError(f"the server does not accept token-id prompts: {msg[:300]}")
         info.notes.append(f"token-id prompts rejected ({msg[:120]}); using text")
     info.mode = "text"
-    n = 64
+    n = 16
     lo, hi = token_id_range(info.vocab_size)
     ids = list(range(lo, lo + n))
     body = {"prompt": ids_to_text(ids), "max_tokens": 1, "stream": False}
@@ -604,8 +607,8 @@ async def probe_server(transport: Transport, model: str | None, vocab_size: int 
         info.text_token_ratio = pt / n
         info.text_stable = abs(pt - n) <= 2
         if not info.text_stable:
-            info.notes.append(f"text prompts tokenize to {pt} tokens per {n} words: "
-                              "token counts and sharing are approximate")
+            info.notes.append(f"text prompts tokenize to {pt} tokens per {n} words: token "
+                              "counts are approximate (the context cap is divided by the ratio)")
     return info
 
 
@@ -684,7 +687,7 @@ async def run_replay(args, sessions, transport: Transport | None = None) -> dict
             concurrency=args.concurrency, duration=args.duration, time_scale=args.time_scale,
             max_context=max_context, max_output=max_output, scale_output=args.scale_output,
             warmup=args.warmup, seed=args.seed, mode=info.mode, pull_in_s=args.pull_in,
-            drain_timeout_s=args.drain_timeout)
+            drain_timeout_s=args.drain_timeout, text_ratio=info.text_token_ratio or 1.0)
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(signal.SIGINT, replayer.interrupt)
