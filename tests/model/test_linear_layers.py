@@ -1,0 +1,213 @@
+"""Gated DeltaNet and Mamba2 kernels and state plumbing, plus `Harness`, the small stand-in for the
+runner that the hybrid-model tests use: one packed pool of uniform pages, per-layer views into it,
+AttentionMetadata from attention.build_metadata and a StateBatch per step, built the way the
+runner does (decode rows first; state pages copied/zeroed whole before the step)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from loomserve.kv.spec import FullAttentionSpec, LinearStateSpec
+from loomserve.model.attention import build_metadata
+from loomserve.model.gated_deltanet import (causal_conv, chunk_gated_delta_rule, l2norm,
+                                            recurrent_gated_delta_step, segments)
+from loomserve.model.mamba2 import ssd_chunked, ssd_step
+from loomserve.model.state import StateBatch, StateSeq
+from tests.model.conftest import FIXTURES
+
+
+# --- harness ---------------------------------------------------------------------------------------
+
+def load_fixture(name: str, model_cls, config_cls):
+    from loomserve.model.loader import _iter_safetensors
+
+    with open(FIXTURES / name / "config.json") as f:
+        cfg = config_cls.from_hf(json.load(f))
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_weights(_iter_safetensors(str(FIXTURES / name)))
+    model.init_rotary(cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    table: list[int] = field(default_factory=list)  # attention blocks
+    state_page: int = -1
+    done: int = 0  # tokens computed
+
+
+@dataclass
+class Chunk:
+    req: Req
+    n: int
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    init_from: int | None = None
+
+
+class Harness:
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 96) -> None:
+        from loomserve.model.qwen3_next import layer_groups
+
+        self.model, self.block_size = model, block_size
+        specs = model.kv_cache_specs(block_size, torch.float32)
+        self.groups = layer_groups(specs)
+        self.group_spec = {g: s for g, s in zip(self.groups, specs)}
+        members = {g: [i for i, x in enumerate(self.groups) if x == g] for g in self.group_spec}
+        page_bytes = max(s.bytes_per_block_per_layer() * len(members[g]) for g, s in self.group_spec.items())
+        self.buf = torch.zeros(num_blocks, page_bytes // 4, dtype=torch.float32)
+        self.next_block = 0
+        layers = model.model.layers
+        for g, spec in self.group_spec.items():
+            for slot, i in enumerate(members[g]):
+                base = slot * spec.bytes_per_block_per_layer() // 4
+                if isinstance(spec, FullAttentionSpec):
+                    shape = (block_size, spec.num_kv_heads, spec.head_dim)
+                    size = math.prod(shape)
+                    attn = _attn_module(layers[i])
+                    attn.k_cache = self._view(base, shape)
+                    attn.v_cache = self._view(base + size, shape)
+                else:
+                    views, off = [], base
+                    for shape in spec.state_shapes:
+                        views.append(self._view(off, shape))
+                        off += math.prod(shape)
+                    _state_module(layers[i]).state_cache = tuple(views)
+        self.attn_groups = [g for g, s in self.group_spec.items() if isinstance(s, FullAttentionSpec)]
+        self.state_groups = [g for g, s in self.group_spec.items() if isinstance(s, LinearStateSpec)]
+
+    def _view(self, off: int, shape) -> torch.Tensor:
+        return self.buf[:, off:off + math.prod(shape)].view(self.buf.shape[0], *shape)
+
+    def alloc(self) -> int:
+        self.next_block += 1
+        return self.next_block - 1
+
+    def new(self, tokens: list[int]) -> Req:
+        return Req(list(tokens), state_page=self.alloc())
+
+    @torch.inference_mode()
+    def step(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One forward; returns the logits of each chunk's last token, in the order given."""
+        order = [c for c in chunks if c.n == 1] + [c for c in chunks if c.n > 1]
+        ids, decodes, prefills, seqs, last = [], [], [], [], {}
+        for c in order:
+            r, start = c.req, c.req.done
+            while len(r.table) * self.block_size < start + c.n:
+                r.table.append(self.alloc())
+            if c.init_from is not None:
+                self.buf[r.state_page] = self.buf[c.init_from]
+            elif start == 0:
+                self.buf[r.state_page].zero_()
+            seqs.append(StateSeq(len(ids), len(ids) + c.n, start, r.state_page, list(c.saves)))
+            ids.extend(r.tokens[start:start + c.n])
+            last[id(c)] = len(ids) - 1
+            (decodes.append((start, r.table)) if c.n == 1 else prefills.append((start, c.n, r.table)))
+        meta, positions = build_metadata(decodes, prefills, self.block_size, torch.device("cpu"))
+        sb = StateBatch(seqs)
+        hidden = self.model(torch.tensor(ids), positions, {g: meta for g in self.attn_groups},
+                            {g: sb for g in self.state_groups})
+        for c in order:
+            c.req.done += c.n
+        rows = torch.tensor([last[id(c)] for c in chunks])
+        return list(self.model.compute_logits(hidden[rows]).float())
+
+    def state_page(self, page: int) -> torch.Tensor:
+        return self.buf[page].clone()
+
+
+def _attn_module(layer):
+    for name in ("self_attn", "mixer"):
+        m = getattr(layer, name, None)
+        if m is not None and hasattr(m, "k_cache"):
+            return m
+    raise AttributeError("no attention module")
+
+
+def _state_module(layer):
+    for name in ("linear_attn", "mixer"):
+        m = getattr(layer, name, None)
+        if m is not None and hasattr(m, "state_cache"):
+            return m
+    raise AttributeError("no state module")
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+def test_chunked_gated_delta_rule_matches_recurrence_and_hf():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    n, h, dk, dv = 150, 4, 16, 8  # three chunks, the last one partial
+    q, k = torch.randn(n, h, dk, generator=g), torch.randn(n, h, dk, generator=g)
+    v = torch.randn(n, h, dv, generator=g)
+    gl, beta = -3 * torch.rand(n, h, generator=g), torch.rand(n, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g)
+    qn, kn = l2norm(q) * dk ** -0.5, l2norm(k)
+    o, s = chunk_gated_delta_rule(qn, kn, v, gl, beta, s0)
+    ref, ref_s = torch_chunk_gated_delta_rule(q[None], k[None], v[None], gl[None], beta[None], initial_state=s0[None],
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, ref_s[0], atol=1e-5, rtol=1e-5)
+    st, outs = s0[None], []
+    for t in range(n):
+        ot, st = recurrent_gated_delta_step(qn[t:t + 1], kn[t:t + 1], v[t:t + 1], gl[t:t + 1], beta[t:t + 1], st)
+        outs.append(ot)
+    torch.testing.assert_close(torch.cat(outs), o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st[0], s, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_chunked_matches_recurrence_and_hf():
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    g = torch.Generator().manual_seed(1)
+    n, h, p, ns, groups = 150, 4, 8, 16, 2
+    x, raw = torch.randn(n, h, p, generator=g), torch.randn(n, h, generator=g)
+    bias, a = torch.rand(h, generator=g), -3 * torch.rand(h, generator=g)
+    b, c = torch.randn(n, groups, ns, generator=g), torch.randn(n, groups, ns, generator=g)
+    s0 = torch.randn(h, p, ns, generator=g)
+    ref, ref_s = mamba2_chunk_scan(x[None], raw[None], a, b[None], c[None], chunk_size=32, dt_bias=bias,
+                                   initial_states=s0[None], dt_softplus=True, return_final_states=True)
+    dt = F.softplus(raw + bias)
+    be, ce = b.repeat_interleave(2, 1), c.repeat_interleave(2, 1)
+    y, s = ssd_chunked(x, dt, a, be, ce, s0)
+    scale = ref.abs().max()
+    torch.testing.assert_close(y / scale, ref[0] / scale, atol=2e-6, rtol=0)
+    torch.testing.assert_close(s, ref_s[0], atol=1e-5, rtol=1e-5)
+    st, outs = s0[None], []
+    for t in range(n):
+        o, st = ssd_step(x[t:t + 1], dt[t:t + 1], a, be[t:t + 1], ce[t:t + 1], st)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs) / scale, y / scale, atol=2e-6, rtol=0)
+    torch.testing.assert_close(st[0], s, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_cut_at_saves():
+    s = StateSeq(10, 30, 4, 0, saves=[(16, 7), (8, 5), (24, 9), (24, 3)])
+    assert segments(s) == [(0, 4, [5]), (4, 12, [7]), (12, 20, [3, 9])]
+    assert segments(StateSeq(0, 8, 0, 0, saves=[(8, 2)])) == [(0, 8, [2])]
+    assert segments(StateSeq(0, 5, 3, 0)) == [(0, 5, [])]
+
+
+def test_causal_conv_carries_window_and_saves():
+    g = torch.Generator().manual_seed(2)
+    ch, kern, n = 6, 4, 11
+    x, w, b = torch.randn(n, ch, generator=g), torch.randn(ch, kern, generator=g), torch.randn(ch, generator=g)
+    want = F.silu(F.conv1d(x.t()[None], w[:, None], b, padding=kern - 1, groups=ch)[0, :, :n]).t()
+    cache = torch.zeros(8, ch, kern - 1)
+    # 7 tokens as a prefill with a save after 4, then 4 single-token decode steps.
+    first = StateSeq(0, 7, 0, 1, saves=[(4, 2)])
+    out = causal_conv(x[:7], StateBatch([first]), cache, w, b, [], [first])
+    torch.testing.assert_close(out, want[:7])
+    torch.testing.assert_close(cache[2], x[1:4].t())
+    for t in range(7, n):
+        d = StateSeq(0, 1, t, 1)
+        out = causal_conv(x[t:t + 1], StateBatch([d]), cache, w, b, [d], [])
+        torch.testing.assert_close(out, want[t:t + 1])
