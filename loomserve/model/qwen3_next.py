@@ -231,14 +231,17 @@ class Qwen3NextModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def layer_groups(specs: list[KVCacheSpec]) -> list[int]:
-    """Group id per layer: distinct specs numbered in order of first appearance."""
+def layer_groups(specs: list[KVCacheSpec | None]) -> list[int | None]:
+    """Group id per layer: distinct specs numbered in order of first appearance (None: a layer
+    that keeps no cache, such as an MLP-only block)."""
     ids: dict[KVCacheSpec, int] = {}
-    return [ids.setdefault(s, len(ids)) for s in specs]
+    return [None if s is None else ids.setdefault(s, len(ids)) for s in specs]
 
 
 def pick(by_group: Any, group: int) -> Any:
     """The object of `group` from a per-group mapping (None if the group has none), or the object."""
+    if group is None:
+        return None
     if isinstance(by_group, dict):
         return by_group.get(group)
     if isinstance(by_group, (list, tuple)):

@@ -59,7 +59,7 @@ class Harness:
         self.model, self.block_size = model, block_size
         specs = model.kv_cache_specs(block_size, torch.float32)
         self.groups = layer_groups(specs)
-        self.group_spec = {g: s for g, s in zip(self.groups, specs)}
+        self.group_spec = {g: s for g, s in zip(self.groups, specs) if s is not None}
         members = {g: [i for i, x in enumerate(self.groups) if x == g] for g in self.group_spec}
         page_bytes = max(s.bytes_per_block_per_layer() * len(members[g]) for g, s in self.group_spec.items())
         self.buf = torch.zeros(num_blocks, page_bytes // 4, dtype=torch.float32)
