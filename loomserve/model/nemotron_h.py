@@ -176,6 +176,8 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
+    config_class = NemotronHConfig
+
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
         self.config = cfg

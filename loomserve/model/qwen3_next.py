@@ -9,11 +9,9 @@ attention). Details that differ from the Llama family, all checked against trans
   scaled by sigmoid(shared_expert_gate(x)); layers in mlp_only_layers (or off the
   decoder_sparse_step grid, or num_experts == 0) use a dense SwiGLU.
 
-Forward contract (the runner's): model(input_ids, positions, attn_meta, state_batch) on the
-flattened batch, decode rows first. Full-attention layers read `attn_meta`, linear layers
-`state_batch`; either may be a single object or a mapping from KV group id to object, where
-group ids number the distinct specs of `kv_cache_specs` in order of first appearance (override
-with `set_layer_groups`).
+Runner contract: loomserve/model/registry.py. Full-attention layers read their group's entry of
+`attn_meta`, linear layers their group's `state_batch`; until the runner calls
+`set_layer_groups`, group ids are derived from `kv_cache_specs` in the runner's order.
 """
 
 from __future__ import annotations
@@ -232,10 +230,13 @@ class Qwen3NextModel(nn.Module):
 
 
 def layer_groups(specs: list[KVCacheSpec | None]) -> list[int | None]:
-    """Group id per layer: distinct specs numbered in order of first appearance (None: a layer
-    that keeps no cache, such as an MLP-only block)."""
-    ids: dict[KVCacheSpec, int] = {}
-    return [None if s is None else ids.setdefault(s, len(ids)) for s in specs]
+    """Group id per layer in the runner's order (registry.py): full attention groups first, then
+    sliding window, then linear state; within a kind by first layer; equal specs share a group.
+    None for a layer that keeps no cache (an MLP-only block)."""
+    rank = {"full_attention": 0, "sliding_window": 1, "linear_state": 2}
+    distinct = list(dict.fromkeys(s for s in specs if s is not None))
+    ids = {s: i for i, s in enumerate(sorted(distinct, key=lambda s: (rank[s.kind], specs.index(s))))}
+    return [None if s is None else ids[s] for s in specs]
 
 
 def pick(by_group: Any, group: int) -> Any:
@@ -254,6 +255,8 @@ _SWIGLU = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    config_class = Qwen3NextConfig
+
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -211,3 +211,86 @@ def test_causal_conv_carries_window_and_saves():
         d = StateSeq(0, 1, t, 1)
         out = causal_conv(x[t:t + 1], StateBatch([d]), cache, w, b, [d], [])
         torch.testing.assert_close(out, want[t:t + 1])
+
+
+# --- scenarios shared by the hybrid-model tests (tests/model/test_*_vs_hf.py) ----------------------
+
+ATOL = 1e-4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(ref, toks: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([toks])).logits[0].float()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+def scenario_prefill_then_decode(model, ref) -> None:
+    h, full = Harness(model), tokens(29, 0)
+    want = hf_logits(ref, full)
+    r = h.new(full)
+    close(h.step([Chunk(r, 23)])[0], want[22])
+    for pos in range(23, 29):  # decode steps crossing block boundaries
+        close(h.step([Chunk(r, 1)])[0], want[pos])
+
+
+def scenario_chunked_prefill(model, ref) -> None:
+    """150 tokens in one step (chunks of 64 and a partial one), and in three steps whose edges fall
+    inside blocks and inside 64-token chunks, the state carried in the running page."""
+    h, full = Harness(model, num_blocks=128), tokens(150, 1)
+    want = hf_logits(ref, full)
+    close(h.step([Chunk(h.new(full), 150)])[0], want[149])
+    r, end = h.new(full), 0
+    for n in (57, 50, 43):
+        end += n
+        close(h.step([Chunk(r, n)])[0], want[end - 1])
+
+
+def scenario_mixed_batch(model, ref) -> None:
+    h = Harness(model)
+    a, b, c = tokens(20, 2), tokens(21, 3), tokens(12, 4)
+    wa, wb, wc = hf_logits(ref, a), hf_logits(ref, b), hf_logits(ref, c)
+    ra, rb, rc = h.new(a), h.new(b), h.new(c)
+    got = h.step([Chunk(rb, 17), Chunk(rc, 9)])
+    close(got[0], wb[16])
+    close(got[1], wc[8])
+    got = h.step([Chunk(ra, 11), Chunk(rb, 1), Chunk(rc, 1)])  # a prefills while b and c decode
+    close(got[0], wa[10])
+    close(got[1], wb[17])
+    close(got[2], wc[9])
+    got = h.step([Chunk(rb, 1), Chunk(ra, 9), Chunk(rc, 1)])
+    close(got[0], wb[18])
+    close(got[1], wa[19])
+    close(got[2], wc[10])
+
+
+def scenario_saves_and_prefix_hit(model, ref) -> None:
+    """A prefill saves its state at 8, 16 and 24 tokens; each save equals the state of a fresh
+    sequence run to that point; B reuses A's first 16 tokens (state from the save page, attention
+    blocks from A's table) and gets HF's logits for its own continuation."""
+    h = Harness(model, num_blocks=128)
+    a = tokens(26, 5)
+    b = a[:16] + tokens(14, 6)
+    wb = hf_logits(ref, b)
+    saves = {n: h.alloc() for n in (8, 16, 24)}
+    ra = h.new(a)
+    h.step([Chunk(ra, 26, saves=[(n, p) for n, p in saves.items()])])
+    for n, page in saves.items():
+        fresh = h.new(a[:n])
+        h.step([Chunk(fresh, n)])
+        torch.testing.assert_close(h.state_page(page), h.state_page(fresh.state_page), atol=1e-5, rtol=1e-5)
+    rb = h.new(b)
+    rb.table, rb.done = list(ra.table[:4]), 16
+    close(h.step([Chunk(rb, 14, init_from=saves[16])])[0], wb[29])
+    # A save taken by a decode step (the state after token 16 of a fresh 15-token prefill).
+    rc = h.new(b[:17])
+    h.step([Chunk(rc, 15)])
+    page = h.alloc()
+    close(h.step([Chunk(rc, 1, saves=[(16, page)])])[0], wb[15])
+    torch.testing.assert_close(h.state_page(page), h.state_page(saves[16]), atol=1e-5, rtol=1e-5)
