@@ -47,6 +47,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the runner, reported once
         self.num_preemptions = 0
+        # Hybrid models only: per-step state directives ride along with each seq.
+        self._states = kv.state_directives if getattr(kv, "has_state_groups", False) else None
 
     # -- queue management ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -116,7 +118,7 @@ class Scheduler:
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
         out.scheduled.append((req, n))
-        out.model_input.seqs.append(ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:start + n],
             start_pos=start,
@@ -124,7 +126,10 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             sampling=req.sampling,
             num_output_tokens=req.num_output_tokens,
-        ))
+        )
+        if self._states is not None:
+            seq.states = self._states(req)
+        out.model_input.seqs.append(seq)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

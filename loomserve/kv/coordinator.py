@@ -2,12 +2,20 @@
 
 Hit length is a fixed point: start from the cap (prompt length - 1, in whole blocks), let each
 group find its longest hit no longer than the current length (each may lower it), and repeat
-until a full pass over the groups lowers nothing. Full attention alone converges in one pass;
-groups whose hits are not prefix-closed (sliding window, state checkpoints) need the loop.
+until a full pass over the groups lowers nothing. Full attention matches leading cached
+blocks, sliding window needs the window before the boundary cached, linear/SSM state needs a
+checkpoint exactly at the boundary. Full attention alone converges in one pass; groups whose
+hits are not prefix-closed (sliding window, state checkpoints) are asked again when another
+group lowers the length. The attention groups' own first answer is kept on the hit
+(`attn_blocks`): where it exceeds the agreed length, a prefix is reused without a checkpoint
+(the Marconi retention signal).
 
-Allocation is all or nothing: count the free-queue blocks every group needs (new blocks plus
-hit blocks that are free, since claiming those takes them out of the free queue), compare with
-the free count, then claim every group's hits, then allocate new blocks.
+Allocation is all or nothing: per-step bookkeeping first (sliding windows free blocks that left
+the window; state groups release the checkpoint their previous step copied and hash that
+step's saves; both are owed whatever happens next), then count the free-queue blocks every
+group needs (new blocks, state saves, plus hit blocks that are free, since claiming those takes
+them out of the free queue), compare with the free count, then claim every group's hits, then
+allocate. Pure-attention configs skip the per-step calls entirely.
 """
 
 from __future__ import annotations
@@ -22,24 +30,30 @@ class StaleHitError(RuntimeError):
 
 
 class KVHit:
-    """Opaque handle from get_computed_blocks: per-group hit blocks and the lookup epoch."""
+    """Opaque handle from get_computed_blocks: per-group hit blocks and the lookup epoch.
 
-    __slots__ = ("blocks", "num_blocks", "epoch")
+    blocks[g] has num_blocks entries; for sliding groups the ones before the window are the
+    null block, for state groups only the last (the checkpoint) is a block, the rest None."""
 
-    def __init__(self, blocks: tuple[list[Block], ...], num_blocks: int, epoch: int) -> None:
+    __slots__ = ("blocks", "num_blocks", "epoch", "attn_blocks")
+
+    def __init__(self, blocks: tuple[list[Block], ...], num_blocks: int, epoch: int,
+                 attn_blocks: int = 0) -> None:
         self.blocks = blocks
         self.num_blocks = num_blocks
         self.epoch = epoch
+        self.attn_blocks = max(attn_blocks, num_blocks)
 
     def __len__(self) -> int:
         return self.num_blocks
 
     def block_ids(self) -> list[list[int]]:
-        return [[b.block_id for b in g] for g in self.blocks]
+        return [[b.block_id if b is not None else -1 for b in g] for g in self.blocks]
 
 
 class KVCacheCoordinator:
-    def __init__(self, config: KVCacheConfig, pool: BlockPool) -> None:
+    def __init__(self, config: KVCacheConfig, pool: BlockPool, retention=None,
+                 flop_model=None) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
@@ -48,6 +62,16 @@ class KVCacheCoordinator:
                 raise ValueError("all KV groups must share one block size")
         self.managers: list[SingleTypeKVManager] = [
             manager_for(g.spec, i, pool) for i, g in enumerate(config.groups)]
+        self.token_managers = [m for m in self.managers if m.token_blocks]
+        self.window_managers = [m for m in self.managers if m.stepped and m.token_blocks]
+        self.state_managers = [m for m in self.managers if not m.token_blocks]
+        self.stepped = bool(self.window_managers or self.state_managers)
+        for m in self.state_managers:
+            if retention is not None:
+                m.retention = retention
+        if flop_model is not None:
+            for m in self.managers:
+                m.flop_model = flop_model
         self.empty_hit = KVHit(tuple([] for _ in self.managers), 0, 0)
         # request id -> per-group block id lists (the managers' own list objects).
         self._ids: dict[str, list[list[int]]] = {}
@@ -59,6 +83,7 @@ class KVCacheCoordinator:
         hits: list[list[Block]] = [[] for _ in managers]
         if length <= 0:
             return KVHit(tuple(hits), 0, self.pool.eviction_epoch)
+        attn = -1
         # agreed[g]: the length group g's current hit was found for (-1: not asked yet).
         agreed = [-1] * len(managers)
         while True:
@@ -70,6 +95,8 @@ class KVCacheCoordinator:
                     agreed[g] = length
                     continue
                 hit = mgr.find_longest_hit(block_hashes, length)
+                if attn < 0 and mgr.prefix_closed_hits:
+                    attn = len(hit)  # first answer: asked for the full cap
                 hits[g] = hit
                 length = len(hit)  # never more than the length asked for
                 agreed[g] = length
@@ -77,33 +104,48 @@ class KVCacheCoordinator:
                 break
         for hit in hits:
             del hit[length:]
-        return KVHit(tuple(hits), length, self.pool.eviction_epoch)
+        return KVHit(tuple(hits), length, self.pool.eviction_epoch, attn)
 
-    def _validate(self, hit: KVHit, block_hashes: list[bytes]) -> None:
+    def _validate(self, hit: KVHit, num_hit_blocks: int, block_hashes: list[bytes]) -> None:
         """A cached block can only lose its hash by eviction or a reset, both of which bump the
         pool's epoch; with an unchanged epoch the hit is still exact."""
         if hit.epoch == self.pool.eviction_epoch:
             return
-        for g, blocks in enumerate(hit.blocks):
-            cached = self.pool.cached[g]
-            for b, h in zip(blocks, block_hashes):
-                if cached.get(h) is not b:
-                    raise StaleHitError("prefix hit blocks were reused before allocate_slots; "
-                                        "call get_computed_blocks again")
+        for mgr, blocks in zip(self.managers, hit.blocks):
+            if not mgr.validate_hit(blocks[:num_hit_blocks], block_hashes):
+                raise StaleHitError("prefix hit blocks were reused before allocate_slots; "
+                                    "call get_computed_blocks again")
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, hit: KVHit | None,
-                 num_hit_blocks: int, block_hashes: list[bytes]) -> bool:
+                 num_hit_blocks: int, block_hashes: list[bytes], num_computed: int = 0,
+                 num_prompt_tokens: int = 0) -> bool:
+        """Cover num_tokens positions for the request. num_computed: tokens computed before
+        this call (the hit excluded); needed only by stepped (sliding/state) groups."""
         managers = self.managers
         if hit is not None and num_hit_blocks > 0:
             if num_hit_blocks > hit.num_blocks:
                 raise ValueError("num_hit_tokens exceeds the hit")
             if request_id in self._ids:
                 raise ValueError(f"prefix hit for request {request_id} that already holds blocks")
-            self._validate(hit, block_hashes)
+            self._validate(hit, num_hit_blocks, block_hashes)
             hit_blocks = [blocks[:num_hit_blocks] for blocks in hit.blocks]
         else:
             hit_blocks = None
+        if self.stepped:
+            for mgr in self.window_managers:
+                mgr.begin_step(request_id, num_computed)
+            if self.state_managers:
+                start = num_computed + num_hit_blocks * self.block_size if hit_blocks else \
+                    num_computed
+                marconi = 0
+                if hit is not None and request_id not in self._ids and \
+                        hit.attn_blocks > num_hit_blocks:
+                    marconi = hit.attn_blocks
+                for mgr in self.state_managers:
+                    mgr.begin_step(request_id, block_hashes)
+                    mgr.prepare(request_id, start, num_tokens, num_prompt_tokens, block_hashes,
+                                marconi)
         free = self.pool.num_free_blocks
         # Cheap upper bound first (every hit block counted as free); scan hits only if needed.
         for exact in (False, True):
@@ -114,9 +156,9 @@ class KVCacheCoordinator:
             if need <= free:
                 break
             if hit_blocks is None:
-                return False
+                return self._refuse(request_id)
         else:
-            return False
+            return self._refuse(request_id)
         if hit_blocks is not None:
             for g, mgr in enumerate(managers):
                 mgr.claim_hit(request_id, hit_blocks[g])
@@ -126,13 +168,40 @@ class KVCacheCoordinator:
             self._ids[request_id] = [mgr.req_block_ids[request_id] for mgr in managers]
         return True
 
+    def _refuse(self, request_id: str) -> bool:
+        for mgr in self.state_managers:
+            mgr.abort_prepare(request_id)
+        return False
+
     def cache_full_blocks(self, request_id: str, num_full_blocks: int,
                           block_hashes: list[bytes], token_ids: list[int]) -> None:
-        for mgr in self.managers:
+        for mgr in self.token_managers:
             mgr.cache_full_blocks(request_id, num_full_blocks, block_hashes, token_ids)
 
     def num_cached_blocks(self, request_id: str) -> int:
-        return min(mgr.num_cached.get(request_id, 0) for mgr in self.managers)
+        return min(mgr.num_cached.get(request_id, 0) for mgr in self.token_managers)
+
+    # -- release --------------------------------------------------------------------------
+    def finish(self, request_id: str, block_hashes: list[bytes]) -> None:
+        """Before free: the request's last step has run; state groups hash what it saved."""
+        for mgr in self.state_managers:
+            mgr.finish(request_id, block_hashes)
+
+    def hit_boundary(self, request_id: str) -> int:
+        """The longest boundary (blocks) a later request could hit from what this request
+        leaves behind: its latest checkpoint with state groups, else its cached blocks."""
+        if self.state_managers:
+            return min(m.end_position(request_id) for m in self.state_managers)
+        return self.num_cached_blocks(request_id)
+
+    def blocks_for_hit_at(self, block_hashes: list[bytes], num_blocks: int) -> list[Block] | None:
+        out: list[Block] = []
+        for mgr in self.managers:
+            blocks = mgr.blocks_for_hit_at(block_hashes, num_blocks)
+            if blocks is None:
+                return None
+            out.extend(blocks)
+        return out
 
     def free(self, request_id: str) -> None:
         self._ids.pop(request_id, None)
@@ -145,4 +214,10 @@ class KVCacheCoordinator:
     def request_blocks(self, request_id: str) -> list[list[Block]] | None:
         if request_id not in self._ids:
             return None
-        return [mgr.req_blocks[request_id] for mgr in self.managers]
+        out = []
+        for mgr in self.managers:
+            if mgr.token_blocks:
+                out.append(mgr.req_blocks[request_id])
+            else:
+                out.append(mgr.held_blocks(request_id))
+        return out

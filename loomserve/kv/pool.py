@@ -10,6 +10,11 @@ remove-from-middle are O(1) and allocate nothing. A freed block keeps its hash a
 hittable until it is popped for reuse; then its hash is dropped and BlockRemoved emitted.
 Freed blocks without a hash go to the front (reused first), hashed ones to the back (LRU).
 
+Eviction: which evictable (hashed, free) block is reused next is a policy. Without an evictor
+it is the queue order (LRU: the front); with one (loomserve.kv.eviction) the evictor picks among
+the hashed free blocks, while unhashed free blocks are still reused first from the front. The
+queue stays the single source of truth for what is free: the evictor only ranks.
+
 Null block: with reserve_null_block=True, block 0 is set aside as a placeholder (for managers
 that must fill skipped positions, e.g. sliding window); it is never in the free queue, never
 hashed, never counted as free or in use. Full attention does not need it, so it is off by
@@ -25,7 +30,8 @@ from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Eve
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
+                 "saved_flops", "evict_ver")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -34,6 +40,9 @@ class Block:
         self.group_id = -1  # group whose hash map holds block_hash; -1 when unhashed
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
+        # Set by managers when they cache the block, read by a FLOP-aware evictor only.
+        self.saved_flops = 0.0
+        self.evict_ver = 0  # bumped each time the block enters the evictor (lazy invalidation)
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -106,7 +115,8 @@ class FreeBlockQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, num_groups: int = 1, enable_caching: bool = True,
-                 event_hooks: Iterable[EventHook] = (), reserve_null_block: bool = False) -> None:
+                 event_hooks: Iterable[EventHook] = (), reserve_null_block: bool = False,
+                 evictor=None) -> None:
         if num_blocks < 1 + reserve_null_block:
             raise ValueError("pool needs at least one usable block")
         self.num_blocks = num_blocks
@@ -126,6 +136,9 @@ class BlockPool:
         # Bumped whenever a cached hash is dropped, so a hit computed earlier can be trusted
         # without re-checking each block if nothing was dropped since.
         self.eviction_epoch = 0
+        # None: LRU by queue order. Otherwise an object with push(block) (a hashed block became
+        # free) and pop() (the next hashed free block to evict), see loomserve.kv.eviction.
+        self.evictor = evictor
 
     # -- events ---------------------------------------------------------------------------
     def subscribe(self, fn: EventHook) -> None:
@@ -179,6 +192,8 @@ class BlockPool:
         q = self.free_queue
         if n > q.num_free:
             raise ValueError(f"cannot allocate {n} blocks, {q.num_free} free")
+        if self.evictor is not None:
+            return self._allocate_evicting(n)
         out = []
         append = out.append
         head = q.head
@@ -213,6 +228,38 @@ class BlockPool:
                 self._emit(BlockRemoved(hs, g))
         return out
 
+    def _allocate_evicting(self, n: int) -> list[Block]:
+        """allocate() under an evictor: unhashed free blocks (always at the front) first, then
+        the evictor's choice among the hashed ones."""
+        q = self.free_queue
+        ev = self.evictor
+        out = []
+        dropped: dict[int, list[bytes]] | None = None
+        for _ in range(n):
+            b = q.head.next_free
+            if b.block_hash is not None:
+                b = ev.pop() or b  # the evictor holds every hashed free block
+            q.remove(b)
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                g = b.group_id
+                cached = self.cached[g]
+                if cached.get(h) is b:
+                    del cached[h]
+                b.block_hash = None
+                b.group_id = -1
+                if self.hooks:
+                    if dropped is None:
+                        dropped = {}
+                    dropped.setdefault(g, []).append(h)
+                self.eviction_epoch += 1
+            out.append(b)
+        if dropped:
+            for g, hs in dropped.items():
+                self._emit(BlockRemoved(hs, g))
+        return out
+
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference per block, in the given order (pass a request's blocks reversed to
         free tail first). Blocks reaching zero join the free queue: hashed at the back,
@@ -220,6 +267,7 @@ class BlockPool:
         q = self.free_queue
         head = q.head
         tail = q.tail
+        push = self.evictor.push if self.evictor is not None else None
         added = 0
         for b in blocks:
             c = b.ref_cnt - 1
@@ -242,6 +290,8 @@ class BlockPool:
                 b.prev_free = p
                 b.next_free = tail
                 tail.prev_free = b
+                if push is not None:
+                    push(b)
             added += 1
         q.num_free += added
 
@@ -307,6 +357,8 @@ class BlockPool:
                 b.group_id = -1
             cached.clear()
         self.eviction_epoch += 1
+        if self.evictor is not None:
+            self.evictor.clear()
         if self.hooks:
             self._emit(AllBlocksCleared())
         return True

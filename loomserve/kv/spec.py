@@ -102,8 +102,15 @@ class KVCacheConfig:
 
     @property
     def capacity_tokens(self) -> int:
-        # Each token needs a block in every group, so the pool holds num_blocks / groups tokens' worth.
-        return self.num_blocks // len(self.groups) * self.block_size
+        # Each token needs a block in every attention group, so the pool holds
+        # num_blocks / groups tokens' worth. A state group needs a few pages per request, not
+        # per token (running, end-of-sequence and one save): set 3 aside for each.
+        attn = [g for g in self.groups if not isinstance(g.spec, LinearStateSpec)]
+        spare = self.num_blocks - 3 * (len(self.groups) - len(attn)) - any(
+            isinstance(g.spec, SlidingWindowSpec) for g in self.groups)
+        if not attn:
+            return 0
+        return max(0, spare) // len(attn) * self.block_size
 
     @staticmethod
     def num_blocks_for(memory_bytes: int, groups: tuple[KVCacheGroup, ...]) -> int:
