@@ -65,6 +65,24 @@ def segments(s: StateSeq) -> list[tuple[int, int, list[int]]]:
     return out
 
 
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def gather_states(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] as fp32, in a buffer reused across layers and steps: a decode batch's
+    recurrent states are tens of MB, and a fresh tensor of that size per layer page-faults more
+    than the update costs (layers run one after another, so one buffer per shape serves all)."""
+    n, tail = blocks.numel(), tuple(cache.shape[1:])
+    key = (tail, cache.device)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws.shape[0] < n:
+        ws = _WORKSPACE[key] = torch.empty((max(n, 2 * (ws.shape[0] if ws is not None else 0)), *tail),
+                                           dtype=torch.float32, device=cache.device)
+    if cache.dtype == torch.float32:
+        return torch.index_select(cache, 0, blocks, out=ws[:n])
+    return ws[:n].copy_(cache.index_select(0, blocks))
+
+
 def causal_conv(x: torch.Tensor, sb: StateBatch, cache: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, decodes: list[StateSeq],
                 prefills: list[StateSeq]) -> torch.Tensor:
@@ -144,12 +162,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of a batch of seqs: q, k [b, heads, k_dim]; v [b, heads, v_dim];
-    g, beta [b, heads]; state [b, heads, k_dim, v_dim] fp32. Returns o [b, heads, v_dim], state."""
-    q, k, v = q.float(), k.float(), v.float()
-    s = state * g.float().exp()[..., None, None]
-    u = beta.float().unsqueeze(-1) * (v - (k.unsqueeze(-2) @ s).squeeze(-2))
-    s = s + k.unsqueeze(-1) * u.unsqueeze(-2)
-    return (q.unsqueeze(-2) @ s).squeeze(-2), s
+    g, beta [b, heads]; state [b, heads, k_dim, v_dim] fp32, updated in place (the caller's
+    gathered copy: a state is MBs per seq, and fresh temporaries of that size cost more in page
+    faults than the arithmetic). Returns o [b, heads, v_dim] and the state."""
+    b, h, dk, dv = state.shape
+    q, k = q.float().reshape(b * h, 1, dk), k.float().reshape(b * h, 1, dk)
+    s = state.view(b * h, dk, dv)
+    s.mul_(g.float().exp().reshape(b * h, 1, 1))
+    u = (v.float().reshape(b * h, 1, dv) - torch.bmm(k, s)) * beta.float().reshape(b * h, 1, 1)
+    s.baddbmm_(k.transpose(1, 2), u)
+    return torch.bmm(q, s).view(b, h, dv), state
 
 
 class GatedRMSNorm(nn.Module):
@@ -213,9 +235,9 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([s.start for s in decodes], device=x.device)
             blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
             o, st = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                               rec_cache[blocks].float())
+                                               gather_states(rec_cache, blocks))
             core[rows] = o
-            rec_cache[blocks] = st.to(rec_cache.dtype)
+            rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
             for i, s in enumerate(decodes):
                 for _, dst in s.saves:
                     rec_cache[dst] = st[i].to(rec_cache.dtype)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loomserve.model.gated_deltanet import causal_conv, segments, split_batch
+from loomserve.model.gated_deltanet import causal_conv, gather_states, segments, split_batch
 from loomserve.model.state import StateBatch
 
 CHUNK = 64
@@ -60,10 +60,15 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of a batch of seqs: x [bs, H, P]; dt [bs, H]; b, c [bs, H, N];
-    state [bs, H, P, N] fp32. Returns y [bs, H, P] (no D skip) and the new state."""
-    x, dt, b, c = x.float(), dt.float(), b.float(), c.float()
-    s = state * (dt * a.float()).exp()[..., None, None] + (x * dt.unsqueeze(-1)).unsqueeze(-1) * b.unsqueeze(-2)
-    return (s @ c.unsqueeze(-1)).squeeze(-1), s
+    state [bs, H, P, N] fp32, updated in place (the caller's gathered copy; no state-sized
+    temporaries). Returns y [bs, H, P] (no D skip) and the state."""
+    bs, h, p, n = state.shape
+    dt = dt.float()
+    s = state.view(bs * h, p, n)
+    s.mul_((dt * a.float()).exp().reshape(bs * h, 1, 1))
+    xdt = (x.float() * dt.unsqueeze(-1)).reshape(bs * h, p, 1)
+    s.baddbmm_(xdt, b.float().reshape(bs * h, 1, n))
+    return torch.bmm(s, c.float().reshape(bs * h, n, 1)).view(bs, h, p), state
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -127,9 +132,9 @@ class Mamba2Mixer(nn.Module):
         if decodes:
             rows = torch.tensor([s.start for s in decodes], device=x.device)
             blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
-            o, st = ssd_step(xs[rows], dt[rows], a, b[rows], c[rows], ssm_cache[blocks].float())
+            o, st = ssd_step(xs[rows], dt[rows], a, b[rows], c[rows], gather_states(ssm_cache, blocks))
             y[rows] = o
-            ssm_cache[blocks] = st.to(ssm_cache.dtype)
+            ssm_cache.index_copy_(0, blocks, st.to(ssm_cache.dtype))
             for i, s in enumerate(decodes):
                 for _, dst in s.saves:
                     ssm_cache[dst] = st[i].to(ssm_cache.dtype)
