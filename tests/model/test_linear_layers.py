@@ -294,3 +294,60 @@ def scenario_saves_and_prefix_hit(model, ref) -> None:
     page = h.alloc()
     close(h.step([Chunk(rc, 1, saves=[(16, page)])])[0], wb[15])
     torch.testing.assert_close(h.state_page(page), h.state_page(saves[16]), atol=1e-5, rtol=1e-5)
+
+
+class RunnerSeqs:
+    """Builds ScheduledSeqs for a hybrid ModelRunner the way the scheduler does: a block table per
+    KV group (attention groups grow per block, a state group holds its running page) and a
+    StateDirective per state group."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.next = runner, 0
+        self.groups = runner.kv_cache_config.groups
+
+    def alloc(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+    def new(self) -> list[list[int]]:
+        return [[] if g not in self.runner.state_groups else [self.alloc()] for g in range(len(self.groups))]
+
+    def seq(self, rid: str, tables: list[list[int]], toks: list[int], start: int, zero: bool = False,
+            init_from: int | None = None, saves: list[tuple[int, int]] = ()):
+        from loomserve.batch import StateDirective
+        from tests.model.conftest import seq
+
+        bs = self.runner.block_size
+        for g in self.runner.attn_groups:
+            while len(tables[g]) * bs < start + len(toks):
+                tables[g].append(self.alloc())
+        s = seq(rid, toks, start, tables[0])
+        s.block_ids = tables
+        s.states = {g: StateDirective(tables[g][0], init_from=init_from, zero_init=zero, saves=list(saves))
+                    for g in self.runner.state_groups}
+        return s
+
+
+def scenario_runner(name: str, ref) -> None:
+    """Through loomserve.model.runner.ModelRunner: a prefill taking checkpoints, a second request
+    hitting A's prefix (state from the checkpoint page, A's attention blocks), then both decoding
+    in one batch."""
+    from tests.model.conftest import logits_of, tiny_runner
+
+    runner = tiny_runner(name)
+    rs = RunnerSeqs(runner)
+    a = tokens(26, 7)
+    b = a[:16] + tokens(14, 8)
+    wa, wb = hf_logits(ref, a + [9, 10]), hf_logits(ref, b + [11, 12])
+    ta, tb = rs.new(), rs.new()
+    saves = [(n, rs.alloc()) for n in (8, 16, 24)]
+    got = logits_of(runner, [rs.seq("a", ta, a, 0, zero=True, saves=saves)])
+    close(got["a"], wa[25])
+    for g in runner.attn_groups:
+        tb[g] = list(ta[g][:16 // runner.block_size])
+    got = logits_of(runner, [rs.seq("b", tb, b[16:], 16, init_from=saves[1][1])])
+    close(got["b"], wb[29])
+    for i, (x, y) in enumerate(((9, 11), (10, 12))):
+        got = logits_of(runner, [rs.seq("a", ta, [x], 26 + i), rs.seq("b", tb, [y], 30 + i)])
+        close(got["a"], wa[26 + i])
+        close(got["b"], wb[30 + i])

@@ -44,3 +44,8 @@ def test_mixed_batch(pair):
 
 def test_saves_and_prefix_hit(pair):
     hybrid.scenario_saves_and_prefix_hit(*pair)
+
+
+def test_through_model_runner(pair):
+    pytest.importorskip("loomserve.model.registry")
+    hybrid.scenario_runner(NAME, pair[1])
