@@ -4,7 +4,10 @@ hybrid_override_pattern ("M" Mamba2, "*" attention, "-" MLP) or layers_block_typ
 Checked against transformers: attention has no positional encoding at all (the Mamba2 layers
 carry order), the MLP is up -> relu^2 -> down without a gate, RMSNorm multiplies by w in fp32,
 and the Mamba2 gated norm applies SiLU(z) before a grouped RMSNorm. Routed-expert blocks ("E",
-Nemotron 3) are not supported yet and are rejected at config time.
+Nemotron 3): sigmoid router scores plus a correction bias pick top-k experts inside the best
+topk_group groups; the chosen (unbiased) scores, renormalized and scaled by
+routed_scaling_factor, weight relu^2 experts (optionally in a latent space), plus a shared
+relu^2 expert.
 
 Checkpoints name the trunk `backbone.`; it is `model.` here, like every other model, so the
 runner finds `model.model.layers`. Forward contract as in qwen3_next.py.
@@ -47,6 +50,15 @@ class NemotronHConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     time_step_min: float = 0.0
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
     layer_norm_epsilon: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -65,9 +77,7 @@ class NemotronHConfig:
             if pattern is None:
                 raise ValueError("nemotron_h config has neither layers_block_type nor hybrid_override_pattern")
             types = [_KINDS[ch] for ch in pattern]
-        if "moe" in types:
-            raise ValueError("nemotron_h routed-expert (moe / 'E') blocks are not supported yet")
-        if set(types) - {"linear_attention", "full_attention", "mlp"}:
+        if set(types) - {"linear_attention", "full_attention", "mlp", "moe"}:
             raise ValueError(f"unknown nemotron_h block types {sorted(set(types))}")
         for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             if d.get(key, want) != want:
@@ -88,6 +98,14 @@ class NemotronHConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             time_step_min=float(d.get("time_step_min", d.get("mamba_dt_min", 0.001))),
+            n_routed_experts=int(d.get("n_routed_experts", 0)),
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 1)),
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+            moe_shared_expert_intermediate_size=int(d.get("moe_shared_expert_intermediate_size", 0)),
+            moe_latent_size=d.get("moe_latent_size"),
+            n_group=int(d.get("n_group", 1)), topk_group=int(d.get("topk_group", 1)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -143,6 +161,60 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
+class Router(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e))
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] fp32, expert ids [tokens, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n = x.shape[0]
+        grouped = choice.view(n, self.n_group, -1)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)  # [tokens, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_group, dim=-1)[1], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids
+
+
+class MoE(nn.Module):
+    """Routed relu^2 experts (stacked [experts, out, in]) plus a shared relu^2 expert."""
+
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+        dim = cfg.moe_latent_size or cfg.hidden_size
+        self.gate = Router(cfg)
+        self.experts_up = nn.Parameter(torch.empty(e, inter, dim))
+        self.experts_down = nn.Parameter(torch.empty(e, dim, inter))
+        self.shared_experts = ReluSquaredMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias)
+        latent = cfg.moe_latent_size is not None
+        self.fc1_latent_proj = nn.Linear(cfg.hidden_size, dim, bias=cfg.mlp_bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(dim, cfg.hidden_size, bias=cfg.mlp_bias) if latent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        acc = torch.zeros(h.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            y = F.linear(F.relu(F.linear(h[tok], self.experts_up[e])).square(), self.experts_down[e])
+            acc.index_add_(0, tok, y.float() * weights[tok, slot, None])
+        out = acc.to(x.dtype)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: NemotronHConfig, i: int) -> None:
         super().__init__()
@@ -155,6 +227,8 @@ class Block(nn.Module):
                                      dt_min=cfg.time_step_min)
         elif self.kind == "full_attention":
             self.mixer = Attention(cfg)
+        elif self.kind == "moe":
+            self.mixer = MoE(cfg)
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -189,7 +263,7 @@ class NemotronHForCausalLM(nn.Module):
         pass  # no positional encoding
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec | None]:
-        """One spec per layer; None for MLP blocks, which keep nothing per token."""
+        """One spec per layer; None for MLP and MoE blocks, which keep nothing per token."""
         c, out = self.config, []
         for layer in self.model.layers:
             if layer.kind == "linear_attention":
@@ -219,8 +293,11 @@ class NemotronHForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (`backbone.` or `model.` trunk) in; every parameter exactly once."""
         params = dict(self.named_parameters())
-        expected = {n for n in params if ".mixer.qkv_proj." not in n}
+        expected = {n for n in params if ".mixer.qkv_proj." not in n and ".mixer.experts_" not in n}
         for i, layer in enumerate(self.model.layers):
+            if layer.kind == "moe":
+                expected |= {f"model.layers.{i}.mixer.{p}#{e}" for p in ("experts_up", "experts_down")
+                             for e in range(self.config.n_routed_experts)}
             if layer.kind == "full_attention":
                 for kind in ("weight", "bias") if layer.mixer.qkv_proj.bias is not None else ("weight",):
                     expected |= {f"model.layers.{i}.mixer.qkv_proj.{kind}#{p}" for p in "qkv"}
@@ -242,6 +319,14 @@ class NemotronHForCausalLM(nn.Module):
             layer, pre = self.model.layers[i], f"model.layers.{i}.mixer."
             if layer.kind == "linear_attention":
                 return pre + layer.mixer.load_hf(rest, t)
+            em = re.match(r"^experts\.(\d+)\.(up_proj|down_proj)\.weight$", rest)
+            if layer.kind == "moe" and em:
+                e, target = int(em.group(1)), "experts_up" if em.group(2) == "up_proj" else "experts_down"
+                dst = getattr(layer.mixer, target).data[e]
+                if dst.shape != t.shape:
+                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")
+                dst.copy_(t)
+                return f"{pre}{target}#{e}"
             pm = re.match(r"^(q_proj|k_proj|v_proj)\.(weight|bias)$", rest)
             if layer.kind == "full_attention" and pm:
                 a, proj, kind = layer.mixer, pm.group(1), pm.group(2)

@@ -1,4 +1,4 @@
-"""Nemotron-H (Mamba2 + NoPE attention + relu^2 MLP) against transformers, fp32, on the
+"""Nemotron-H (Mamba2 + NoPE attention + relu^2 MLP + routed experts) against transformers, fp32, on the
 tiny fixture: every way a step can be cut gives HF's logits for the same position."""
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def pair():
 
 def test_fixture_exercises_every_part(pair):
     model, _ = pair
-    assert "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[layer.kind]
-                   for layer in model.model.layers) == "M-M*M-"
-    assert model.kv_cache_specs(4, torch.float32)[1] is None
+    assert "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[layer.kind]
+                   for layer in model.model.layers) == "M-M*ME"
+    specs = model.kv_cache_specs(4, torch.float32)
+    assert specs[1] is None and specs[5] is None
 
 
 def test_prefill_then_decode(pair):
