@@ -83,9 +83,8 @@ def gather_states(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return ws[:n].copy_(cache.index_select(0, blocks))
 
 
-def causal_conv(x: torch.Tensor, sb: StateBatch, cache: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, decodes: list[StateSeq],
-                prefills: list[StateSeq]) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                decodes: list[StateSeq], prefills: list[StateSeq]) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU over the flattened rows, carrying each seq's last kernel-1
     inputs in `cache` [num_blocks, channels, kernel - 1]. x: [tokens, channels]; weight:
     [channels, kernel]. Writes saves and the final window of every seq."""
@@ -220,7 +219,7 @@ class GatedDeltaNet(nn.Module):
         hv = self.num_v_heads
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, hv, hv], dim=-1)
         decodes, prefills = split_batch(sb)
-        mixed = causal_conv(mixed, sb, conv_cache, self.conv_weight, None, decodes, prefills)
+        mixed = causal_conv(mixed, conv_cache, self.conv_weight, None, decodes, prefills)
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         rep = hv // self.num_k_heads
         q = l2norm(q.float().view(n, self.num_k_heads, self.k_dim)) * self.k_dim ** -0.5

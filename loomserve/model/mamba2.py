@@ -121,7 +121,7 @@ class Mamba2Mixer(nn.Module):
         h, p, ns, gr = self.num_heads, self.head_dim, self.state_size, self.n_groups
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, h], dim=-1)
         decodes, prefills = split_batch(sb)
-        xbc = causal_conv(xbc, sb, conv_cache, self.conv_weight, self.conv_bias, decodes, prefills)
+        xbc = causal_conv(xbc, conv_cache, self.conv_weight, self.conv_bias, decodes, prefills)
         xs, b, c = xbc.split([self.inner, gr * ns, gr * ns], dim=-1)
         xs = xs.view(n, h, p)
         b = b.view(n, gr, ns).repeat_interleave(h // gr, dim=1)

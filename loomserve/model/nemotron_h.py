@@ -170,6 +170,14 @@ class Router(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
+    def _apply(self, fn, recurse=True):
+        # Routing stays fp32 in a bf16 model, as in the reference (near-tied scores pick experts).
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] fp32, expert ids [tokens, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()

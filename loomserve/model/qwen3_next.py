@@ -29,7 +29,6 @@ from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 from loomserve.model.attention import AttentionMetadata, paged_attention
 from loomserve.model.gated_deltanet import GatedDeltaNet
 from loomserve.model.layers import RotaryEmbedding, SwiGLU, apply_rope
-from loomserve.model.state import StateBatch
 
 
 @dataclass(frozen=True)

@@ -204,12 +204,12 @@ def test_causal_conv_carries_window_and_saves():
     cache = torch.zeros(8, ch, kern - 1)
     # 7 tokens as a prefill with a save after 4, then 4 single-token decode steps.
     first = StateSeq(0, 7, 0, 1, saves=[(4, 2)])
-    out = causal_conv(x[:7], StateBatch([first]), cache, w, b, [], [first])
+    out = causal_conv(x[:7], cache, w, b, [], [first])
     torch.testing.assert_close(out, want[:7])
     torch.testing.assert_close(cache[2], x[1:4].t())
     for t in range(7, n):
         d = StateSeq(0, 1, t, 1)
-        out = causal_conv(x[t:t + 1], StateBatch([d]), cache, w, b, [d], [])
+        out = causal_conv(x[t:t + 1], cache, w, b, [d], [])
         torch.testing.assert_close(out, want[t:t + 1])
 
 
