@@ -101,7 +101,7 @@ def causal_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias
         out[rows] = F.silu(y)
         cache[blocks] = window[..., 1:].to(cache.dtype)
         for i, s in enumerate(decodes):
-            for _, dst in s.saves:
+            for _, dst in save_offsets(s):  # validates n == start_pos + 1
                 cache[dst] = window[i, :, 1:].to(cache.dtype)
     for s in prefills:
         n = s.end - s.start
@@ -238,7 +238,7 @@ class GatedDeltaNet(nn.Module):
             core[rows] = o
             rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
             for i, s in enumerate(decodes):
-                for _, dst in s.saves:
+                for _, dst in save_offsets(s):  # validates n == start_pos + 1
                     rec_cache[dst] = st[i].to(rec_cache.dtype)
         for s in prefills:
             st = rec_cache[s.running_block].float()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loomserve.model.gated_deltanet import causal_conv, gather_states, segments, split_batch
+from loomserve.model.gated_deltanet import causal_conv, gather_states, save_offsets, segments, split_batch
 from loomserve.model.state import StateBatch
 
 CHUNK = 64
@@ -136,7 +136,7 @@ class Mamba2Mixer(nn.Module):
             y[rows] = o
             ssm_cache.index_copy_(0, blocks, st.to(ssm_cache.dtype))
             for i, s in enumerate(decodes):
-                for _, dst in s.saves:
+                for _, dst in save_offsets(s):  # validates n == start_pos + 1
                     ssm_cache[dst] = st[i].to(ssm_cache.dtype)
         for s in prefills:
             st = ssm_cache[s.running_block].float()
