@@ -302,12 +302,18 @@ class Replayer:
         self.t0 = self.clock.now()
         self.pacer.idle_since = self.t0
         pacer_task = asyncio.ensure_future(self.pacer.run())
+        self._warm_slots: set[int] = set()
+        self._all_warm = asyncio.Event()
         slots = [asyncio.ensure_future(self._slot(i)) for i in range(self.concurrency)]
-        timer = asyncio.ensure_future(self.clock.sleep(self.duration))
         intr = asyncio.ensure_future(self._interrupt.wait())
         all_done = asyncio.ensure_future(asyncio.wait(slots))
+        # --duration counts measured traffic: the timer starts once every slot's primer is back,
+        # as the reference harness does after its warm-up.
+        warm = asyncio.ensure_future(self._all_warm.wait())
+        timer = asyncio.ensure_future(self._after(warm, self.duration))
         try:
             await asyncio.wait({timer, intr, all_done}, return_when=asyncio.FIRST_COMPLETED)
+            warm.cancel()
             self.stopping = True
             self.pacer.close()
             pending = [s for s in slots if not s.done()]
@@ -318,7 +324,7 @@ class Replayer:
                 drain.cancel()
                 gathered.cancel()
         finally:
-            for t in (timer, intr, all_done):
+            for t in (timer, intr, all_done, warm):
                 t.cancel()
             for s in slots:
                 s.cancel()
@@ -330,6 +336,15 @@ class Replayer:
             if s.done() and not s.cancelled() and s.exception() is not None:
                 raise s.exception()
         return self.records
+
+    async def _after(self, event: asyncio.Future, seconds: float) -> None:
+        await event
+        await self.clock.sleep(seconds)
+
+    def _mark_warm(self, slot: int) -> None:
+        self._warm_slots.add(slot)
+        if len(self._warm_slots) >= self.concurrency:
+            self._all_warm.set()
 
     # -- slots and sessions
     def _next_session(self, slot: int, first: bool):
@@ -382,11 +397,14 @@ class Replayer:
         prev_req, prev_end = None, self.now()
         if start > 0:
             prev_req = main[start - 1]
-            if await self._send(ctx, prev_req, None, start - 1, primer=True) is None:
+            primed = await self._send(ctx, prev_req, None, start - 1, primer=True)
+            self._mark_warm(ctx.slot)
+            if primed is None:
                 return
             prev_end = self.now()
             spawn(start - 1, prev_req, prev_end)
         else:
+            self._mark_warm(ctx.slot)
             spawn(-1, None, prev_end)
         for i in range(start, len(main)):
             req = main[i]

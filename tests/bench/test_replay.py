@@ -297,3 +297,15 @@ def test_errors_recorded_by_kind():
     _, records = replay([session("a", [req(0), req(1)])], clock, server, duration=1.0)
     assert records and all(r.error == "http_503" for r in records)
     assert compute_metrics(records)["errors_by_kind"] == {"http_503": len(records)}
+
+
+def test_duration_counts_from_the_end_of_the_primers():
+    clock = FakeClock()
+    server = FakeServer(clock, ttft=lambda body, headers: 5.0 if body["max_tokens"] == 1 else 1.0)
+    main = [req(10 * i, api=1, out=1, ids=range(1, i + 2)) for i in range(6)]
+    _, records = replay([session("a", main)], clock, server, warmup=True, seed=3, duration=12)
+    assert records[0].primer
+    # primer back at 5; the next turn goes at 5 + (10 - 1) = 14, inside the 12 s measured window
+    # that opens at 5 (a timer started before the primer would have closed at 12)
+    measured = [s["t"] for s in server.sends[1:]]
+    assert measured and measured[0] == pytest.approx(14.0)
