@@ -11,6 +11,18 @@ per step; a layer only indexes and calls SDPA.
 - Each prefill chunk runs its own SDPA call: a chunk starting at position 0 attends to its own
   fresh K/V with is_causal; a chunk after cached positions (a later chunk, or a prefix hit)
   gathers its blocks and uses a mask where query i sees keys 0 .. start_pos + i.
+
+Sliding-window groups (metadata built with `sliding_window=W`): a query at p sees keys
+max(0, p - W + 1) .. p. Only the blocks that hold such keys are gathered, so block-table entries
+before the window (the KV manager frees those blocks; they may be the null block or already hold
+another group's data) are never read. Every gathered position outside a query's range is
+masked; masked positions must still hold finite numbers (-inf + NaN is NaN), which is why decode
+tables are padded with the seq's own last block, not an arbitrary one, and why the runner zeroes
+an attention block's page when a seq starts writing it in pools whose pages may hold non-K/V
+bytes (linear-state groups).
+
+Attention sinks (gpt-oss): a learned per-head logit that joins each softmax denominator without
+contributing a value; those layers take a plain matmul + softmax path instead of SDPA.
 """
 
 from __future__ import annotations
@@ -26,8 +38,10 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flattened batch
     end: int
     start_pos: int
-    block_table: torch.Tensor | None = None  # [blocks], only when start_pos > 0
-    mask: torch.Tensor | None = None  # [1, 1, q_len, context], only when start_pos > 0
+    block_table: torch.Tensor | None = None  # [blocks] from the first in-window one, only when start_pos > 0
+    # [1, 1, q_len, keys]: when start_pos > 0 (keys = the gathered context), or over the chunk's
+    # own keys when a fresh chunk is longer than the sliding window; else causal.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -35,7 +49,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [tokens] block id each new K/V row is written to
     slot_offsets: torch.Tensor  # [tokens] offset inside that block
     num_decode: int = 0
-    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with block 0
+    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks], padded with each seq's last block
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: "GatherWorkspace | None" = None  # the runner's; a fresh one if None
@@ -64,12 +78,12 @@ class GatherWorkspace:
 
 
 def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[int, int, list[int]]],
-                   block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> tuple[AttentionMetadata, torch.Tensor]:
+                   block_size: int, device: torch.device, dtype: torch.dtype = torch.float32,
+                   sliding_window: int | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
     """decodes: (start_pos, block_table) per decode token, in batch order, before the prefills.
     prefills: (start_pos, num_tokens, block_table) per chunk. Returns metadata and positions.
     Masks are additive (0 / -inf) in the model dtype: SDPA would otherwise convert a boolean
-    mask in every layer."""
+    mask in every layer. sliding_window=W: query at p sees keys p - W + 1 .. p only."""
     positions: list[int] = []
     for start_pos, _ in decodes:
         positions.append(start_pos)
@@ -84,27 +98,46 @@ def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[in
         slot_offsets=(pos_t % block_size).to(device),
         num_decode=len(decodes),
     )
+    w = sliding_window
     if decodes:
-        lens = [p + 1 for p, _ in decodes]
-        max_blocks = (max(lens) + block_size - 1) // block_size
-        padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for _, t in decodes]
+        # Per seq: the blocks from the one holding its first visible key to the one holding p.
+        firsts = [0 if w is None else max(0, p - w + 1) // block_size for p, _ in decodes]
+        lasts = [p // block_size for p, _ in decodes]
+        max_blocks = max(l - f for f, l in zip(firsts, lasts)) + 1
+        padded = []
+        for (_, t), f, l in zip(decodes, firsts, lasts):
+            row = t[f:l + 1]
+            padded.append(row + [row[-1]] * (max_blocks - len(row)))
         meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        key_pos = torch.arange(max_blocks * block_size)
-        mask = key_pos[None, :] < torch.tensor(lens)[:, None]
+        key_pos = torch.tensor(firsts)[:, None] * block_size + torch.arange(max_blocks * block_size)
+        p = torch.tensor([p for p, _ in decodes])[:, None]
+        mask = key_pos <= p
+        if w is not None:
+            mask &= key_pos > p - w
         meta.decode_mask = _additive(mask[:, None, None, :], dtype, device)
     row = len(decodes)
     for start_pos, n, table in prefills:
         chunk = PrefillChunk(row, row + n, start_pos)
+        q_pos = torch.arange(start_pos, start_pos + n)
         if start_pos > 0:
             ctx = start_pos + n
+            first = 0 if w is None else max(0, start_pos - w + 1) // block_size
             nblk = (ctx + block_size - 1) // block_size
-            chunk.block_table = torch.tensor(table[:nblk], dtype=torch.long, device=device)
-            q_pos = torch.arange(start_pos, ctx)
-            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            chunk.mask = _additive(mask[None, None], dtype, device)
+            chunk.block_table = torch.tensor(table[first:nblk], dtype=torch.long, device=device)
+            key_pos = torch.arange(first * block_size, ctx)
+            chunk.mask = _additive(_visible(q_pos, key_pos, w)[None, None], dtype, device)
+        elif w is not None and n > w:
+            chunk.mask = _additive(_visible(q_pos, q_pos, w)[None, None], dtype, device)
         meta.prefills.append(chunk)
         row += n
     return meta, pos_t.to(device)
+
+
+def _visible(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    allowed = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > q_pos[:, None] - window
+    return allowed
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,10 +156,12 @@ def _slot_blocks(positions: list[int], tables: list[list[int]], counts: list[int
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (already rotated).
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views of the packed pages.
-    Writes the new K/V into their slots, returns [tokens, heads, head_dim]."""
+    sinks: [heads] fp32 sink logits or None. Writes the new K/V into their slots, returns
+    [tokens, heads, head_dim]."""
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, meta.slot_offsets] = v
     if meta.workspace is None:
@@ -136,22 +171,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     group = heads // kv_heads
     d = meta.num_decode
     if not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scale, kv_heads, group)
+        return _decode(q, k_cache, v_cache, meta, scale, kv_heads, group, sinks)
     out = torch.empty_like(q)
     if d:
-        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, kv_heads, group)
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, kv_heads, group, sinks)
     for c in meta.prefills:
         qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, hd]
         if c.block_table is None:
             kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0)
             vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
-                                               enable_gqa=group > 1)
         else:
             ctx = c.mask.shape[-1]
             kb, vb = meta.workspace.gather(k_cache, v_cache, c.block_table)
             kc = kb.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
             vc = vb.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+        if sinks is not None:
+            o = _attend_with_sinks(qc, kc.repeat_interleave(group, 1), vc.repeat_interleave(group, 1),
+                                   c.mask, scale, sinks.view(1, heads, 1, 1))
+        elif c.mask is None:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
+        else:
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale,
                                                enable_gqa=group > 1)
         out[c.start:c.end] = o[0].transpose(0, 1)
@@ -159,7 +199,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float, kv_heads: int, group: int) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, kv_heads: int, group: int,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     d, heads, head_dim = q.shape
     # [decodes, blocks, block_size, kv_heads, hd] -> [decodes, kv_heads, padded_len, hd]
     kb, vb = meta.workspace.gather(k_cache, v_cache, meta.decode_tables.view(-1))
@@ -168,5 +209,24 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     vc = vb.view(d, padded, kv_heads, head_dim).transpose(1, 2)
     # A kv head's `group` query heads become its `group` query rows: GQA without repeating K/V.
     qd = q.view(d, kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+    if sinks is not None:
+        o = _attend_with_sinks(qd, kc, vc, meta.decode_mask, scale, sinks.view(1, kv_heads, group, 1))
+    else:
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(d, heads, head_dim)
+
+
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] with the sink's column dropped after; mask None = causal.
+    q: [b, h, rows, d], k/v: [b, h, keys, d], sinks broadcastable to [b, h, rows, 1]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is None:
+        rows, keys = scores.shape[-2:]
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(keys - rows)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks: RMSNorm (plain and Gemma's 1 + w), rotary embedding, gated MLPs."""
 
 from __future__ import annotations
 
@@ -27,15 +27,35 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, with the config's scaling applied."""
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the scaling happens in
+    fp32 before the cast back (Llama casts first, then scales)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None,
+                  scaling: dict | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies, with the config's scaling applied (or the given base and
+    scaling: Gemma 3's sliding layers rotate with their own)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
+    if theta is None:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = scaling
     if s is None:
         return inv
     if s["rope_type"] == "linear":
         return inv / float(s["factor"])
+    if s["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv, dim, theta, s)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
@@ -48,6 +68,41 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv: torch.Tensor, dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: high-frequency pairs (many turns over the original context) keep their frequency,
+    low-frequency pairs are divided by `factor`, with a linear ramp between the pair indices
+    where the original context holds beta_fast and beta_slow turns."""
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def pair_at(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = pair_at(beta_fast), pair_at(beta_slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_scaling(scaling: dict | None) -> float:
+    """YaRN scales cos and sin (so q.k) by a factor growing with log(factor)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+
+
 class RotaryEmbedding:
     """cos/sin tables for every position, built once; a step gathers its rows once for all layers.
 
@@ -56,15 +111,16 @@ class RotaryEmbedding:
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        inv = rope_inv_freq(cfg).to(device)
+                 dtype: torch.dtype, theta: float | None = None, scaling: dict | None = None) -> None:
+        inv = rope_inv_freq(cfg, theta, scaling).to(device)
+        attn = rope_attention_scaling(cfg.rope_scaling if theta is None else scaling)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         half = freqs.shape[-1]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
+        self.cos = (emb.cos() * attn).to(dtype)
         # sin with the sign of rotate_half folded in, so the rotation is x*cos + roll(x)*sin.
-        sin = emb.sin()
+        sin = emb.sin() * attn
         sin[:, :half] = -sin[:, :half]
         self.sin = sin.to(dtype)
         self.half = half
@@ -91,3 +147,11 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class GeluTanhGLU(SwiGLU):
+    """Gemma's MLP: the gate goes through tanh-approximated GELU instead of SiLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -32,11 +32,32 @@ def test_qwen_switches():
     assert q2.attention_bias and not q2.qk_norm
 
 
-def test_rejects_what_the_model_cannot_run():
-    with pytest.raises(ValueError, match="sliding"):
-        ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096,
+def test_sliding_window_layer_types():
+    m = ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096,
                              "max_position_embeddings": 32768})
-    ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": None})
+    assert m.sliding_window == 4096 and m.layer_types == ("sliding_attention",) * 2
+    for window in (None, 32768):  # no window, or one as long as the context: full attention
+        m = ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": window,
+                                 "max_position_embeddings": 32768})
+        assert m.sliding_window is None and not m.is_sliding(0)
+    q2 = ModelConfig.from_hf({**BASE, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True,
+                              "max_window_layers": 1})
+    assert q2.layer_types == ("full_attention", "sliding_attention")
+    g = ModelConfig.from_hf({**BASE, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
+                             "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6,
+                             "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert [g.is_sliding(i) for i in range(7)] == [True] * 5 + [False, True]
+    assert g.rope_theta == 1e6 and g.local_rope_theta == 1e4 and g.rope_type == "linear"
+    assert g.tie_word_embeddings and g.qk_norm and g.query_pre_attn_scalar == 256
+
+
+def test_rejects_what_the_model_cannot_run():
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 8,
+                             "layer_types": ["chunked_attention"] * 2})
+    with pytest.raises(ValueError, match="softcapping"):
+        ModelConfig.from_hf({**BASE, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+                             "attn_logit_softcapping": 50.0})
     with pytest.raises(ValueError, match="rope"):
         ModelConfig.from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="model_type"):
