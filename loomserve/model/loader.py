@@ -6,21 +6,22 @@ import glob
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from loomserve.model.config import ModelConfig
 from loomserve.model.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.model.gguf_loader import cached_conversion
-from loomserve.model.llama import LlamaForCausalLM
+from loomserve.model.registry import resolve
 from loomserve.model.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
-    config: ModelConfig
+    model: nn.Module  # implements the contract in loomserve.model.registry
+    config: Any  # ModelConfig for the attention models; the model class's config_class otherwise
     tokenizer: Tokenizer
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
@@ -45,10 +46,10 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     folder, name = resolve_model(path, cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+        model_cls, cfg = resolve(json.load(f))
     # Build on the meta device: no time spent initializing weights that are overwritten next.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(folder))
     model.init_rotary(cfg.max_position_embeddings, device, dtype)
