@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from loomserve.kv.pool import Block
 
+_heappush = heapq.heappush
+
 
 @dataclass(frozen=True)
 class FlopModel:
@@ -67,11 +69,13 @@ class FlopAwareEvictor:
         return tick * self._inv_turnover + b.saved_flops * self._flop_scale
 
     def push(self, b: Block) -> None:
-        self._tick += 1
+        t = self._tick = self._tick + 1
         v = b.evict_ver + 1
         b.evict_ver = v
-        heapq.heappush(self._heap, (self.utility(b, self._tick), b.block_id, v, b))
-        if len(self._heap) > self._limit:
+        heap = self._heap
+        _heappush(heap, (t * self._inv_turnover + b.saved_flops * self._flop_scale,
+                         b.block_id, v, b))
+        if len(heap) > self._limit:
             self._compact()
 
     def pop(self) -> Block | None:
