@@ -6,9 +6,9 @@ A model module may also call `register()` itself.
 
 The contract a model class implements (the runner calls nothing else):
 
-    cls.config_class  (optional)      a class with from_hf(hf_config_dict) -> config; default
-                                      loomserve.model.config.ModelConfig. The config needs
-                                      vocab_size, max_position_embeddings and eos_token_ids.
+    cls.config_class  (optional)      a class with from_hf(hf_config_dict) -> config; else the
+                                      registry's CONFIGS entry; else ModelConfig. The config
+                                      needs vocab_size, max_position_embeddings, eos_token_ids.
     cls(config)                       built on the meta device, then .to(dtype).to_empty(device)
     load_weights(iter of (HF name, tensor))
     init_rotary(max_positions, device, dtype)    after the weights: derived tables (RoPE)
@@ -56,6 +56,11 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "loomserve.model.qwen3_next:Qwen3NextForCausalLM",
     "NemotronHForCausalLM": "loomserve.model.nemotron_h:NemotronHForCausalLM",
 }
+# Config classes of models that do not name one as `config_class` (default: ModelConfig).
+CONFIGS: dict[str, str] = {
+    "Qwen3NextForCausalLM": "loomserve.model.qwen3_next:Qwen3NextConfig",
+    "NemotronHForCausalLM": "loomserve.model.nemotron_h:NemotronHConfig",
+}
 # model_type -> architecture, for configs without `architectures`.
 MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -64,11 +69,18 @@ MODEL_TYPES: dict[str, str] = {
 }
 
 
-def register(architecture: str, target: str | type, model_type: str | None = None) -> None:
-    """Add or replace an entry; target is a class or a lazy "module:Class" path."""
-    ARCHITECTURES[architecture] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+def register(architecture: str, target: str | type, model_type: str | None = None,
+             config: str | type | None = None) -> None:
+    """Add or replace an entry; target (and config) is a class or a lazy "module:Class" path."""
+    ARCHITECTURES[architecture] = _path(target)
+    if config is not None:
+        CONFIGS[architecture] = _path(config)
     if model_type:
         MODEL_TYPES[model_type] = architecture
+
+
+def _path(target: str | type) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def _load(target: str) -> type | None:
@@ -95,6 +107,8 @@ def resolve(hf: dict[str, Any]) -> tuple[type, Any]:
         cls = _load(ARCHITECTURES[arch]) if arch in ARCHITECTURES else None
         if cls is not None:
             config_cls = getattr(cls, "config_class", None)
+            if config_cls is None and arch in CONFIGS:
+                config_cls = _load(CONFIGS[arch])
             if config_cls is None:
                 from loomserve.model.config import ModelConfig as config_cls
             return cls, config_cls.from_hf(hf)
