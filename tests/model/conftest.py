@@ -22,10 +22,10 @@ if (os.cpu_count() or 1) <= 2:
     torch.set_num_threads(1)
 
 
-def tiny_runner(name: str, block_size: int = 4):
+def tiny_runner(name: str, block_size: int = 4, dtype: str = "float32"):
     from loomserve.model.runner import ModelRunner
 
-    return ModelRunner(EngineConfig(model=str(FIXTURES / name), dtype="float32", device="cpu",
+    return ModelRunner(EngineConfig(model=str(FIXTURES / name), dtype=dtype, device="cpu",
                                     block_size=block_size, kv_cache_memory="2MB"))
 
 

@@ -160,3 +160,22 @@ def test_execute_greedy_matches_hf_generate(model):
         hf = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
     assert out == hf
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bfloat16_matches_hf_bfloat16(name):
+    """bf16 rounding points (Gemma's embed scale and fp32 (1 + w) norms) as transformers has them;
+    gpt-oss keeps its norms and sinks in fp32 where transformers does not, so it is held to the
+    fp32 reference instead."""
+    from transformers import AutoModelForCausalLM
+
+    runner = tiny_runner(name, dtype="bfloat16")
+    ref_dtype, tol = (torch.float32, 0.03) if name == "tiny-gpt-oss" else (torch.bfloat16, 0.01)
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=ref_dtype).eval()
+    full = _tokens(51, 6)
+    want = ref_logits(ref, full)
+    t = Tables(runner)
+    got = logits_of(runner, [_seq("a", full[:50], 0, t.cover(50))])
+    torch.testing.assert_close(got["a"], want[49], atol=tol, rtol=tol)
+    got = logits_of(runner, [_seq("a", full[50:], 50, t.cover(51))])
+    torch.testing.assert_close(got["a"], want[50], atol=tol, rtol=tol)
