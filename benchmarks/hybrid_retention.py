@@ -3,7 +3,7 @@ eviction policy, beside the full-attention-only bound. See loomserve/bench/hybri
 
     python benchmarks/hybrid_retention.py --traces weka=/work/shared/traces/weka \\
         --traces agentx-fresh=DIR --traces agentx-forked=DIR [--fractions 0.1,0.2,...] \\
-        [--out benchmarks/results/hybrid_retention.json]
+        [--outputs regenerated|echoed|both] [--out benchmarks/results/hybrid_retention.json]
 
 Targets: the best hybrid policy reaches >= 90% of the full-attention-only hit rate at every
 capacity, and >= 4x the hit rate of (a) (end-of-sequence states only) where (a) is weakest.
@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--traces", action="append", required=True, help="NAME=PATH")
     ap.add_argument("--fractions", default="0.1,0.2,0.4,0.7,1.0")
     ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--outputs", choices=["regenerated", "echoed", "both"], default="both",
+                    help="generated tokens never recur (served replay) / reappear verbatim in "
+                         "the next prompt (the recorded trace's view)")
     ap.add_argument("--out", default="benchmarks/results/hybrid_retention.json")
     args = ap.parse_args()
     fractions = [float(x) for x in args.fractions.split(",")]
@@ -33,10 +36,12 @@ def main() -> None:
            "capacity": "pool blocks = capacity tokens / block size, same for the "
                        "full-attention-only bound; state pages come out of the same blocks",
            "eviction_alpha": args.alpha, "sets": {}}
-    for spec in args.traces:
-        name, path = spec.split("=", 1)
+    modes = {"regenerated": [False], "echoed": [True], "both": [False, True]}[args.outputs]
+    jobs = [(spec.split("=", 1), echo) for spec in args.traces for echo in modes]
+    for (name, path), echo in jobs:
+        name = f"{name}/{'echoed' if echo else 'regenerated'}"
         t0 = time.time()
-        w = Workload(load_traces(path))
+        w = Workload(load_traces(path), echo_outputs=echo)
         print(f"{name}: {len(w.requests)} requests, working set {w.working_set_tokens} tokens",
               file=sys.stderr, flush=True)
         rows = evaluate(w, fractions, alpha=args.alpha,

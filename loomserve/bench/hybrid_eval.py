@@ -4,8 +4,9 @@ Each trace hash id becomes a block key (chained: a block's key is interned from 
 key and its id, per trace scope), requests run one at a time in time order: prefix lookup,
 allocation of the prompt, then the output as one decode span (so the state at the last block
 boundary of prompt + output is what the baseline keeps), then free. The output's blocks are
-the next turn's blocks of the same agent when that turn extends this prompt (the recorded
-output is part of the next prompt), else unique. Token hit rate = hit tokens / prompt tokens.
+either the next turn's recorded blocks (echo_outputs: the output reappears verbatim in the next
+prompt) or unique blocks (the model's tokens never recur, as in a served replay or when the
+client re-renders the answer). Token hit rate = hit tokens / prompt tokens.
 
 Model: Qwen3-Next-like (48 layers: 12 full attention, 2 KV heads x 256 bf16; 36 Gated DeltaNet
 with a 16 x 128 x 128 fp32 state + conv), one pool with a full-attention group and a linear
@@ -86,46 +87,55 @@ class EvalRequest:
 
 
 class Workload:
-    def __init__(self, sessions: list[Session]) -> None:
-        self.block_size = bs = sessions[0].block_size
-        intern: dict[tuple[int, int], int] = {}
-        raw = []
+    """The traces as a time-ordered list of requests with chained block keys.
+
+    echo_outputs says what a request's generated tokens become in the next turn of the same
+    agent. True: the recorded next prompt's blocks after this prompt (the output reappears
+    verbatim, so the state at the end of prompt + output is exactly where the next turn hits).
+    False: unique blocks, never seen again. That is what a served replay does (the model's
+    tokens differ from the recorded ones) and what clients that re-render or strip the previous
+    answer (thinking blocks, reformatted tool calls) do; there the state kept at a sequence's
+    end is never at a boundary a later request reaches.
+    """
+
+    def __init__(self, sessions: list[Session], echo_outputs: bool = True) -> None:
+        self.block_size = sessions[0].block_size
+        self.echo_outputs = echo_outputs
+        self._intern: dict[tuple[int, int], int] = {}
+        timed = []
         for si, s in enumerate(sessions):
-            by_agent: dict[str, list] = {}
-            for k, r in enumerate(s.all_requests()):
-                raw.append((r.t, si, k, r))
-                by_agent.setdefault(r.agent, []).append(r)
-            nxt = {}
-            for reqs in by_agent.values():
-                for a, b in zip(reqs, reqs[1:]):
-                    nxt[id(a)] = b
-            for _, _, _, r in raw[-len(s.all_requests()):]:
-                r_next = nxt.get(id(r))
-                m = len(r.hash_ids)
-                total = (r.in_tokens + r.out_tokens) // bs
-                ids = list(r.hash_ids)
-                if total > m:
-                    if r_next is not None and r_next.hash_ids[:m] == r.hash_ids:
-                        ids.extend(r_next.hash_ids[m:total])
-                    ids.extend(None for _ in range(total - len(ids)))  # unique blocks
-                keys = []
-                parent = si + 1
-                for h in ids[:total] if total > m else ids:
-                    if h is None:
-                        parent = -(len(intern) + 1)
-                        intern[(parent, 0)] = parent  # never shared
-                    else:
-                        parent = intern.setdefault((parent, h), len(intern) + 1)
-                    keys.append(parent)
-                setattr_ = keys  # noqa: F841
-                r_keys = [k.to_bytes(16, "little", signed=True) for k in keys]
-                self._pending = getattr(self, "_pending", {})
-                self._pending[id(r)] = r_keys
-        raw.sort(key=lambda x: (x[0], x[1], x[2]))
-        self.requests = [EvalRequest(r.in_tokens, r.out_tokens, self._pending[id(r)])
-                         for _, _, _, r in raw]
-        del self._pending
+            reqs = s.all_requests()
+            following = self._next_turns(reqs)
+            for k, r in enumerate(reqs):
+                timed.append(((r.t, si, k), EvalRequest(r.in_tokens, r.out_tokens,
+                                                        self._keys(si, r, following.get(id(r))))))
+        timed.sort(key=lambda x: x[0])
+        self.requests = [r for _, r in timed]
         self.unique_blocks = len({h for r in self.requests for h in r.hashes})
+
+    @staticmethod
+    def _next_turns(reqs) -> dict[int, object]:
+        by_agent: dict[str, list] = {}
+        for r in reqs:
+            by_agent.setdefault(r.agent, []).append(r)
+        return {id(a): b for turns in by_agent.values() for a, b in zip(turns, turns[1:])}
+
+    def _keys(self, scope: int, r, r_next) -> list[bytes]:
+        m = len(r.hash_ids)
+        total = max(m, (r.in_tokens + r.out_tokens) // self.block_size)
+        ids: list[int | None] = list(r.hash_ids)
+        if self.echo_outputs and r_next is not None and tuple(r_next.hash_ids[:m]) == tuple(r.hash_ids):
+            ids.extend(r_next.hash_ids[m:total])
+        ids.extend([None] * (total - len(ids)))  # blocks no later request shares
+        keys, parent = [], scope + 1
+        for h in ids:
+            if h is None:
+                parent = -(len(self._intern) + 1)
+                self._intern[(parent, 0)] = parent
+            else:
+                parent = self._intern.setdefault((parent, h), len(self._intern) + 1)
+            keys.append(parent.to_bytes(16, "little", signed=True))
+        return keys
 
     @property
     def working_set_tokens(self) -> int:
