@@ -100,20 +100,25 @@ def build_metadata(decodes: list[tuple[int, list[int]]], prefills: list[tuple[in
     )
     w = sliding_window
     if decodes:
-        # Per seq: the blocks from the one holding its first visible key to the one holding p.
-        firsts = [0 if w is None else max(0, p - w + 1) // block_size for p, _ in decodes]
-        lasts = [p // block_size for p, _ in decodes]
-        max_blocks = max(l - f for f, l in zip(firsts, lasts)) + 1
-        padded = []
-        for (_, t), f, l in zip(decodes, firsts, lasts):
-            row = t[f:l + 1]
-            padded.append(row + [row[-1]] * (max_blocks - len(row)))
-        meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        key_pos = torch.tensor(firsts)[:, None] * block_size + torch.arange(max_blocks * block_size)
+        # Per seq: the blocks from the one holding its first visible key to the one holding p,
+        # padded with its own last block (finite data, masked).
         p = torch.tensor([p for p, _ in decodes])[:, None]
-        mask = key_pos <= p
-        if w is not None:
-            mask &= key_pos > p - w
+        if w is None:
+            lens = [q // block_size + 1 for q, _ in decodes]
+            max_blocks = max(lens)
+            padded = [t[:n] + [t[n - 1]] * (max_blocks - n) for (_, t), n in zip(decodes, lens)]
+            mask = torch.arange(max_blocks * block_size)[None, :] <= p
+        else:
+            firsts = [max(0, q - w + 1) // block_size for q, _ in decodes]
+            lasts = [q // block_size for q, _ in decodes]
+            max_blocks = max(l - f for f, l in zip(firsts, lasts)) + 1
+            padded = []
+            for (_, t), f, l in zip(decodes, firsts, lasts):
+                row = t[f:l + 1]
+                padded.append(row + [row[-1]] * (max_blocks - len(row)))
+            key_pos = torch.tensor(firsts)[:, None] * block_size + torch.arange(max_blocks * block_size)
+            mask = (key_pos <= p) & (key_pos > p - w)
+        meta.decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
         meta.decode_mask = _additive(mask[:, None, None, :], dtype, device)
     row = len(decodes)
     for start_pos, n, table in prefills:
