@@ -47,6 +47,23 @@ def _add_serve(sub) -> None:
                    help="random seed (default: %(default)s)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_DEFAULTS["enable_prefix_caching"], help="disable prefix caching")
+    p.add_argument("--retention", default=_DEFAULTS["retention"],
+                   help="hybrid models: state checkpoints to keep besides sequence ends, a comma "
+                        "list of interval (end of each turn's prompt) and marconi (where a prefix "
+                        "is reused without one), or none (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=_DEFAULTS["checkpoint_every"],
+                   help="with interval retention, also a checkpoint every N tokens (0: off)")
+    p.add_argument("--max-checkpoints-per-path", type=int,
+                   default=_DEFAULTS["max_checkpoints_per_path"],
+                   help="most state checkpoints one request keeps (default: %(default)s)")
+    p.add_argument("--eviction", choices=["lru", "flop_aware"], default=_DEFAULTS["eviction"],
+                   help="which cached block goes first: least recently used, or lowest recency + "
+                        "FLOPs-saved-per-byte utility (default: %(default)s)")
+    p.add_argument("--session-pin-ttl", type=float, default=_DEFAULTS["session_pin_ttl"],
+                   help="keep a session's latest prefix through tool pauses for this many seconds "
+                        "(0: off; needs --session-pin-budget)")
+    p.add_argument("--session-pin-budget", default=_DEFAULTS["session_pin_budget"],
+                   help="most KV bytes pinned for sessions in all, e.g. 512MiB")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: %(default)s)")

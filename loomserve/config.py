@@ -30,6 +30,16 @@ class EngineConfig:
     max_num_seqs: int = 64
     long_prefill_threshold: int = 512  # per-request prefill cap per step; 0 disables it
     cache_dir: str | None = None  # converted-weight cache; default ~/.cache/loomserve
+    # Hybrid models (linear/SSM-state layers): which state checkpoints to keep besides the one
+    # at each sequence's end. "interval" = at the end of every turn's prompt (+ every N tokens
+    # with checkpoint_every); "marconi" = where a prefix is reused without a checkpoint.
+    retention: str = "interval,marconi"
+    checkpoint_every: int = 0
+    max_checkpoints_per_path: int = 4
+    eviction: str = "lru"  # or "flop_aware": recency + FLOPs saved per byte held
+    # Session pinning through tool pauses: off unless both are set.
+    session_pin_ttl: float = 0.0  # seconds
+    session_pin_budget: str | None = None  # bytes, e.g. 512MiB
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +52,18 @@ class EngineConfig:
             raise ValueError("long_prefill_threshold must be >= 0")
         if self.kv_cache_memory is not None:
             parse_memory(str(self.kv_cache_memory))  # fail early on a bad value
+        unknown = set(self.retention_policies) - {"interval", "marconi"}
+        if unknown:
+            raise ValueError(f"retention must list interval and/or marconi, got {self.retention!r}")
+        if self.eviction not in ("lru", "flop_aware"):
+            raise ValueError(f"eviction must be lru or flop_aware, got {self.eviction!r}")
+        if self.session_pin_budget is not None and \
+                parse_memory(str(self.session_pin_budget))[0] != "bytes":
+            raise ValueError("session-pin-budget must be a size in bytes, e.g. 512MiB")
+
+    @property
+    def retention_policies(self) -> list[str]:
+        return [p.strip() for p in self.retention.split(",") if p.strip() and p.strip() != "none"]
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -14,7 +14,7 @@ async generate(prompt, params, request_id=None, *, session_id=None, parent_sessi
 cache_salt=None) -> AsyncIterator[RequestOutput]: validates first (ValueError with a user-facing
 message), then yields one RequestOutput per batch of new tokens; the last has finished=True.
 Closing the iterator early (client gone, task cancelled) aborts the request and frees its blocks.
-async abort(request_id); stats() -> EngineStats; shutdown().
+async abort(request_id); async end_session(session_id); stats() -> EngineStats; shutdown().
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, RequestStatus.FINISHED_ABORTED))
 
+    async def end_session(self, session_id: str) -> None:
+        """Release the session's pinned blocks and hash memo (its agent is done)."""
+        self._send(("end_session", session_id))
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -139,6 +143,8 @@ class AsyncLLM:
             if cmd[0] == "add":
                 if cmd[1].request_id in self._streams:  # not abandoned before it arrived
                     self.core.add_request(cmd[1])
+            elif cmd[0] == "end_session":
+                self.core.end_session(cmd[1])
             else:
                 self.core.abort(cmd[1], cmd[2])
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from loomserve.config import EngineConfig
+from loomserve.config import EngineConfig, parse_memory
 from loomserve.engine.output import EngineStats
 from loomserve.engine.request import Request, RequestStatus
 from loomserve.engine.scheduler import Scheduler
+from loomserve.kv.eviction import FlopModel
 from loomserve.kv.manager import KVCacheManager
+from loomserve.kv.retention import RetentionConfig
+from loomserve.kv.spec import LinearStateSpec
 from loomserve.model.runner import ModelRunner
 
 
@@ -27,12 +30,33 @@ class CoreOutput:
     num_cached_tokens: int
 
 
+def retention_config(config: EngineConfig) -> RetentionConfig:
+    policies = config.retention_policies
+    budget = int(parse_memory(config.session_pin_budget)[1]) if config.session_pin_budget else 0
+    return RetentionConfig(interval="interval" in policies, every_n_tokens=config.checkpoint_every,
+                           marconi="marconi" in policies,
+                           max_checkpoints_per_path=config.max_checkpoints_per_path,
+                           pin_ttl_s=config.session_pin_ttl, pin_budget_bytes=budget)
+
+
+def flop_model(runner: ModelRunner) -> FlopModel:
+    """FLOPs to recompute a prefix: 2 per parameter per token, plus the quadratic attention term
+    of the attention layers (what FLOP-aware eviction weighs a block or checkpoint by)."""
+    mc = runner.model_config
+    attn_layers = sum(len(g.layer_ids) for g in runner.kv_cache_config.groups
+                      if not isinstance(g.spec, LinearStateSpec))
+    return FlopModel(linear_flops_per_token=2.0 * runner.num_params,
+                     attn_flops_per_pair=4.0 * attn_layers * mc.num_heads * mc.head_dim)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.kv = KVCacheManager(self.runner.kv_cache_config,
-                                 enable_caching=config.enable_prefix_caching)
+                                 enable_caching=config.enable_prefix_caching,
+                                 retention=retention_config(config), eviction=config.eviction,
+                                 flop_model=flop_model(self.runner))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.long_prefill_threshold)
         capacity = self.runner.kv_cache_config.capacity_tokens
@@ -57,6 +81,10 @@ class EngineCore:
             return False
         self.scheduler.finish(req, status)
         return True
+
+    def end_session(self, session_id: str) -> None:
+        """The agent session is over: release its pinned blocks and its prefix-hash memo."""
+        self.kv.end_session(session_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -238,6 +238,13 @@ def build_app(engine) -> FastAPI:
             raise model_not_found(model)
         return ModelCard(id=engine.model_name, created=started, max_model_len=engine.max_model_len)
 
+    @app.delete("/v1/sessions/{session_id}")
+    async def end_session(session_id: str) -> dict:
+        """An agent session is over (or should no longer be kept warm): unpin its blocks and
+        drop its prefix-hash memo. Idempotent; its cached blocks stay hittable until evicted."""
+        await engine.end_session(session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         h.check_model(body)

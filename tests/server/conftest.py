@@ -5,6 +5,7 @@ The server runs in a thread of the test process, so tests can read engine.stats(
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -36,8 +37,9 @@ class RunningServer:
         raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
 
 
-@pytest.fixture(scope="session")
-def server():
+@contextlib.contextmanager
+def running_server(**config):
+    """A real engine (tiny fixture model unless config says otherwise) behind uvicorn."""
     if not os.path.isdir(TINY_LLAMA):
         pytest.skip("tests/fixtures/tiny-llama is missing")
     import uvicorn
@@ -46,7 +48,8 @@ def server():
     from loomserve.engine.async_llm import AsyncLLM
     from loomserve.server.app import build_app
 
-    engine = AsyncLLM(EngineConfig(model=TINY_LLAMA, kv_cache_memory="8MiB", dtype="float32"))
+    config = {"model": TINY_LLAMA, "kv_cache_memory": "8MiB", "dtype": "float32", **config}
+    engine = AsyncLLM(EngineConfig(**config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -58,11 +61,19 @@ def server():
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
-    yield RunningServer(f"http://127.0.0.1:{port}", engine)
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
-    sock.close()
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", engine)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    with running_server() as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
