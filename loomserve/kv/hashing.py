@@ -81,10 +81,10 @@ def _common_full_blocks(a: list[int], b: list[int], num_blocks: int, block_size:
     n = num_blocks * block_size
     # Fast path, one slice: b is the previous request's whole token list (often a prefix of a).
     lb = len(b)
-    if lb <= len(a) and lb - n < block_size:
-        if a[:lb] == b:
-            return num_blocks
-    elif a[:n] == b[:n]:
+    if lb <= len(a) and lb - n < block_size and a[:lb] == b:
+        return num_blocks
+    # Next likeliest: only b's partial last block differs (e.g. a turn ending mid-block).
+    if a[:n] == b[:n]:
         return num_blocks
     # Find the first differing block: chunks first, then blocks inside the first bad chunk.
     step = _VERIFY_CHUNK_BLOCKS * block_size
