@@ -45,6 +45,7 @@ class RequestRecord:
     trace: str = ""
     agent: str = "main"
     turn: int = 0
+    prompt_ids: list[int] | None = None  # only with --record-prompts
 
     @property
     def ok(self) -> bool:

@@ -259,7 +259,8 @@ class Replayer:
                  scale_output: bool = False, warmup: bool = True, seed: int | None = None,
                  mode: str = "ids", pull_in_s: float = 10.0, drain_timeout_s: float = 60.0,
                  error_backoff_s: float = 1.0, run_nonce: str | None = None,
-                 on_record=None, text_ratio: float = 1.0) -> None:
+                 on_record=None, text_ratio: float = 1.0, keep_prompts: bool = False) -> None:
+        self.keep_prompts = keep_prompts  # token ids of each sent prompt, for offline re-play
         self.sessions = [s for s in sessions if s.main]
         if not self.sessions:
             raise ValueError("no trace with a main-agent request to replay")
@@ -491,7 +492,7 @@ class Replayer:
                             theoretical_cached_tokens=theo, max_tokens=body["max_tokens"],
                             truncated=prompt.truncated, primer=primer, slot=ctx.slot,
                             session=headers["X-Session-ID"], trace=ctx.trace, agent=agent,
-                            turn=turn)
+                            turn=turn, prompt_ids=list(prompt.tokens) if self.keep_prompts else None)
         self.pacer.begin()
         backoff = False
         try:
@@ -671,6 +672,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="API price, $ per M output tokens (default: %(default)s)")
     p.add_argument("--json-out", default=None, help="write the result JSON here")
     p.add_argument("--records", action="store_true", help="include per-request records in JSON")
+    p.add_argument("--record-prompts", action="store_true",
+                   help="with --records, also each prompt's token ids (ids mode), so the same "
+                        "requests can be re-played offline through the KV manager")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -705,7 +709,8 @@ async def run_replay(args, sessions, transport: Transport | None = None) -> dict
             concurrency=args.concurrency, duration=args.duration, time_scale=args.time_scale,
             max_context=max_context, max_output=max_output, scale_output=args.scale_output,
             warmup=args.warmup, seed=args.seed, mode=info.mode, pull_in_s=args.pull_in,
-            drain_timeout_s=args.drain_timeout, text_ratio=info.text_token_ratio or 1.0)
+            drain_timeout_s=args.drain_timeout, text_ratio=info.text_token_ratio or 1.0,
+            keep_prompts=getattr(args, "record_prompts", False) and info.mode == "ids")
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(signal.SIGINT, replayer.interrupt)

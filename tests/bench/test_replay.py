@@ -309,3 +309,13 @@ def test_duration_counts_from_the_end_of_the_primers():
     # that opens at 5 (a timer started before the primer would have closed at 12)
     measured = [s["t"] for s in server.sends[1:]]
     assert measured and measured[0] == pytest.approx(14.0)
+
+
+def test_records_keep_the_sent_prompts_when_asked():
+    clock = FakeClock()
+    server = FakeServer(clock, ttft=1.0)
+    main = [req(10 * i, api=1, out=1, ids=range(1, i + 2)) for i in range(3)]
+    _, records = replay([session("a", main)], clock, server, keep_prompts=True)
+    assert [r.prompt_ids for r in records] == [s["body"]["prompt"] for s in server.sends]
+    _, plain = replay([session("a", main)], FakeClock(), FakeServer(FakeClock()))
+    assert all(r.prompt_ids is None for r in plain)
