@@ -317,5 +317,6 @@ def test_records_keep_the_sent_prompts_when_asked():
     main = [req(10 * i, api=1, out=1, ids=range(1, i + 2)) for i in range(3)]
     _, records = replay([session("a", main)], clock, server, keep_prompts=True)
     assert [r.prompt_ids for r in records] == [s["body"]["prompt"] for s in server.sends]
-    _, plain = replay([session("a", main)], FakeClock(), FakeServer(FakeClock()))
+    clock2 = FakeClock()
+    _, plain = replay([session("a", main)], clock2, FakeServer(clock2))
     assert all(r.prompt_ids is None for r in plain)
