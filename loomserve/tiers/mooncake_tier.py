@@ -21,6 +21,7 @@ key faults raises TierUnavailable (the store then backs off).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import numpy as np
@@ -41,6 +42,8 @@ def import_store():
     """The MooncakeDistributedStore class, or ImportError saying what to install."""
     # Its INFO lines would flood the engine's stderr; warnings and errors still show.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    # setup() against a dead master retries for about 90 s by default; once takes ~4 s.
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:  # also raised when libibverbs1 is missing
@@ -95,6 +98,7 @@ class MooncakeTier(Tier):
         with self._conn_lock:
             if self._store is not None:
                 return self._store
+            self._probe_master()
             store = self._cls()
             rc = store.setup(self.local_hostname, self.metadata_server, 0,
                              self.local_buffer_bytes, self.protocol, "", self.master_address)
@@ -110,6 +114,16 @@ class MooncakeTier(Tier):
                 self._register(store, st)
             self._store = store
             return store
+
+    def _probe_master(self, timeout_s: float = 0.5) -> None:
+        """Fail fast when nothing listens at the master's address (setup would block)."""
+        host, _, port = self.master_address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                pass
+        except (OSError, ValueError) as e:
+            raise TierUnavailable(f"{self.name}: master {self.master_address} unreachable: "
+                                  f"{e}") from e
 
     def _register(self, store, st: _Staging) -> None:
         rc = store.register_buffer(st.ptr, st.buf.numel())

@@ -492,8 +492,11 @@ class TieredStore:
         else:
             h = TierHandle(self._io.submit(self._prefetch, list(keys)))
         self._prefetches[session_id] = h
-        h.add_done_callback(lambda hh: self._prefetches.get(session_id) is hh
-                            and self._prefetches.pop(session_id, None))
+
+        def forget(done: TierHandle) -> None:
+            if self._prefetches.get(session_id) is done:
+                self._prefetches.pop(session_id, None)
+        h.add_done_callback(forget)
         return h
 
     def _prefetch(self, keys: list[bytes]) -> PrefetchResult:

@@ -216,3 +216,30 @@ def test_mooncake_killed_mid_run_misses_then_recovers(victim, tmp_path, ks):
     finally:
         s.close()
         svc.stop()
+
+
+def test_mooncake_tier_created_before_the_pool_connects_later(tmp_path, ks):
+    require_mooncake()
+    svc = MooncakeService(segment_bytes=16 << 20, log_dir=tmp_path)  # ports picked, not started
+    t0 = time.perf_counter()
+    tier = mooncake_tier(svc)
+    assert time.perf_counter() - t0 < 2.0
+    s = TieredStore([tier], op_timeout_s=1.0, backoff_s=(0.2, 0.5))
+    try:
+        keys = ks.keys(block_hashes(2, tag=16))
+        src = pages(2, seed=16)
+        t0 = time.perf_counter()
+        assert s.lookup(keys).tiers == [None, None] and not tier.health.healthy
+        assert time.perf_counter() - t0 < 1.5
+        svc.start()
+        dst = torch.zeros_like(src)
+
+        def served():
+            s.store(keys, src)
+            s.flush(3)
+            return s.load(keys, dst).tiers == ["mooncake"] * 2
+        wait_until(served, 10, "the tier did not connect once the pool was up")
+        assert torch.equal(dst, src)
+    finally:
+        s.close()
+        svc.stop()
