@@ -8,9 +8,9 @@ ARGS ?=
 
 .PHONY: install serve test bench clean services
 
-install: services $(VENV)/.installed
+install: $(VENV)/.installed
 
-# System packages for the KV tier tests: libibverbs1 (Mooncake Store's module loads it even for
+# System packages for the KV tier tests (not needed to serve): libibverbs1 (Mooncake Store's module loads it even for
 # TCP) and redis-server. Needs root (or passwordless sudo) and apt; elsewhere it says so and
 # the tests that need them skip loudly.
 SERVICE_PKGS := libibverbs1 redis-server
@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/loomserve serve $(ARGS)
 
-test: install
+test: services install
 	$(PY) -m pytest -q $(ARGS)
 
 clean:
