@@ -136,6 +136,17 @@ class EngineCore:
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
 
+    def attach_tiers(self, store, max_inflight: int | None = None) -> TierConnector:
+        """Connect a ready-made TieredStore (e.g. with custom tiers) to this engine's pool."""
+        if self.tiers is not None:
+            raise RuntimeError("this engine already has KV tiers")
+        runner = self.runner
+        model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
+        self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
+                                   max_inflight or self.config.tier_max_inflight)
+        self.scheduler.tiers = self.tiers
+        return self.tiers
+
     def idle(self) -> None:
         """No request to run: release finished tier writes and start due prefetches."""
         if self.tiers is not None:
