@@ -262,6 +262,11 @@ class TierConnector:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
         tier loads supplied (the rest were already on the device)."""
         entry = self._loaded.pop(req.request_id, None)
+        if self.store.write_after_seen > 1 and num_hit_tokens:
+            # A hit counts as seen again: offer the hit blocks after this step too.
+            n = num_hit_tokens // self.block_size
+            for g in range(self.num_groups):
+                self._stored.append((g, req.block_hashes[:n]))
         if entry is None:
             return 0
         start, tiers = entry
@@ -302,12 +307,10 @@ class TierConnector:
         self.counters["session_pauses"] += 1
         store = self.store
         store.on_session_pause(keys, None, session_id=req.session_id)  # prefetch registry
-        if store.host is not None:  # pages already in host memory are on their way down
-            new = [i for i, c in enumerate(store.host.contains(keys)) if not c]
-            keys, rows, refs = [keys[i] for i in new], [rows[i] for i in new], \
-                [refs[i] for i in new]
-        if keys:
-            self._hold(store.store(keys, self.buffer, rows), refs)
+        new = store.unwritten(keys)  # the rest is in the top tier or on its way down
+        if new:
+            self._hold(store.store([keys[i] for i in new], self.buffer, [rows[i] for i in new]),
+                       [refs[i] for i in new])
 
     # -- engine side --------------------------------------------------------------------------
     def after_execute(self) -> None:

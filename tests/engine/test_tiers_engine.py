@@ -92,6 +92,24 @@ def test_host_tier_serves_evicted_prefix(page_bytes, reference):
         llm.close()
 
 
+def test_write_after_seen_two_stores_on_second_use(page_bytes, reference):
+    llm = small_llm(page_bytes, host_cache_memory=str(page_bytes * 64), tier_write_after_seen=2)
+    host = llm.core.tiers.store.host
+    keys = llm.core.tiers.keyspaces[0].keys(hash_chain(A, BS)[:6])
+    try:
+        assert run(llm, A).token_ids == reference[tuple(A)]
+        settle(llm)
+        assert not any(host.contains(keys))  # computed once: not written yet
+        assert run(llm, A).num_cached_tokens == 96  # a device hit: seen twice
+        settle(llm)
+        assert all(host.contains(keys))
+        evict_a(llm, reference)
+        out = run(llm, A)
+        assert out.token_ids == reference[tuple(A)] and out.num_tier_cached_tokens == 96
+    finally:
+        llm.close()
+
+
 def test_disk_tier_hits_after_restart(tmp_path, page_bytes, reference):
     kw = dict(disk_cache_dir=str(tmp_path / "kv"), disk_cache_size=str(page_bytes * 256))
     llm = small_llm(page_bytes, **kw)
