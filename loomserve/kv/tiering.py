@@ -143,6 +143,7 @@ class TierConnector:
         self.keyspaces = [KeySpace(fingerprint_for(kv.config, model_id, g))
                           for g in range(len(kv.config.groups))]
         self.num_groups = len(self.keyspaces)
+        self._all_indexed = all(t.index_in_memory for t in store.tiers)
         self._reqs: dict[str, _Pending] = {}
         self._rounds: dict[str, int] = {}
         # request id -> (first loaded block, tier of each loaded block), until admitted
@@ -210,14 +211,25 @@ class TierConnector:
         start, cap = n // bs, (len(req.all_token_ids) - 1) // bs
         if cap <= start:
             return GO
+        keys = self._keys(req, start, cap)
+        if self._surely_missing(keys[:self.num_groups]):
+            return GO
         if len(self._reqs) >= self.max_inflight:
             return WAIT
-        handle = self.store.lookup_async(self._keys(req, start, cap))
+        handle = self.store.lookup_async(keys)
         handle.add_done_callback(self._wake)
         self._reqs[rid] = _Pending("lookup", handle, start)
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
         self.counters["lookups"] += 1
         return WAIT
+
+    def _surely_missing(self, first: list[bytes]) -> bool:
+        """Whether the first block past the device hit is in no tier, known without I/O (every
+        tier indexes its keys in memory). A new turn's first uncached block is usually new
+        content, so this saves most requests a background lookup and a step of waiting."""
+        if not self._all_indexed:
+            return False
+        return not any(any(t.contains(first)) for t in self.store.tiers)
 
     def _start_load(self, req, st: _Pending) -> str:
         rid = req.request_id

@@ -74,6 +74,7 @@ def test_host_tier_serves_evicted_prefix(page_bytes, reference):
     try:
         first = run(llm, A)
         assert first.num_cached_tokens == 0 and first.token_ids == reference[tuple(A)]
+        assert llm.core.tiers.counters["lookups"] == 0  # an in-memory index said: no tier has it
         settle(llm)
         evict_a(llm, reference)
         again = run(llm, A)
@@ -153,6 +154,8 @@ def test_corrupt_disk_page_is_a_miss(tmp_path, page_bytes, reference):
 class SlowDisk(DiskTier):
     """A real disk tier whose lookups wait for `lookup_gate` and reads for `read_gate` (a slow
     backend)."""
+
+    index_in_memory = False  # its contains() may block: the engine must not ask inline
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
