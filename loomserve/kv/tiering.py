@@ -48,6 +48,7 @@ import glob
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 
 GO, WAIT, FULL = "go", "wait", "full"
 MAX_ROUNDS = 2
+PREFETCH_POLL_S = 0.02  # the prefetch predictor's due() scans every paused session
 
 
 def tiers_supported(kv_config: KVCacheConfig) -> bool:
@@ -152,6 +154,9 @@ class TierConnector:
         self._collect = True
         self._held: list[tuple[object, list[Block]]] = []  # (handle, blocks referenced)
         self._io_done = threading.Event()
+        # Prefetch brings pages up into host memory: only useful with a host tier above others.
+        self._prefetching = store.host is not None and bool(store.lower)
+        self._next_prefetch = 0.0
         # Served prefix tokens that came from each tier (counted when the request is admitted).
         self.hit_tokens: dict[str, int] = defaultdict(int)
         self.counters = {"lookups": 0, "loads": 0, "loaded_blocks": 0, "short_loads": 0,
@@ -361,7 +366,11 @@ class TierConnector:
                 else:
                     keep.append((handle, blocks))
             self._held = keep
-        self.store.poll_prefetch()
+        if self._prefetching:
+            now = time.monotonic()
+            if now >= self._next_prefetch:
+                self._next_prefetch = now + PREFETCH_POLL_S
+                self.store.poll_prefetch()
 
     def _wake(self, _handle) -> None:
         self._io_done.set()

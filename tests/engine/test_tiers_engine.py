@@ -271,6 +271,38 @@ def test_session_pause_registers_prefetch(page_bytes, reference):
         llm.close()
 
 
+def test_paused_session_is_prefetched_into_host_before_its_return(tmp_path, page_bytes,
+                                                                   reference):
+    llm = small_llm(page_bytes, host_cache_memory=str(page_bytes * 64),
+                    disk_cache_dir=str(tmp_path / "kv"), disk_cache_size=str(page_bytes * 256))
+    core = llm.core
+    conn = core.tiers
+    host = conn.store.host
+    keys = conn.keyspaces[0].keys(hash_chain(A, BS)[:6])
+
+    def turn(i):
+        r = llm.inputs.make_request(f"t{i}", A, GREEDY, session_id="sess")
+        core.add_request(r)
+        drain(core)
+        assert r.output_token_ids == reference[tuple(A)]
+
+    try:
+        turn(0)
+        time.sleep(0.3)  # think time, learned when the next turn arrives
+        turn(1)
+        settle(llm)
+        host.clear()  # the pause pushed the session's pages out of host memory
+        assert not any(host.contains(keys))
+        deadline = time.monotonic() + 5
+        while not all(host.contains(keys)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            core.idle()  # the engine polls prefetches every step and while idle
+        assert all(host.contains(keys)), "the session's pages were not prefetched"
+        assert conn.store.counters["prefetches"] >= 1
+    finally:
+        llm.close()
+
+
 # -- shared pool ------------------------------------------------------------------------------
 def test_mooncake_shared_pool_cross_instance(mooncake_service, page_bytes, reference):
     remote = f"mooncake://{mooncake_service.master_address}"
