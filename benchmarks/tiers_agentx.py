@@ -22,7 +22,6 @@ Writes benchmarks/results/tiers_agentx.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -33,7 +32,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO_ROOT, ServerProcess, format_table, free_port, host_info, write_json  # noqa: E402
+from common import (REPO_ROOT, ServerProcess, format_table, free_port, host_info,  # noqa: E402
+                    write_json)
 
 
 def env() -> dict:
@@ -231,13 +231,15 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     rows = [[n, r["hit_served"], r["hit_theoretical"], r["ttft_p50_s"], r["ttft_p90_s"],
              r["tpgs"], r["requests_ok"], r["errors"],
-             " ".join(f"{k}={int(v)}" for k, v in sorted((r["hit_tokens_by_source"] or {}).items()))]
+             " ".join(f"{k}={int(v)}"
+                      for k, v in sorted((r["hit_tokens_by_source"] or {}).items()))]
             for n, r in results.items()]
     print(format_table(["config", "hit served", "hit theor.", "TTFT p50 s", "TTFT p90 s",
                         "TPGS", "ok", "err", "hit tokens by source"], rows), file=sys.stderr)
     shared = None
-    if "2x-rr-mc" in results and "host+disk+mc" in results and results["host+disk+mc"]["hit_served"]:
-        shared = results["2x-rr-mc"]["hit_served"] / results["host+disk+mc"]["hit_served"]
+    single = results.get("host+disk+mc")
+    if "2x-rr-mc" in results and single and single["hit_served"]:
+        shared = results["2x-rr-mc"]["hit_served"] / single["hit_served"]
         print(f"shared pool hit rate / single instance: {shared:.3f} (target >= 0.9)",
               file=sys.stderr)
     payload = {"host": host_info(), "traces": traces, "args": vars(args), "results": results,

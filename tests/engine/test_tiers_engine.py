@@ -14,7 +14,7 @@ import pytest
 from loomserve import SamplingParams
 from loomserve.engine.request import RequestStatus
 from loomserve.kv.hashing import hash_chain
-from loomserve.tiers import DiskTier, HostTier, TieredStore
+from loomserve.tiers import DiskTier, TieredStore
 from loomserve.tiers import codec
 from tests.engine.conftest import make_llm
 from tests.tiers.conftest import mooncake_service, require_mooncake, require_redis  # noqa: F401
