@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 GO, WAIT, FULL = "go", "wait", "full"
 MAX_ROUNDS = 2
 PREFETCH_POLL_S = 0.02  # the prefetch predictor's due() scans every paused session
+# A load is issued in chunks of this many blocks: each tier call is bounded by the store's
+# op_timeout_s, and a long prefix in one call could exceed it and mark a healthy tier down.
+LOAD_CHUNK_BLOCKS = 64
 
 
 def tiers_supported(kv_config: KVCacheConfig) -> bool:
@@ -115,6 +118,33 @@ def build_tiered_store(config, page_bytes: int):
     if not tiers:
         return None
     return TieredStore(tiers, write_after_seen=config.tier_write_after_seen)
+
+
+class _AllOf:
+    """Several load handles seen as one: done when all are; its tiers are the chunks' tiers
+    in order (a failed chunk counts as not loaded)."""
+
+    __slots__ = ("handles", "sizes")
+
+    def __init__(self, handles: list, sizes: list[int]) -> None:
+        self.handles = handles
+        self.sizes = sizes
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def ready(self) -> bool:
+        return self.done()
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+    def tiers(self) -> list[str | None]:
+        out: list[str | None] = []
+        for h, n in zip(self.handles, self.sizes):
+            out += h.result().tiers if h.ready() else [None] * n
+        return out
 
 
 class _Pending:
@@ -249,17 +279,22 @@ class TierConnector:
         if not self.kv.allocate_slots(req, (end - start) * bs, hit, n, cache=False):
             return FULL  # keep the lookup result; try again next step
         ids = self.kv.get_block_ids(rid)
-        rows = [ids[g][i] for i in range(start, end) for g in range(self.num_groups)]
-        handle = self.store.load_async(self._keys(req, start, end), self.buffer, rows)
-        handle.add_done_callback(self._wake)
-        self._reqs[rid] = _Pending("load", handle, start, end - start)
+        handles, sizes = [], []
+        for lo in range(start, end, LOAD_CHUNK_BLOCKS):
+            hi = min(end, lo + LOAD_CHUNK_BLOCKS)
+            rows = [ids[g][i] for i in range(lo, hi) for g in range(self.num_groups)]
+            h = self.store.load_async(self._keys(req, lo, hi), self.buffer, rows)
+            h.add_done_callback(self._wake)
+            handles.append(h)
+            sizes.append(len(rows))
+        self._reqs[rid] = _Pending("load", _AllOf(handles, sizes), start, end - start)
         self.counters["loads"] += 1
         return WAIT
 
     def _finish_load(self, req, st: _Pending) -> str:
         rid = req.request_id
         del self._reqs[rid]
-        loaded = self._leading(st.handle.result().tiers) if st.handle.ready() else []
+        loaded = self._leading(st.handle.tiers())
         if len(loaded) < st.num:
             self.counters["short_loads"] += 1
         if loaded:

@@ -13,6 +13,7 @@ import pytest
 
 from loomserve import SamplingParams
 from loomserve.engine.request import RequestStatus
+from loomserve.kv import tiering
 from loomserve.kv.hashing import hash_chain
 from loomserve.tiers import DiskTier, TieredStore
 from loomserve.tiers import codec
@@ -129,7 +130,8 @@ def test_disk_tier_hits_after_restart(tmp_path, page_bytes, reference):
         fresh.close()
 
 
-def test_corrupt_disk_page_is_a_miss(tmp_path, page_bytes, reference):
+def test_corrupt_disk_page_is_a_miss(tmp_path, page_bytes, reference, monkeypatch):
+    monkeypatch.setattr(tiering, "LOAD_CHUNK_BLOCKS", 2)  # loads of [0,2) [2,4) [4,6)
     kw = dict(disk_cache_dir=str(tmp_path / "kv"), disk_cache_size=str(page_bytes * 256))
     llm = small_llm(page_bytes, **kw)
     try:
@@ -144,7 +146,10 @@ def test_corrupt_disk_page_is_a_miss(tmp_path, page_bytes, reference):
         evict_a(llm, reference)
         out = run(llm, A)
         assert out.token_ids == reference[tuple(A)]
-        assert out.num_tier_cached_tokens == 2 * BS  # blocks 0-1 loaded, 2.. recomputed
+        # blocks 0-1 loaded; 2 is corrupt, so 3-5 (loaded by their own chunks) are not a
+        # prefix: recomputed
+        assert out.num_tier_cached_tokens == 2 * BS
+        assert llm.core.tiers.counters["short_loads"] == 1
         assert disk.stats.corrupt >= 1  # dropped, then written again from the recompute
         settle(llm)
     finally:
