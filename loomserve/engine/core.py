@@ -1,7 +1,10 @@
 """The engine core: schedule, run, postprocess. Token ids in, token ids out.
 
 It owns the scheduler (control plane), the KV cache manager (data plane) and the model runner
-(execution plane) and is driven by exactly one thread. Text (detokenization, stop strings)
+(execution plane) and is driven by exactly one thread. With KV tiers configured, a TierConnector
+(data plane, loomserve.kv.tiering) sits beside the KV manager: the scheduler asks it about
+waiting requests, the step offers freshly computed blocks to it after the forward pass and
+polls it once per step; its I/O runs on the tier store's threads. Text (detokenization, stop strings)
 lives in the front end, off this loop, as in vLLM v1.
 """
 

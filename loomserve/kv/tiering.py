@@ -180,6 +180,9 @@ class TierConnector:
         self._rounds: dict[str, int] = {}
         # request id -> (first loaded block, tier of each loaded block), until admitted
         self._loaded: dict[str, tuple[int, list[str]]] = {}
+        # hash of the first block of each load in flight -> the loading request: a second
+        # request for the same prefix waits for that load instead of loading it again
+        self._loading: dict[bytes, str] = {}
         self._stored: list[tuple[int, list[bytes]]] = []  # BlockStored of this step
         self._collect = True
         self._held: list[tuple[object, list[Block]]] = []  # (handle, blocks referenced)
@@ -276,6 +279,9 @@ class TierConnector:
         if start >= end:
             del self._reqs[rid]
             return GO
+        first = req.block_hashes[start]
+        if self._loading.get(first, rid) != rid:
+            return WAIT  # the same prefix is being loaded for another request
         if not self.kv.allocate_slots(req, (end - start) * bs, hit, n, cache=False):
             return FULL  # keep the lookup result; try again next step
         ids = self.kv.get_block_ids(rid)
@@ -288,12 +294,14 @@ class TierConnector:
             handles.append(h)
             sizes.append(len(rows))
         self._reqs[rid] = _Pending("load", _AllOf(handles, sizes), start, end - start)
+        self._loading[first] = rid
         self.counters["loads"] += 1
         return WAIT
 
     def _finish_load(self, req, st: _Pending) -> str:
         rid = req.request_id
         del self._reqs[rid]
+        self._loading.pop(req.block_hashes[st.start], None)
         loaded = self._leading(st.handle.tiers())
         if len(loaded) < st.num:
             self.counters["short_loads"] += 1
@@ -335,6 +343,8 @@ class TierConnector:
         self._loaded.pop(rid, None)
         st = self._reqs.pop(rid, None)
         if st is not None:
+            if st.phase == "load":
+                self._loading.pop(req.block_hashes[st.start], None)
             if st.phase == "load" and not st.handle.done():
                 blocks = self.kv.coordinator.request_blocks(rid)
                 held = [b for g in blocks for b in g[st.start:st.start + st.num]]

@@ -225,6 +225,38 @@ def test_slow_tier_lookup_does_not_block_other_requests(tmp_path, page_bytes, re
         llm.close()
 
 
+def test_same_prefix_is_loaded_once(tmp_path, page_bytes, reference):
+    llm = small_llm(page_bytes)
+    disk, store = slow_store(tmp_path, page_bytes)
+    conn = llm.core.attach_tiers(store)
+    core = llm.core
+    try:
+        run(llm, A)
+        settle(llm)
+        evict_a(llm, reference)
+        loads = conn.counters["loads"]
+        disk.read_gate.clear()
+        reqs = [llm.inputs.make_request(f"a{i}", A, GREEDY) for i in range(2)]
+        for r in reqs:
+            core.add_request(r)
+        for _ in range(10):
+            core.step()
+        assert conn.counters["loads"] == loads + 1  # the second waits for the first's load
+        assert all(r.status == RequestStatus.WAITING for r in reqs)
+        disk.open()
+        drain(core)
+        for r in reqs:
+            assert r.output_token_ids == reference[tuple(A)]
+        # whichever lookup came back first loaded; the other hit what it loaded on the device
+        assert sorted(r.num_tier_cached_tokens for r in reqs) == [0, 96]
+        assert [r.num_cached_tokens for r in reqs] == [96, 96]
+        assert conn.counters["loads"] == loads + 1
+        settle(llm)
+    finally:
+        disk.open()
+        llm.close()
+
+
 def test_abort_during_load_keeps_rows_until_the_load_ends(tmp_path, page_bytes, reference):
     llm = small_llm(page_bytes)
     disk, store = slow_store(tmp_path, page_bytes)
