@@ -26,8 +26,9 @@ Load path, per waiting request (no state -> lookup -> load -> no state):
   [n', n + k) in one transaction with the device hit, without caching them, and load_async the
   pages into their rows; WAIT. A pool too full for that answers FULL (the scheduler stops
   admitting, as for any allocation failure) and the load is tried again next step.
-- load done, j leading blocks loaded: cache exactly those j blocks under their hashes, then free
-  the request's blocks. The loaded blocks stay in the pool as ordinary cached blocks; the
+- load done, j leading blocks loaded (noticed by `poll()`, whatever the request's place in the
+  queue, so a full pool never waits on a loader the scheduler does not reach): cache exactly
+  those j blocks under their hashes, then free the request's blocks. The loaded blocks stay in the pool as ordinary cached blocks; the
   unloaded ones are unhashed and reused first. GO: the scheduler's normal admission hits them
   on the device, so a short or failed load only means more recompute.
 
@@ -151,9 +152,10 @@ class _Pending:
     """A request's tier I/O in flight: phase 'lookup' (keys of blocks [start, ...)) or 'load'
     (num blocks from block start)."""
 
-    __slots__ = ("phase", "handle", "start", "num")
+    __slots__ = ("req", "phase", "handle", "start", "num")
 
-    def __init__(self, phase: str, handle, start: int, num: int = 0) -> None:
+    def __init__(self, req, phase: str, handle, start: int, num: int = 0) -> None:
+        self.req = req
         self.phase = phase
         self.handle = handle
         self.start = start
@@ -215,12 +217,15 @@ class TierConnector:
         WAIT: skip it this step; FULL: the pool cannot take its tier blocks now."""
         st = self._reqs.get(req.request_id)
         if st is None:
+            if req.request_id in self._loaded:
+                return GO  # its load finished (in poll): the device probe sees the pages
             return self._start_lookup(req)
         if not st.handle.done():
             return WAIT
         if st.phase == "lookup":
             return self._start_load(req, st)
-        return self._finish_load(req, st)
+        self._finish_load(req, st)
+        return GO
 
     def _keys(self, req, start: int, end: int) -> list[bytes]:
         """Position-major keys of blocks [start, end) of every group."""
@@ -256,7 +261,7 @@ class TierConnector:
             return WAIT
         handle = self.store.lookup_async(keys)
         handle.add_done_callback(self._wake)
-        self._reqs[rid] = _Pending("lookup", handle, start)
+        self._reqs[rid] = _Pending(req, "lookup", handle, start)
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
         self.counters["lookups"] += 1
         return WAIT
@@ -293,12 +298,12 @@ class TierConnector:
             h.add_done_callback(self._wake)
             handles.append(h)
             sizes.append(len(rows))
-        self._reqs[rid] = _Pending("load", _AllOf(handles, sizes), start, end - start)
+        self._reqs[rid] = _Pending(req, "load", _AllOf(handles, sizes), start, end - start)
         self._loading[first] = rid
         self.counters["loads"] += 1
         return WAIT
 
-    def _finish_load(self, req, st: _Pending) -> str:
+    def _finish_load(self, req, st: _Pending) -> None:
         rid = req.request_id
         del self._reqs[rid]
         self._loading.pop(req.block_hashes[st.start], None)
@@ -313,10 +318,9 @@ class TierConnector:
                 self.kv.allocate_slots(req, 0)  # caches exactly the loaded blocks; needs none
             finally:
                 self._collect = True
-            self._loaded[rid] = (st.start, loaded)
+        self._loaded[rid] = (st.start, loaded)
         self.kv.free(req)
         req.num_computed_tokens = 0
-        return GO
 
     def on_admit(self, req, num_hit_tokens: int) -> int:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
@@ -402,7 +406,12 @@ class TierConnector:
         self._held.append((handle, blocks))
 
     def poll(self) -> None:
-        """Once per step: release rows whose store/load finished; start due prefetches."""
+        """Once per step: finish the loads that are done (their blocks become cached and the
+        request holds none, whatever its place in the queue: a full pool must not wait on a
+        request the scheduler does not reach), release rows whose store/load finished, start
+        due prefetches."""
+        for st in [st for st in self._reqs.values() if st.phase == "load" and st.handle.done()]:
+            self._finish_load(st.req, st)
         if self._held:
             keep = []
             for handle, blocks in self._held:

@@ -257,6 +257,47 @@ def test_same_prefix_is_loaded_once(tmp_path, page_bytes, reference):
         llm.close()
 
 
+def test_finished_load_releases_rows_though_the_queue_head_is_stuck(tmp_path, page_bytes,
+                                                                    reference, monkeypatch):
+    llm = small_llm(page_bytes)
+    disk, store = slow_store(tmp_path, page_bytes)
+    conn = llm.core.attach_tiers(store)
+    core = llm.core
+    try:
+        run(llm, A)
+        settle(llm)
+        evict_a(llm, reference)
+        disk.read_gate.clear()
+        a = llm.inputs.make_request("a", A, GREEDY)
+        core.add_request(a)
+        deadline = time.monotonic() + 10
+        while ("a" not in conn._reqs or conn._reqs["a"].phase != "load") and \
+                time.monotonic() < deadline:
+            core.step()
+        # a holds 6 of the 16 blocks; a long request jumps to the head and cannot fit beside it
+        monkeypatch.setattr(tiering, "MAX_ROUNDS", 0)  # it asks no tier: the head just waits
+        big = prompt(7, 200)
+        b = llm.inputs.make_request("b", big, GREEDY)
+        core.add_request(b)
+        core.scheduler.waiting.remove(b)
+        core.scheduler.waiting.appendleft(b)
+        core.step()
+        assert b.status == RequestStatus.WAITING
+        disk.open()
+        deadline = time.monotonic() + 10
+        while b.status == RequestStatus.WAITING and time.monotonic() < deadline:
+            core.step()
+        assert b.status != RequestStatus.WAITING, "a's finished load kept its rows"
+        drain(core)
+        assert a.output_token_ids == reference[tuple(A)]
+        ref_big = make_llm(enable_prefix_caching=False).generate(big, GREEDY)[0].token_ids
+        assert b.output_token_ids == ref_big
+        settle(llm)
+    finally:
+        disk.open()
+        llm.close()
+
+
 def test_abort_during_load_keeps_rows_until_the_load_ends(tmp_path, page_bytes, reference):
     llm = small_llm(page_bytes)
     disk, store = slow_store(tmp_path, page_bytes)
