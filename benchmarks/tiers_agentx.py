@@ -206,27 +206,32 @@ def main() -> int:
     from loomserve.tiers.service import MooncakeService, parse_size
     results: dict[str, dict] = {}
     try:
-        with MooncakeService(segment_bytes=parse_size(args.pool_size),
-                             log_dir=work) as mc:
-            remote = ["--remote-cache", f"mooncake://{mc.master_address}"]
-            host = ["--host-cache-memory", args.host_cache_memory]
+        host = ["--host-cache-memory", args.host_cache_memory]
 
-            def disk(tag: str) -> list[str]:
-                return ["--disk-cache-dir", os.path.join(work, f"disk-{tag}"),
-                        "--disk-cache-size", args.disk_cache_size]
-            singles = {"device": [], "host": host, "host+disk": host + disk("a"),
-                       "host+disk+mc": host + disk("b") + remote}
-            pairs = {"2x-rr-mc": host + remote, "2x-rr-none": []}
-            for name, tiers in singles.items():
-                if args.only and name not in args.only:
-                    continue
+        def disk(tag: str) -> list[str]:
+            return ["--disk-cache-dir", os.path.join(work, f"disk-{tag}"),
+                    "--disk-cache-size", args.disk_cache_size]
+        # "mc" stands for a Mooncake pool started fresh for that configuration alone, so no
+        # configuration hits what an earlier one left in the pool.
+        singles = {"device": [], "host": host, "host+disk": host + disk("a"),
+                   "host+disk+mc": host + disk("b") + ["mc"]}
+        pairs = {"2x-rr-mc": host + ["mc"], "2x-rr-none": []}
+        for name, tiers in [*singles.items(), *pairs.items()]:
+            if args.only and name not in args.only:
+                continue
+            mc = None
+            if "mc" in tiers:
+                mc = MooncakeService(segment_bytes=parse_size(args.pool_size),
+                                     log_dir=work).start()
+                tiers = [t for t in tiers if t != "mc"] + [
+                    "--remote-cache", f"mooncake://{mc.master_address}"]
+            try:
                 print(f"{name}: {' '.join(tiers) or 'no tiers'}", file=sys.stderr, flush=True)
-                results[name] = run_single(name, tiers, traces, args)
-            for name, tiers in pairs.items():
-                if args.only and name not in args.only:
-                    continue
-                print(f"{name}: {' '.join(tiers) or 'no tiers'}", file=sys.stderr, flush=True)
-                results[name] = run_pair(name, tiers, traces, args)
+                run = run_pair if name in pairs else run_single
+                results[name] = run(name, tiers, traces, args)
+            finally:
+                if mc is not None:
+                    mc.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [[n, r["hit_served"], r["hit_theoretical"], r["ttft_p50_s"], r["ttft_p90_s"],

@@ -174,7 +174,7 @@ class EngineCore:
             generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_hit_tokens_by_source=(
-                self.tiers.hit_tokens_by_source(kv.stats.prefix_hit_tokens)
+                self.tiers.hit_tokens_by_source()
                 if self.tiers is not None else {"device": kv.stats.prefix_hit_tokens}),
             tiers=self.tiers.stats() if self.tiers is not None else {},
         )

@@ -30,7 +30,8 @@ class EngineStats:
     prompt_tokens: int = 0  # cumulative, prefill tokens requested
     generation_tokens: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
-    # Served prefix-hit tokens by where they came from: "device" and one entry per KV tier
-    # (sums to prefix_hit_tokens); per-tier store counters under tiers.
+    # Served prefix-hit tokens by where they came from: "device" and one entry per KV tier,
+    # counted once per admitted request (prefix_hit_tokens also counts retried lookups);
+    # per-tier store counters under tiers.
     prefix_hit_tokens_by_source: dict[str, int] = field(default_factory=dict)
     tiers: dict = field(default_factory=dict)

@@ -192,7 +192,8 @@ class TierConnector:
         # Prefetch brings pages up into host memory: only useful with a host tier above others.
         self._prefetching = store.host is not None and bool(store.lower)
         self._next_prefetch = 0.0
-        # Served prefix tokens that came from each tier (counted when the request is admitted).
+        # Served prefix tokens by source, "device" or a tier's name, counted once per admission
+        # (the KV manager's own counters also count probes whose allocation failed).
         self.hit_tokens: dict[str, int] = defaultdict(int)
         self.counters = {"lookups": 0, "loads": 0, "loaded_blocks": 0, "short_loads": 0,
                          "offered_blocks": 0, "session_pauses": 0}
@@ -326,16 +327,21 @@ class TierConnector:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
         tier loads supplied (the rest were already on the device)."""
         entry = self._loaded.pop(req.request_id, None)
+        tier_tokens = self._count_tier_tokens(entry, num_hit_tokens)
+        self.hit_tokens["device"] += num_hit_tokens - tier_tokens
         if self.store.write_after_seen > 1 and num_hit_tokens:
             # A hit counts as seen again: offer the hit blocks after this step too.
             n = num_hit_tokens // self.block_size
             for g in range(self.num_groups):
                 self._stored.append((g, req.block_hashes[:n]))
+        return tier_tokens
+
+    def _count_tier_tokens(self, entry, num_hit_tokens: int) -> int:
         if entry is None:
             return 0
         start, tiers = entry
-        usable = max(0, min(len(tiers), num_hit_tokens // self.block_size - start))
         bs = self.block_size
+        usable = max(0, min(len(tiers), num_hit_tokens // bs - start))
         for t in tiers[:usable]:
             self.hit_tokens[t] += bs
         return usable * bs
@@ -439,9 +445,8 @@ class TierConnector:
     def num_held_blocks(self) -> int:
         return sum(len(b) for _, b in self._held)
 
-    def hit_tokens_by_source(self, total_hit_tokens: int) -> dict[str, int]:
-        tiers = dict(self.hit_tokens)
-        return {"device": total_hit_tokens - sum(tiers.values()), **tiers}
+    def hit_tokens_by_source(self) -> dict[str, int]:
+        return {"device": 0, **self.hit_tokens}
 
     def stats(self) -> dict:
         """Connector counters and each tier's counters and health (cheap: no histograms)."""

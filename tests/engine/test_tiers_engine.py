@@ -83,7 +83,7 @@ def test_host_tier_serves_evicted_prefix(page_bytes, reference):
         assert again.num_cached_tokens == again.num_tier_cached_tokens == 96  # 6 full blocks
         stats = llm.core.stats()
         assert stats.prefix_hit_tokens_by_source["host"] == 96
-        assert sum(stats.prefix_hit_tokens_by_source.values()) == stats.prefix_hit_tokens
+        assert stats.prefix_hit_tokens_by_source["device"] <= stats.prefix_hit_tokens
         assert stats.tiers["tiers"]["host"]["hits"] >= 6
         # the loaded blocks are ordinary device hits now
         third = run(llm, A)
