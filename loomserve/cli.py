@@ -64,6 +64,23 @@ def _add_serve(sub) -> None:
                         "(0: off; needs --session-pin-budget)")
     p.add_argument("--session-pin-budget", default=_DEFAULTS["session_pin_budget"],
                    help="most KV bytes pinned for sessions in all, e.g. 512MiB")
+    t = p.add_argument_group("KV tiers", "pages below the device pool; all off by default")
+    t.add_argument("--host-cache-memory", default=_DEFAULTS["host_cache_memory"],
+                   help="host memory for KV pages evicted from the device, e.g. 8GiB (default: off)")
+    t.add_argument("--disk-cache-dir", default=_DEFAULTS["disk_cache_dir"],
+                   help="local disk tier directory; pages survive a restart (default: off)")
+    t.add_argument("--disk-cache-size", default=_DEFAULTS["disk_cache_size"],
+                   help="bytes the disk tier may use (default: %(default)s)")
+    t.add_argument("--remote-cache", default=_DEFAULTS["remote_cache"],
+                   help="shared pool: mooncake://HOST:PORT (the master, see `loomserve store`) "
+                        "or redis://HOST:PORT (default: off)")
+    t.add_argument("--tier-write-after-seen", type=int,
+                   default=_DEFAULTS["tier_write_after_seen"],
+                   help="write a block down once computed or hit this many times "
+                        "(default: %(default)s)")
+    t.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
+                   help="most requests with a tier lookup or load in flight "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: %(default)s)")

@@ -40,6 +40,13 @@ class EngineConfig:
     # Session pinning through tool pauses: off unless both are set.
     session_pin_ttl: float = 0.0  # seconds
     session_pin_budget: str | None = None  # bytes, e.g. 512MiB
+    # KV tiers below the device pool (loomserve.tiers), all off by default.
+    host_cache_memory: str | None = None  # bytes of host memory for KV pages, e.g. 8GiB
+    disk_cache_dir: str | None = None  # local disk tier directory
+    disk_cache_size: str = "16GiB"  # bytes the disk tier may use
+    remote_cache: str | None = None  # mooncake://HOST:PORT (master) or redis://HOST:PORT[/DB]
+    tier_write_after_seen: int = 1  # store a block once computed/hit this many times
+    tier_max_inflight: int = 8  # most requests with a tier lookup or load in flight
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -60,6 +67,20 @@ class EngineConfig:
         if self.session_pin_budget is not None and \
                 parse_memory(str(self.session_pin_budget))[0] != "bytes":
             raise ValueError("session-pin-budget must be a size in bytes, e.g. 512MiB")
+        for name in ("host_cache_memory", "disk_cache_size"):
+            v = getattr(self, name)
+            if v is not None and parse_memory(str(v))[0] != "bytes":
+                raise ValueError(f"{name.replace('_', '-')} must be a size in bytes, e.g. 8GiB")
+        if self.remote_cache is not None and \
+                not self.remote_cache.startswith(("mooncake://", "redis://")):
+            raise ValueError("remote-cache must be mooncake://HOST:PORT or redis://HOST:PORT, "
+                             f"got {self.remote_cache!r}")
+        if self.tier_write_after_seen < 1 or self.tier_max_inflight < 1:
+            raise ValueError("tier-write-after-seen and tier-max-inflight must be >= 1")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return bool(self.host_cache_memory or self.disk_cache_dir or self.remote_cache)
 
     @property
     def retention_policies(self) -> list[str]:

@@ -137,6 +137,7 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.core.close()
 
     # -- engine thread ---------------------------------------------------------------------
     def _send(self, command: tuple) -> None:
@@ -148,6 +149,7 @@ class AsyncLLM:
         while not self._stopped:
             self._drain_commands()
             if not core.has_work():
+                core.idle()
                 self._stats = core.stats()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

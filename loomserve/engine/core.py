@@ -1,12 +1,16 @@
 """The engine core: schedule, run, postprocess. Token ids in, token ids out.
 
 It owns the scheduler (control plane), the KV cache manager (data plane) and the model runner
-(execution plane) and is driven by exactly one thread. Text (detokenization, stop strings)
+(execution plane) and is driven by exactly one thread. With KV tiers configured, a TierConnector
+(data plane, loomserve.kv.tiering) sits beside the KV manager: the scheduler asks it about
+waiting requests, the step offers freshly computed blocks to it after the forward pass and
+polls it once per step; its I/O runs on the tier store's threads. Text (detokenization, stop strings)
 lives in the front end, off this loop, as in vLLM v1.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,7 +22,11 @@ from loomserve.kv.eviction import FlopModel
 from loomserve.kv.manager import KVCacheManager
 from loomserve.kv.retention import RetentionConfig
 from loomserve.kv.spec import LinearStateSpec
+from loomserve.kv.tiering import (TierConnector, build_tiered_store, model_identity,
+                                  tiers_supported)
 from loomserve.model.runner import ModelRunner
+
+log = logging.getLogger("loomserve.engine")
 
 
 @dataclass
@@ -28,6 +36,26 @@ class CoreOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
+    num_tier_cached_tokens: int = 0
+
+
+def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
+                        ) -> TierConnector | None:
+    """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
+    if not config.tiers_enabled:
+        return None
+    if not config.enable_prefix_caching:
+        log.warning("KV tiers need prefix caching; tiers disabled")
+        return None
+    if not tiers_supported(runner.kv_cache_config):
+        kinds = sorted({g.spec.kind for g in runner.kv_cache_config.groups})
+        log.warning("KV tiers disabled: they support full-attention models only, this model "
+                    "has %s layer groups", ", ".join(kinds))
+        return None
+    store = build_tiered_store(config, runner.kv_cache_config.page_bytes)
+    model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
+    log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
+    return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier_max_inflight)
 
 
 def retention_config(config: EngineConfig) -> RetentionConfig:
@@ -57,8 +85,9 @@ class EngineCore:
                                  enable_caching=config.enable_prefix_caching,
                                  retention=retention_config(config), eviction=config.eviction,
                                  flop_model=flop_model(self.runner))
+        self.tiers = make_tier_connector(config, self.runner, self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.long_prefill_threshold)
+                                   config.long_prefill_threshold, self.tiers)
         capacity = self.runner.kv_cache_config.capacity_tokens
         if capacity < config.block_size:
             raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
@@ -91,16 +120,46 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         t0 = time.perf_counter()
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.poll()
         sched = self.scheduler.schedule()
         sampled = self.runner.execute(sched.model_input).sampled if sched.model_input.seqs else {}
+        if tiers is not None:
+            tiers.after_execute()
+            if not sched.model_input.seqs:
+                tiers.wait_io(0.005)  # only tier I/O is pending: do not spin
         outputs = []
         for req, tokens in self.scheduler.update(sched, sampled):
             self.generation_tokens += len(tokens)
             done = req.status.finished
             outputs.append(CoreOutput(req.request_id, tokens, done,
-                                      req.status.value if done else None, req.num_cached_tokens))
+                                      req.status.value if done else None, req.num_cached_tokens,
+                                      req.num_tier_cached_tokens))
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
+
+    def attach_tiers(self, store, max_inflight: int | None = None) -> TierConnector:
+        """Connect a ready-made TieredStore (e.g. with custom tiers) to this engine's pool."""
+        if self.tiers is not None:
+            raise RuntimeError("this engine already has KV tiers")
+        runner = self.runner
+        model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
+        self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
+                                   max_inflight or self.config.tier_max_inflight)
+        self.scheduler.tiers = self.tiers
+        return self.tiers
+
+    def idle(self) -> None:
+        """No request to run: release finished tier writes and start due prefetches."""
+        if self.tiers is not None:
+            self.tiers.poll()
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+            self.scheduler.tiers = None
 
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -114,4 +173,8 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_hit_tokens_by_source=(
+                self.tiers.hit_tokens_by_source()
+                if self.tiers is not None else {"device": kv.stats.prefix_hit_tokens}),
+            tiers=self.tiers.stats() if self.tiers is not None else {},
         )

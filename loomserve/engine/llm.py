@@ -51,6 +51,10 @@ class LLM:
                     self.core.abort(out.request_id, RequestStatus.FINISHED_STOPPED)
         return [results[rid] for rid in states]
 
+    def close(self) -> None:
+        """Stop the KV tiers' background threads (no-op without tiers)."""
+        self.core.close()
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""

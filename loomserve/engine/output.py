@@ -15,7 +15,8 @@ class RequestOutput:
     new_text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (device + tiers)
+    num_tier_cached_tokens: int = 0  # of those, loaded from a KV tier below the device
 
 
 @dataclass
@@ -29,3 +30,8 @@ class EngineStats:
     prompt_tokens: int = 0  # cumulative, prefill tokens requested
     generation_tokens: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
+    # Served prefix-hit tokens by where they came from: "device" and one entry per KV tier,
+    # counted once per admitted request (prefix_hit_tokens also counts retried lookups);
+    # per-tier store counters under tiers.
+    prefix_hit_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    tiers: dict = field(default_factory=dict)

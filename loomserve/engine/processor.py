@@ -77,9 +77,10 @@ class RequestState:
     def process(self, outs: list[CoreOutput]) -> RequestOutput:
         """Fold one or more core outputs into a RequestOutput with the deltas since the last."""
         new_ids: list[int] = []
-        cached = 0
+        cached = tier_cached = 0
         for out in outs:
             cached = out.num_cached_tokens
+            tier_cached = getattr(out, "num_tier_cached_tokens", 0)
             if self.finished:
                 break
             for tok in out.new_token_ids:
@@ -96,7 +97,8 @@ class RequestState:
         new_text = self.text[self._sent_text:end]
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
-                             new_ids, new_text, self.finished, self.finish_reason, max(cached, 0))
+                             new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
+                             tier_cached)
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)

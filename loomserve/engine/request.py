@@ -46,6 +46,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = -1  # set at first admission; -1 = not admitted yet
+        self.num_tier_cached_tokens = 0  # of those, loaded from a KV tier (host/disk/remote)
         self.num_preemptions = 0
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:

@@ -14,8 +14,13 @@ The per-request cap (`long_prefill_threshold`) is what keeps short cached agent 
 beside a long fresh prefill: the long one advances a chunk per step while the rest still fit
 in the budget.
 
+With KV tiers (a TierConnector, loomserve.kv.tiering), a waiting request first asks the
+connector: while its tier lookup or load is in flight it stays waiting and is skipped, and the
+requests behind it are still admitted; once its pages are loaded they are ordinary device hits.
+
 Invariants: a request is in exactly one of `waiting` / `running` or finished; a running
-request's blocks cover its computed tokens; a finished or preempted request holds no block.
+request's blocks cover its computed tokens; a finished or preempted request holds no block; a
+waiting request holds blocks only while a tier load into them is in flight.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 long_prefill_threshold: int = 0) -> None:
+                 long_prefill_threshold: int = 0, tiers=None) -> None:
         self.kv = kv
+        self.tiers = tiers  # TierConnector or None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.long_prefill_threshold = long_prefill_threshold
@@ -56,6 +62,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if self.tiers is not None:
+            self.tiers.on_add(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and release everything it holds."""
@@ -64,6 +72,8 @@ class Scheduler:
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
+        if self.tiers is not None:
+            self.tiers.on_finish(req, aborted=status == RequestStatus.FINISHED_ABORTED)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
@@ -95,16 +105,31 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        tiers = self.tiers
+        waiting = self.waiting
+        i = 0  # requests before i wait for their tier I/O
+        while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = waiting[i]
+            if tiers is not None:
+                verdict = tiers.prepare(req)
+                if verdict == "wait":
+                    i += 1
+                    continue
+                if verdict == "full":
+                    break
             hit, num_hit = self.kv.get_computed_blocks(req)
             n = self._chunk(req, req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hit, num_hit):
                 break  # the pool is full; running requests free blocks as they finish
-            self.waiting.popleft()
+            if i:
+                del waiting[i]
+            else:
+                waiting.popleft()
             req.num_computed_tokens = num_hit
+            tier_tokens = tiers.on_admit(req, num_hit) if tiers is not None else 0
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.num_tier_cached_tokens = tier_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_batch(out, req, n)

@@ -129,9 +129,12 @@ class KVCacheManager:
         self.pool.subscribe(fn)
 
     # -- prefix hits ----------------------------------------------------------------------
-    def get_computed_blocks(self, req: KVRequest) -> tuple[KVHit, int]:
+    def get_computed_blocks(self, req: KVRequest, record_stats: bool = True
+                            ) -> tuple[KVHit, int]:
         """Longest cached prefix of req.all_token_ids, capped at len-1, block aligned.
-        Returns (hit handle for allocate_slots, number of hit tokens); takes no references."""
+        Returns (hit handle for allocate_slots, number of hit tokens); takes no references.
+        record_stats=False: a probe (e.g. before a tier lookup) that the hit-rate counters
+        must not count."""
         if not self.enable_caching:
             return self._empty, 0
         n = len(req.all_token_ids)
@@ -140,16 +143,19 @@ class KVCacheManager:
         self.hasher.remember(req)
         hit = self.coordinator.find_longest_hit(hashes, (n - 1) // bs)
         num_hit = hit.num_blocks * bs
-        self.stats.prefix_queried_tokens += n
-        self.stats.prefix_hit_tokens += num_hit
+        if record_stats:
+            self.stats.prefix_queried_tokens += n
+            self.stats.prefix_hit_tokens += num_hit
         return hit, num_hit
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: KVHit | None = None,
-                       num_hit_tokens: int = 0) -> bool:
+                       num_hit_tokens: int = 0, cache: bool = True) -> bool:
         """Cover num_computed_tokens + num_hit_tokens + num_new_tokens positions, claiming the
         hit first; all or nothing (False changes nothing). Blocks full once these tokens are
-        computed are cached under their hashes."""
+        computed are cached under their hashes. cache=False allocates without caching the new
+        blocks (their content arrives later, e.g. a tier load); a later allocate_slots caches
+        them once num_computed_tokens covers them."""
         bs = self.block_size
         if num_hit_tokens % bs:
             raise ValueError("num_hit_tokens must be block aligned")
@@ -169,7 +175,7 @@ class KVCacheManager:
             ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes)
         if not ok:
             return False
-        if self.enable_caching:
+        if self.enable_caching and cache:
             tokens = req.all_token_ids
             num_full = min(total, len(tokens)) // bs
             if num_full > self.coordinator.num_cached_blocks(rid):

@@ -49,6 +49,15 @@ class EngineStatsCollector(Collector):
                       s.prefix_queried_tokens)
         yield counter("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                       s.prefix_hit_tokens)
+        by_source = getattr(s, "prefix_hit_tokens_by_source", None) or \
+            {"device": s.prefix_hit_tokens}
+        c = CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens_by_source",
+                                "Prompt tokens served from the prefix cache, by where the KV "
+                                "came from: device, or the KV tier it was loaded from.",
+                                labels=["model_name", "source"])
+        for source, n in sorted(by_source.items()):
+            c.add_metric([self.model_name, source], n)
+        yield c
         yield counter("prompt_tokens", "Prefill tokens requested.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("num_preemptions", "Requests preempted to free KV cache.",
@@ -59,6 +68,11 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
+        tiers = getattr(getattr(engine, "core", None), "tiers", None)
+        if tiers is not None:  # per tier: hits, misses, bytes moved, latency, health
+            from loomserve.tiers import prometheus_collector
+            self.registry.register(prometheus_collector(tiers.store.stats,
+                                                        prefix=f"{PREFIX}_tier"))
         self.model_name = model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",

@@ -104,6 +104,9 @@ class Tier(ABC):
 
     name: str = "tier"
     local = False  # in-process memory: fast, never hangs, called inline by TieredStore
+    # contains() answers from an index in process memory (no I/O, never hangs), so a caller
+    # may ask it inline, e.g. to skip a background lookup that could only miss.
+    index_in_memory = False
 
     def __init__(self, page_bytes: int, name: str | None = None) -> None:
         if page_bytes <= 0:

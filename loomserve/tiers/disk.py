@@ -30,6 +30,7 @@ _SUFFIX = ".page"
 
 class DiskTier(Tier):
     name = "disk"
+    index_in_memory = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, page_bytes: int,
                  fsync: bool = True, name: str | None = None) -> None:

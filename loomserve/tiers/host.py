@@ -20,6 +20,7 @@ from loomserve.tiers.base import PagesRemoved, PagesStored, Tier, copy_page, row
 class HostTier(Tier):
     name = "host"
     local = True
+    index_in_memory = True
 
     def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None,
                  name: str | None = None) -> None:

@@ -336,6 +336,12 @@ class TieredStore:
             return TierHandle.completed(StoreResult())
         return self.store(keys, src, rows)
 
+    def unwritten(self, keys: Sequence[bytes]) -> list[int]:
+        """Indices of keys not known to be written to the top tier (a hint for callers that
+        would otherwise snapshot pages again that are already there)."""
+        recent = self._recent[self.tiers[0].name]
+        return [i for i, k in enumerate(keys) if k not in recent]
+
     def on_session_resume(self, session_id: str) -> None:
         self.sessions.on_resume(session_id)
 
