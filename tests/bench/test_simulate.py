@@ -265,15 +265,19 @@ def test_belady_at_least_lru(sessions, blocks, draw_bs, semantics, outputs):
 @given(sessions_st(max_requests=10), st.integers(0, 2),
        st.sampled_from(["loomserve", "kvcache-sim"]), st.booleans())
 def test_capacity_monotone(sessions, draw_bs, semantics, outputs):
+    """Belady never loses hits with more capacity. LRU through the manager is not a stack
+    algorithm: a hit stops at the first missing block and the last prompt token is never a hit,
+    so which blocks a request touches depends on the capacity, and hypothesis (CI's derandomized
+    run) found a case where 7 blocks hit less than 4. For LRU only the infinite bound holds."""
     w = workload(sessions, draw_bs, semantics=semantics, append_outputs=outputs)
-    prev = {"lru": -1, "optimal": -1}
+    prev = -1
     inf = run_infinite(w).hit_tokens
     for blocks in range(1, 26, 3):
         cap = blocks * w.block_size
-        for name, fn in (("lru", run_lru), ("optimal", run_optimal)):
-            h = fn(w, cap).hit_tokens
-            assert prev[name] <= h <= inf, (name, blocks)
-            prev[name] = h
+        assert run_lru(w, cap).hit_tokens <= inf, ("lru", blocks)
+        h = run_optimal(w, cap).hit_tokens
+        assert prev <= h <= inf, ("optimal", blocks)
+        prev = h
 
 
 def test_belady_next_uses_and_bypass():
