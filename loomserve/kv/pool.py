@@ -202,19 +202,8 @@ class BlockPool:
         for _ in range(n):
             b = b.next_free
             b.ref_cnt = 1
-            h = b.block_hash
-            if h is not None:
-                g = b.group_id
-                cached = self.cached[g]
-                if cached.get(h) is b:
-                    del cached[h]
-                b.block_hash = None
-                b.group_id = -1
-                if self.hooks:
-                    if dropped is None:
-                        dropped = {}
-                    dropped.setdefault(g, []).append(h)
-                self.eviction_epoch += 1
+            if b.block_hash is not None:
+                dropped = self._forget_hash(b, dropped)
             append(b)
         # Unlink the run [first .. b] from the front in one step.
         nxt = b.next_free
@@ -227,6 +216,22 @@ class BlockPool:
             for g, hs in dropped.items():
                 self._emit(BlockRemoved(hs, g))
         return out
+
+    def _forget_hash(self, b: Block, dropped: dict[int, list[bytes]] | None
+                     ) -> dict[int, list[bytes]] | None:
+        """A cached free block is being reused: it leaves the hash map (BlockRemoved is
+        collected into `dropped`, emitted once per allocation)."""
+        h, g = b.block_hash, b.group_id
+        cached = self.cached[g]
+        if cached.get(h) is b:
+            del cached[h]
+        b.block_hash = None
+        b.group_id = -1
+        self.eviction_epoch += 1
+        if self.hooks:
+            dropped = dropped if dropped is not None else {}
+            dropped.setdefault(g, []).append(h)
+        return dropped
 
     def _allocate_evicting(self, n: int) -> list[Block]:
         """allocate() under an evictor: unhashed free blocks (always at the front) first, then
@@ -241,19 +246,8 @@ class BlockPool:
                 b = ev.pop() or b  # the evictor holds every hashed free block
             q.remove(b)
             b.ref_cnt = 1
-            h = b.block_hash
-            if h is not None:
-                g = b.group_id
-                cached = self.cached[g]
-                if cached.get(h) is b:
-                    del cached[h]
-                b.block_hash = None
-                b.group_id = -1
-                if self.hooks:
-                    if dropped is None:
-                        dropped = {}
-                    dropped.setdefault(g, []).append(h)
-                self.eviction_epoch += 1
+            if b.block_hash is not None:
+                dropped = self._forget_hash(b, dropped)
             out.append(b)
         if dropped:
             for g, hs in dropped.items():

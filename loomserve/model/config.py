@@ -89,8 +89,7 @@ class ModelConfig:
         else:
             theta, scaling = _rope(d.get("rope_parameters"), d.get("rope_scaling"), d.get("rope_theta"))
             local_theta = None
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = eos_token_ids(d)
         archs = d.get("architectures") or [_DEFAULT_ARCH[mtype]]
         return cls(
             model_type=mtype,
@@ -199,3 +198,9 @@ def _layer_types(d: dict[str, Any], mtype: str, num_layers: int,
     if int(window) < 1:
         raise ValueError(f"sliding_window={window} must be positive")
     return int(window), types
+
+
+def eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id: absent, one id, or a list of ids."""
+    eos = d.get("eos_token_id")
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

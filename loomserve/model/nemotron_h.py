@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
+from loomserve.model.config import eos_token_ids
 from loomserve.model.attention import AttentionMetadata, paged_attention
 from loomserve.model.mamba2 import Mamba2Mixer
 from loomserve.model.qwen3_next import layer_groups, pick
@@ -83,7 +84,6 @@ class NemotronHConfig:
             if d.get(key, want) != want:
                 raise ValueError(f"unsupported {key} {d[key]!r} (only {want})")
         heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
-        eos = d.get("eos_token_id")
         return cls(
             hidden_size=hidden, vocab_size=int(d["vocab_size"]), layer_types=tuple(types),
             num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -110,7 +110,7 @@ class NemotronHConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            eos_token_ids=eos_token_ids(d),
         )
 
 

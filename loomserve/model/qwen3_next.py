@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
+from loomserve.model.config import eos_token_ids
 from loomserve.model.attention import AttentionMetadata, paged_attention
 from loomserve.model.gated_deltanet import GatedDeltaNet
 from loomserve.model.layers import RotaryEmbedding, SwiGLU, apply_rope
@@ -90,7 +91,6 @@ class Qwen3NextConfig:
         if rtype != "default":
             raise ValueError(f"unsupported rope scaling type {rtype!r} for qwen3_next (only default)")
         heads = int(d["num_attention_heads"])
-        eos = d.get("eos_token_id")
         return cls(
             hidden_size=int(d["hidden_size"]), vocab_size=int(d["vocab_size"]), layer_types=tuple(types),
             num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -114,7 +114,7 @@ class Qwen3NextConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            eos_token_ids=eos_token_ids(d),
         )
 
 
