@@ -1,6 +1,6 @@
 import random
 
-from conftest import Req
+from tests.kv.conftest import Req
 from loomserve.kv.hashing import BlockHasher, hash_block, hash_chain
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import Req, make_config, make_hybrid_config
+from tests.kv.conftest import Req, make_config, make_hybrid_config
 from loomserve.kv.eviction import FlopModel
 from loomserve.kv.manager import KVCacheManager, RetentionConfig
 

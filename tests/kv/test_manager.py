@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import Req, make_config
+from tests.kv.conftest import Req, make_config
 from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.manager import KVCacheManager, StaleHitError

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import Req, make_config
+from tests.kv.conftest import Req, make_config
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.manager import KVCacheManager
 

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from conftest import make_hybrid_config
+from tests.kv.conftest import make_hybrid_config
 from loomserve.kv.eviction import FlopModel
 from loomserve.kv.manager import KVCacheManager, RetentionConfig
-from test_stateful import BS, KVMachine
+from tests.kv.test_stateful import BS, KVMachine
 
 
 class HybridMachine(KVMachine):
