@@ -10,6 +10,13 @@ Definitions (only successful, non-primer requests count; times in seconds):
 - Served prefix-hit rate = sum cached_tokens / sum prompt_tokens (server usage); theoretical =
   sum theoretical_cached / sum intended prompt tokens, from an infinite cache over the prompts
   actually sent, per session replay, in send order (computed at send time by the replay).
+- Served hit rate by source (loomserve servers only): the server's counter
+  loomserve_prefix_cache_hit_tokens_by_source_total{source=device|host|disk|mooncake|redis...}
+  scraped from /metrics before and after the replay; its delta is the hit tokens per source over
+  every request the replay sent (primers included). Attributed to the measured requests pro
+  rata (x measured cached / delta total, exactly 1 when primers hit nothing and nobody else
+  used the server), so the per-source tokens sum to the served cached tokens and the shares
+  (tokens / measured prompt tokens) sum to the served hit rate. The raw delta is kept beside.
 - Cost: served dollars = window hours x devices x price per device-hour; API-equivalent dollars
   of the same tokens at a price list (cached input, uncached input, output per million).
 Percentiles use linear interpolation (numpy's default).
@@ -46,6 +53,7 @@ class RequestRecord:
     agent: str = "main"
     turn: int = 0
     prompt_ids: list[int] | None = None  # only with --record-prompts
+    output_text: str | None = None       # only with --record-outputs
 
     @property
     def ok(self) -> bool:
@@ -83,7 +91,10 @@ def measured(records) -> list[RequestRecord]:
 
 
 def compute_metrics(records, devices: int = 1, device_price_per_hour: float | None = None,
-                    prices: dict | None = None, timeline_bins: int = 60) -> dict:
+                    prices: dict | None = None, timeline_bins: int = 60,
+                    hit_tokens_by_source: dict[str, float] | None = None) -> dict:
+    """hit_tokens_by_source: the server's hit-token counter delta per source over the replay
+    (see the module docstring), or None when the server does not export it."""
     prices = {**DEFAULT_PRICES, **(prices or {})}
     recs = list(records)
     ok = measured(recs)
@@ -151,7 +162,43 @@ def compute_metrics(records, devices: int = 1, device_price_per_hour: float | No
         "ttft_cdf": _cdf(ttft),
         "timeline": timeline(ok, t0, t1, timeline_bins),
     }
+    if hit_tokens_by_source is not None:
+        split = hit_split(hit_tokens_by_source, recs)
+        m["hit_rate"]["by_source"] = split.pop("shares")
+        m["tokens"]["cached_by_source"] = split.pop("tokens")
+        m["hit_source_scrape"] = split
     return m
+
+
+SOURCE_ORDER = ("device", "host", "disk")
+
+
+def source_key(source: str) -> tuple:
+    """device, host, disk, then remote tiers by name."""
+    return (SOURCE_ORDER.index(source) if source in SOURCE_ORDER else len(SOURCE_ORDER), source)
+
+
+def hit_split(delta: dict[str, float], records) -> dict:
+    """The server's per-source hit-token delta, attributed to the measured requests."""
+    recs = list(records)
+    ok = measured(recs)
+    prompt = sum(_prompt(r) for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    cached_all = sum(r.cached_tokens or 0 for r in recs if r.ok)  # primers too
+    delta = {k: float(v) for k, v in sorted(delta.items(), key=lambda kv: source_key(kv[0]))}
+    total = sum(delta.values())
+    factor = cached / total if total > 0 else 0.0
+    tokens = {k: v * factor for k, v in delta.items()}
+    return {
+        "tokens": tokens,
+        "shares": {k: v / prompt if prompt else None for k, v in tokens.items()},
+        "server_delta": delta,
+        "server_delta_total": total,
+        "replay_cached_tokens": cached,        # measured requests (usage)
+        "replay_cached_tokens_all": cached_all,  # every completed request, primers included
+        "attribution_factor": factor,
+        "exact": total == cached,
+    }
 
 
 def _prompt(r: RequestRecord) -> int:

@@ -13,7 +13,12 @@ endpoint (see shared AGENTX.md for the rules).
 - Warm start: each slot starts at a random turn k>=1 of its first trace and first sends a
   one-token primer of turn k-1 (same prompt); primers are recorded but excluded from metrics.
 - Prompts: see prompts.py. Token-id prompts when the server accepts them (probed), else text.
-- Streaming always, include_usage, ignore_eos, max_tokens = recorded out (capped).
+- Streaming always, include_usage, ignore_eos, max_tokens = recorded out (capped); temperature
+  only when asked (--temperature 0 for greedy outputs that can be compared across servers).
+- Served hit rate by source: where the server exports
+  loomserve_prefix_cache_hit_tokens_by_source_total (loomserve does; llama-server and vLLM do
+  not), its /metrics is scraped before the first and after the last request and the delta is
+  reported per source (metrics.py); elsewhere the split is simply absent.
 
 The HTTP layer sits behind `Transport` and time behind `Clock`, so tests run the whole replay on
 a fake clock against an in-process fake server.
@@ -38,7 +43,8 @@ from loomserve.bench.metrics import DEFAULT_PRICES, RequestRecord, compute_metri
 from loomserve.bench.prompts import PrefixTracker, PromptBuilder, ids_to_text, token_id_range
 
 __all__ = ["Clock", "RealClock", "Transport", "TransportError", "HttpxTransport", "Pacer",
-           "Replayer", "ServerInfo", "probe_server", "add_arguments", "main", "run_replay"]
+           "Replayer", "ServerInfo", "probe_server", "add_arguments", "main", "run_replay",
+           "parse_hit_tokens_by_source", "scrape_hit_tokens_by_source", "counter_delta"]
 
 
 # --------------------------------------------------------------------------- clock / transport
@@ -259,8 +265,11 @@ class Replayer:
                  scale_output: bool = False, warmup: bool = True, seed: int | None = None,
                  mode: str = "ids", pull_in_s: float = 10.0, drain_timeout_s: float = 60.0,
                  error_backoff_s: float = 1.0, run_nonce: str | None = None,
-                 on_record=None, text_ratio: float = 1.0, keep_prompts: bool = False) -> None:
+                 on_record=None, text_ratio: float = 1.0, keep_prompts: bool = False,
+                 keep_outputs: bool = False, temperature: float | None = None) -> None:
         self.keep_prompts = keep_prompts  # token ids of each sent prompt, for offline re-play
+        self.keep_outputs = keep_outputs  # each request's streamed text, to compare outputs
+        self.temperature = temperature    # None: the server's default
         self.sessions = [s for s in sessions if s.main]
         if not self.sessions:
             raise ValueError("no trace with a main-agent request to replay")
@@ -485,6 +494,8 @@ class Replayer:
                 "stream_options": {"include_usage": True}, "ignore_eos": True}
         if self.model:
             body["model"] = self.model
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         headers = {"X-Session-ID": ctx.id if sub_agent is None else f"{ctx.id}/{sub_agent}"}
         if sub_agent is not None:
             headers["X-Parent-Session-ID"] = ctx.id
@@ -495,6 +506,7 @@ class Replayer:
                             turn=turn, prompt_ids=list(prompt.tokens) if self.keep_prompts else None)
         self.pacer.begin()
         backoff = False
+        texts: list[str] | None = [] if self.keep_outputs else None
         try:
             async for payload in self.transport.stream(body, headers):
                 t = self.now()
@@ -510,6 +522,8 @@ class Replayer:
                         text = (c.get("delta") or {}).get("content")
                     if text or c.get("finish_reason") is not None:
                         rec.chunk_times.append(t)
+                    if texts is not None and text:
+                        texts.append(text)
                 usage = payload.get("usage")
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens")
@@ -517,6 +531,8 @@ class Replayer:
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = details.get("cached_tokens") or 0
             rec.end_time = self.now()
+            if texts is not None:
+                rec.output_text = "".join(texts)
             if rec.chunk_times:
                 rec.first_token_time = rec.chunk_times[0]
             if rec.output_tokens is None:
@@ -631,6 +647,80 @@ async def probe_server(transport: Transport, model: str | None, vocab_size: int 
     return info
 
 
+# --------------------------------------------------------------------------- /metrics scrape
+
+HIT_SOURCE_METRIC = "loomserve_prefix_cache_hit_tokens_by_source"
+
+
+def parse_hit_tokens_by_source(text: str) -> dict[str, float] | None:
+    """Prompt tokens served from the prefix cache per source ({"device": .., "host": ..}), summed
+    over model names, from Prometheus text; None when the metric is not there (not loomserve)
+    or the text does not parse."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] | None = None
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name != HIT_SOURCE_METRIC:
+                continue
+            for sample in fam.samples:
+                source = sample.labels.get("source")
+                if source is None or sample.name not in (HIT_SOURCE_METRIC + "_total",
+                                                         HIT_SOURCE_METRIC):
+                    continue  # e.g. a _created sample
+                out = out if out is not None else {}
+                out[source] = out.get(source, 0.0) + float(sample.value)
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+    return out
+
+
+async def scrape_hit_tokens_by_source(transport: Transport,
+                                      urls: list[str] | None = None) -> dict[str, float] | None:
+    """The hit-token counters of the endpoint's /metrics, or summed over `urls` (the instances
+    behind a router: each URL is a server root or its /metrics). None when any scrape fails or
+    lacks the metric."""
+    texts: list[str] = []
+    try:
+        if not urls:
+            status, body = await transport.request_json("GET", "/metrics")
+            if status != 200 or not isinstance(body, str):
+                return None
+            texts.append(body)
+        else:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                for url in urls:
+                    url = url.rstrip("/")
+                    resp = await client.get(url if url.endswith("/metrics") else url + "/metrics")
+                    if resp.status_code != 200:
+                        return None
+                    texts.append(resp.text)
+    except Exception:  # noqa: BLE001 - no metrics is not an error of the replay
+        return None
+    total: dict[str, float] = {}
+    for text in texts:
+        part = parse_hit_tokens_by_source(text)
+        if part is None:
+            return None
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def counter_delta(before: dict[str, float] | None,
+                  after: dict[str, float] | None) -> dict[str, float] | None:
+    """after - before per source; None when either is missing or a counter went back (the
+    server restarted meanwhile)."""
+    if before is None or after is None:
+        return None
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    if any(v < 0 for v in out.values()) or any(k not in after for k in before):
+        return None
+    return out
+
+
 # --------------------------------------------------------------------------- CLI
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -675,6 +765,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-prompts", action="store_true",
                    help="with --records, also each prompt's token ids (ids mode), so the same "
                         "requests can be re-played offline through the KV manager")
+    p.add_argument("--record-outputs", action="store_true",
+                   help="with --records, also each request's output text")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature sent with every request (default: the server's; "
+                        "0 makes outputs comparable across servers)")
+    p.add_argument("--metrics-url", nargs="+", default=None,
+                   help="scrape these servers' /metrics for the hit split by source instead of "
+                        "the endpoint's (e.g. the instances behind a router)")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -690,7 +788,9 @@ async def _ticker(replayer: Replayer, bar, duration: float) -> None:
         bar.refresh()
 
 
-async def run_replay(args, sessions, transport: Transport | None = None) -> dict:
+async def run_replay(args, sessions, transport: Transport | None = None, on_record=None) -> dict:
+    """Probe, replay and measure. on_record(record) is called as each request ends (tests use
+    it to inject faults mid-replay)."""
     own = transport is None
     if own:
         transport = HttpxTransport(args.endpoint, pool=4 * args.concurrency,
@@ -710,7 +810,11 @@ async def run_replay(args, sessions, transport: Transport | None = None) -> dict
             max_context=max_context, max_output=max_output, scale_output=args.scale_output,
             warmup=args.warmup, seed=args.seed, mode=info.mode, pull_in_s=args.pull_in,
             drain_timeout_s=args.drain_timeout, text_ratio=info.text_token_ratio or 1.0,
-            keep_prompts=getattr(args, "record_prompts", False) and info.mode == "ids")
+            keep_prompts=getattr(args, "record_prompts", False) and info.mode == "ids",
+            keep_outputs=getattr(args, "record_outputs", False),
+            temperature=getattr(args, "temperature", None), on_record=on_record)
+        metrics_urls = getattr(args, "metrics_url", None)
+        hits_before = await scrape_hit_tokens_by_source(transport, metrics_urls)
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(signal.SIGINT, replayer.interrupt)
@@ -733,13 +837,16 @@ async def run_replay(args, sessions, transport: Transport | None = None) -> dict
             if ticker is not None:
                 ticker.cancel()
                 bar.close()
+        hits_after = await scrape_hit_tokens_by_source(transport, metrics_urls) \
+            if hits_before is not None else None
     finally:
         if own:
             await transport.aclose()
     prices = {"cached_input": args.price_cached_input, "uncached_input": args.price_input,
               "output": args.price_output}
     metrics = compute_metrics(records, devices=args.devices,
-                              device_price_per_hour=args.device_price_per_hour, prices=prices)
+                              device_price_per_hour=args.device_price_per_hour, prices=prices,
+                              hit_tokens_by_source=counter_delta(hits_before, hits_after))
     result = {
         "command": "agentx",
         "started_at": started,
@@ -752,6 +859,8 @@ async def run_replay(args, sessions, transport: Transport | None = None) -> dict
             "scale_factor": block_tokens / block_size, "scale_output": args.scale_output,
             "max_context": max_context, "max_output": max_output, "warmup": args.warmup,
             "seed": args.seed, "pull_in_s": args.pull_in, "devices": args.devices,
+            "temperature": getattr(args, "temperature", None),
+            "metrics_urls": metrics_urls,
             "marker_tokens": builder.marker_tokens,
             "truncation": "leading tokens kept (prefix structure), context minus max_tokens",
         },

@@ -3,6 +3,8 @@
 `loomserve bench compare A.json B.json [C.json ...] [--json] [--plots DIR]` sets runs side by
 side with ratios against the first run (B/A). With --plots it also draws the Pareto view
 (interactivity vs TPGS, one point per run, labelled by concurrency) and the TTFT CDFs.
+Runs against loomserve also show the served hit rate split by source (device and each KV tier:
+the share of prompt tokens each served, and its hit tokens), one row per source any run has.
 """
 
 from __future__ import annotations
@@ -45,6 +47,29 @@ ROWS = [
 ]
 
 
+def source_rows(results: list[dict]) -> list[tuple]:
+    """Rows for the served hit rate split by source, over the sources any result has."""
+    from loomserve.bench.metrics import source_key
+
+    sources: set[str] = set()
+    for r in results:
+        sources.update(get(r, ("metrics", "hit_rate", "by_source")) or {})
+    ordered = sorted(sources, key=source_key)
+    return ([(f"hit rate from {s}", ("metrics", "hit_rate", "by_source", s), "{:.2%}", None)
+             for s in ordered]
+            + [(f"hit tokens from {s}", ("metrics", "tokens", "cached_by_source", s), "{:.0f}",
+                None) for s in ordered])
+
+
+def rows_for(results: list[dict]) -> list[tuple]:
+    """ROWS, with the split by source (when any run has it) after the served hit rate."""
+    extra = source_rows(results)
+    if not extra:
+        return list(ROWS)
+    at = next(i for i, r in enumerate(ROWS) if r[0] == "hit rate theoretical") + 1
+    return [*ROWS[:at], *extra, *ROWS[at:]]
+
+
 def get(obj, path):
     for k in path:
         if not isinstance(obj, dict) or k not in obj:
@@ -67,9 +92,15 @@ def summary_table(result: dict) -> str:
     lines = [f"agentx replay: {get(result, ('config', 'model'))} @ "
              f"{get(result, ('config', 'endpoint'))}" + ("  (INTERRUPTED, partial)"
                                                           if result.get("interrupted") else "")]
-    width = max(len(r[0]) for r in ROWS)
-    for label, path, fmt, _ in ROWS:
+    rows = rows_for([result])
+    width = max(len(r[0]) for r in rows)
+    for label, path, fmt, _ in rows:
         lines.append(f"  {label:<{width}}  {_fmt(fmt, get(result, path))}")
+    scrape = m.get("hit_source_scrape")
+    if scrape and not scrape.get("exact"):
+        lines.append(f"  note: hit split from /metrics: {scrape['server_delta_total']:.0f} hit "
+                     f"tokens on the server vs {scrape['replay_cached_tokens']:.0f} in the "
+                     "measured usage (primers or other traffic); attributed pro rata")
     errs = m.get("errors_by_kind") or {}
     if errs:
         lines.append("  errors by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(errs.items())))
@@ -81,7 +112,7 @@ def summary_table(result: dict) -> str:
 def compare(results: list[dict], labels: list[str] | None = None) -> dict:
     labels = labels or [f"run{i}" for i in range(len(results))]
     rows = []
-    for label, path, fmt, better in ROWS:
+    for label, path, fmt, better in rows_for(results):
         vals = [get(r, path) for r in results]
         base = vals[0]
         ratios = []
@@ -89,7 +120,7 @@ def compare(results: list[dict], labels: list[str] | None = None) -> dict:
             ok = isinstance(v, (int, float)) and isinstance(base, (int, float)) and base
             ratios.append(v / base if ok and not isinstance(v, bool) else None)
         rows.append({"metric": label, "key": ".".join(path), "values": vals, "ratios": ratios,
-                     "higher_is_better": better})
+                     "higher_is_better": better, "format": fmt})
     return {"command": "compare", "labels": labels, "rows": rows}
 
 
@@ -99,7 +130,7 @@ def compare_table(cmp: dict) -> str:
     head = ["metric", *labels] + [f"{lb}/{labels[0]}" for lb in labels[1:]]
     body = []
     for row in cmp["rows"]:
-        fmt = fmts.get(row["metric"], "{}")
+        fmt = fmts.get(row["metric"]) or row.get("format") or "{}"
         body.append([row["metric"], *(_fmt(fmt, v) for v in row["values"]),
                      *(_fmt("{:.3f}", r) for r in row["ratios"])])
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
