@@ -12,21 +12,28 @@ position, a state checkpoint at position p spares recomputing p tokens through e
 attention's quadratic term included. Every block occupies one page of the one pool, so bytes
 held = page_bytes for all groups, and FLOPs per byte is normalized by a reference checkpoint
 (ref_tokens long) per page. Both terms are fixed when the block enters the queue, so utility is
-a static key: a binary heap with lazy invalidation gives O(log n) push/pop and no rescan.
+a static key: a binary heap gives O(log n) push/pop and no rescan.
 
 Invariant: every hashed block in the free queue has exactly one live heap entry (the one whose
-version equals its evict_ver); entries of blocks that were touched, reused or unhashed since are
-stale and skipped when popped. The heap is rebuilt when stale entries dominate.
+version equals its evict_ver), whose key is <= the block's current utility (equal unless the
+block was touched and freed again since the entry was made: such an entry is moved to the
+block's utility only when it reaches the top). Live entries of blocks in use are dropped when
+they reach the top; superseded entries (version != evict_ver) are skipped. A prefix that every
+turn hits and frees again thus costs no heap operation per turn, only when it nears eviction.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from itertools import count
 
 from loomserve.kv.pool import Block
 
 _heappush = heapq.heappush
+_heappop = heapq.heappop
+_heapreplace = heapq.heapreplace
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,22 @@ class FlopModel:
 
 
 class FlopAwareEvictor:
+    """Min-heap of (utility, block_id, version, block) with lazy increase-key.
+
+    A block's utility only grows while it stays cached (a later free gives it a later tick,
+    its FLOPs are fixed), so a re-freed block whose heap entry is still in place keeps that
+    entry: the entry's key is a lower bound of the block's utility, and is corrected
+    (re-sifted to the current utility) only if it reaches the top of the heap. A free that
+    finds the entry in place costs one tick and two dict stores instead of a heap push, and
+    the heap holds at most one entry per block. If a block's utility ever went down while
+    its entry is in place (its FLOPs were changed), it gets a fresh entry and the old one
+    goes stale. Eviction order is exactly that of a heap with eager updates, ties included
+    (lowest (utility, block_id) first), since every entry is <= its block's current key.
+    """
+
+    __slots__ = ("flop_model", "alpha", "_inv_turnover", "_flop_scale", "_limit", "_heap",
+                 "_tick", "_key", "_entry")
+
     def __init__(self, num_usable_blocks: int, flop_model: FlopModel, alpha: float = 1.0,
                  ref_tokens: int = 131072) -> None:
         self.flop_model = flop_model
@@ -63,37 +86,79 @@ class FlopAwareEvictor:
         self._flop_scale = alpha / ref if ref > 0 else 0.0
         self._limit = 4 * num_usable_blocks + 64
         self._heap: list[tuple[float, int, int, Block]] = []
-        self._tick = 0
+        self._tick = count(1)
+        # Indexed by block_id (ids run up to num_usable_blocks, one more with a null block).
+        self._key: list[float] = [_INF] * (num_usable_blocks + 1)    # utility at latest push
+        self._entry: list[float] = [_INF] * (num_usable_blocks + 1)  # live entry's key, inf: none
 
     def utility(self, b: Block, tick: int) -> float:
         return tick * self._inv_turnover + b.saved_flops * self._flop_scale
 
     def push(self, b: Block) -> None:
-        t = self._tick = self._tick + 1
+        k = next(self._tick) * self._inv_turnover + b.saved_flops * self._flop_scale
+        bid = b.block_id
+        try:
+            self._key[bid] = k
+        except IndexError:
+            self._grow(bid)
+            self._key[bid] = k
+        if self._entry[bid] <= k:
+            return  # the entry in place is a lower bound: moved up lazily in pop()
+        self._entry[bid] = k
         v = b.evict_ver + 1
         b.evict_ver = v
         heap = self._heap
-        _heappush(heap, (t * self._inv_turnover + b.saved_flops * self._flop_scale,
-                         b.block_id, v, b))
+        _heappush(heap, (k, bid, v, b))
         if len(heap) > self._limit:
             self._compact()
 
     def pop(self) -> Block | None:
         heap = self._heap
+        entry = self._entry
+        key = self._key
         while heap:
-            _, _, v, b = heapq.heappop(heap)
-            if v == b.evict_ver and b.ref_cnt == 0 and b.block_hash is not None:
-                b.evict_ver = v + 1
-                return b
+            k, bid, v, b = heap[0]
+            if v != b.evict_ver:  # superseded by a newer entry of the same block
+                _heappop(heap)
+            elif b.ref_cnt or b.block_hash is None:  # in use: no entry until freed again
+                _heappop(heap)
+                entry[bid] = _INF
+            else:
+                cur = key[bid]
+                if cur != k:  # freed again since this entry was made: move it to its key
+                    _heapreplace(heap, (cur, bid, v, b))
+                    entry[bid] = cur
+                else:
+                    _heappop(heap)
+                    entry[bid] = _INF
+                    b.evict_ver = v + 1
+                    return b
         return None
 
+    def _grow(self, bid: int) -> None:
+        extra = [_INF] * (bid + 1 - len(self._key))
+        self._key.extend(extra)
+        self._entry.extend(extra)
+
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap
-                      if e[2] == e[3].evict_ver and e[3].ref_cnt == 0 and e[3].block_hash is not None]
-        heapq.heapify(self._heap)
+        keep = []
+        entry = self._entry
+        for e in self._heap:
+            b = e[3]
+            if e[2] != b.evict_ver:
+                continue
+            if b.ref_cnt or b.block_hash is None:
+                entry[e[1]] = _INF
+            else:
+                keep.append(e)
+        heapq.heapify(keep)
+        self._heap = keep
 
     def clear(self) -> None:
         self._heap.clear()
+        n = len(self._key)
+        self._key[:] = [_INF] * n
+        self._entry[:] = [_INF] * n
 
     def __len__(self) -> int:
         return len(self._heap)
