@@ -14,9 +14,16 @@ Configurations (each a fresh server on the built-in SmolLM2-135M, replayed with
   2x-rr-none   the same two instances without tiers (what the shared pool buys)
 
 Target: the shared pool's served hit rate >= 90% of a single instance's (host+disk+mc).
-Writes benchmarks/results/tiers_agentx.json.
+Each configuration reports the served hit rate split by source (device, host, disk, mooncake):
+`bench agentx` scrapes the servers' /metrics before and after the replay (both instances of a
+pair, through --metrics-url). The 1-minute load average is sampled during each configuration
+(the host may be shared). Writes benchmarks/results/tiers_agentx.json.
 
-    python benchmarks/tiers_agentx.py [--concurrency 4] [--duration 60] [--only device host]
+    python benchmarks/tiers_agentx.py [--concurrency 4] [--duration 160] [--only device host]
+
+Defaults (since the re-run with ~50 requests per configuration): --scale 32 (each 64-token
+trace block becomes 32 tokens: half-size prompts, same prefix structure), --kv-cache-memory
+32MiB (the same fraction of the live sessions as 64MiB unscaled), --max-output 16, 160 s.
 """
 
 from __future__ import annotations
@@ -52,27 +59,62 @@ def synth_traces(sessions: int, seed: int) -> str:
     return out
 
 
-def replay(url: str, traces: str, args) -> dict:
+def replay(url: str, traces: str, args, metrics_urls: list[str] | None = None) -> dict:
     cmd = [sys.executable, "-m", "loomserve", "bench", "agentx", "--endpoint", url,
            "--traces", traces, "--concurrency", str(args.concurrency),
            "--duration", str(args.duration), "--time-scale", str(args.time_scale),
            "--max-context", str(args.max_context), "--max-output", str(args.max_output),
            "--seed", str(args.seed), "--no-progress", "--json"]
+    if args.scale:
+        cmd += ["--scale", str(args.scale)]
+    if metrics_urls:
+        cmd += ["--metrics-url", *metrics_urls]
     print(f"  replay on {url}", file=sys.stderr, flush=True)
     res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env())
     return json.loads(res.stdout)
 
 
-def scrape_by_source(url: str) -> dict[str, float]:
-    import httpx
-    out: dict[str, float] = {}
-    name = "loomserve_prefix_cache_hit_tokens_by_source_total{"
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name):
-            labels, value = line[len(name):].split("} ")
-            src = labels.split('source="')[1].split('"')[0]
-            out[src] = out.get(src, 0.0) + float(value)
-    return out
+def commit() -> str | None:
+    """The loomserve commit measured: $LOOMSERVE_COMMIT (set it when running an export of a
+    commit), else this checkout's HEAD (plus '-dirty' when its tree has changes)."""
+    if os.environ.get("LOOMSERVE_COMMIT"):
+        return os.environ["LOOMSERVE_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every `every` seconds in a thread."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every = every
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        xs = self.samples or [float("nan")]
+        return {"mean": round(sum(xs) / len(xs), 2), "max": round(max(xs), 2),
+                "samples": len(self.samples)}
 
 
 # -- a tiny round-robin proxy -----------------------------------------------------------------
@@ -145,20 +187,25 @@ def serve_argv(port: int, args, tiers: list[str]) -> list[str]:
             str(args.max_context), *tiers]
 
 
-def summarize(result: dict, by_source: dict | None) -> dict:
+def summarize(result: dict) -> dict:
     m = result["metrics"]
+    scrape = m.get("hit_source_scrape") or {}
     return {"hit_served": m["hit_rate"]["served"], "hit_theoretical": m["hit_rate"]["theoretical"],
+            "hit_by_source": m["hit_rate"].get("by_source"),
+            "hit_tokens_by_source": m["tokens"].get("cached_by_source"),
+            "hit_split_exact": scrape.get("exact"),
+            "hit_split_server_delta": scrape.get("server_delta"),
             "ttft_p50_s": m["ttft_s"]["p50"], "ttft_p90_s": m["ttft_s"]["p90"],
-            "tpgs": m["tpgs"], "requests_ok": m["requests"]["ok"],
-            "errors": m["requests"]["errors"], "hit_tokens_by_source": by_source}
+            "e2e_p50_s": m["e2e_s"]["p50"], "tpgs": m["tpgs"], "window_s": m["window_s"],
+            "requests_ok": m["requests"]["ok"], "errors": m["requests"]["errors"],
+            "prompt_tokens": m["tokens"]["prompt"], "cached_tokens": m["tokens"]["cached"]}
 
 
 def run_single(name: str, tiers: list[str], traces: str, args) -> dict:
     port = free_port()
     with ServerProcess(serve_argv(port, args, tiers), port, name=f"tiers-{name}",
                        env=env()) as srv:
-        res = replay(srv.base_url, traces, args)
-        return summarize(res, scrape_by_source(srv.base_url))
+        return summarize(replay(srv.base_url, traces, args))
 
 
 def run_pair(name: str, tiers: list[str], traces: str, args) -> dict:
@@ -169,13 +216,9 @@ def run_pair(name: str, tiers: list[str], traces: str, args) -> dict:
         for s in servers:
             s.start()
         with RoundRobinProxy([s.base_url for s in servers], free_port()) as proxy:
-            res = replay(proxy.url, traces, args)
-        per = [scrape_by_source(s.base_url) for s in servers]
-        total: dict[str, float] = {}
-        for d in per:
-            for k, v in d.items():
-                total[k] = total.get(k, 0.0) + v
-        return summarize(res, total)
+            # the proxy answers GET from the first instance: scrape both directly
+            res = replay(proxy.url, traces, args, [s.base_url for s in servers])
+        return summarize(res)
     finally:
         for s in servers:
             s.stop()
@@ -184,22 +227,27 @@ def run_pair(name: str, tiers: list[str], traces: str, args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--duration", type=float, default=160.0)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--max-context", type=int, default=2048)
-    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--scale", type=int, default=32,
+                    help="tokens per 64-token trace block (default: %(default)s, half-size "
+                         "prompts with the traces' prefix structure; 0 = unscaled)")
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--traces", default=None)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-memory", default="64MiB",
-                    help="device pool: about a third of the live sessions at -c 4 (default: "
-                         "%(default)s)")
+    ap.add_argument("--kv-cache-memory", default="32MiB",
+                    help="device pool: about a third of the live sessions at -c 4 with "
+                         "--scale 32 (default: %(default)s)")
     ap.add_argument("--host-cache-memory", default="1GiB")
     ap.add_argument("--disk-cache-size", default="4GiB")
     ap.add_argument("--pool-size", default="2GB", help="Mooncake pool memory")
     ap.add_argument("--only", nargs="+", default=None)
     args = ap.parse_args()
+    started = time.monotonic()
+    machine = host_info()
 
     traces = args.traces or synth_traces(args.sessions, args.seed)
     work = tempfile.mkdtemp(prefix="loomserve-tiers-bench-")
@@ -228,26 +276,34 @@ def main() -> int:
             try:
                 print(f"{name}: {' '.join(tiers) or 'no tiers'}", file=sys.stderr, flush=True)
                 run = run_pair if name in pairs else run_single
-                results[name] = run(name, tiers, traces, args)
+                t0 = time.monotonic()
+                with LoadSampler() as load:
+                    results[name] = run(name, tiers, traces, args)
+                results[name]["loadavg_1m"] = load.summary()
+                results[name]["wall_s"] = round(time.monotonic() - t0, 1)
             finally:
                 if mc is not None:
                     mc.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows = [[n, r["hit_served"], r["hit_theoretical"], r["ttft_p50_s"], r["ttft_p90_s"],
-             r["tpgs"], r["requests_ok"], r["errors"],
-             " ".join(f"{k}={int(v)}"
-                      for k, v in sorted((r["hit_tokens_by_source"] or {}).items()))]
+    rows = [[n, r["hit_served"], r["hit_theoretical"],
+             " ".join(f"{k}={v:.3f}" for k, v in (r["hit_by_source"] or {}).items()),
+             r["ttft_p50_s"], r["ttft_p90_s"], r["tpgs"], r["requests_ok"], r["errors"],
+             r["loadavg_1m"]["mean"]]
             for n, r in results.items()]
-    print(format_table(["config", "hit served", "hit theor.", "TTFT p50 s", "TTFT p90 s",
-                        "TPGS", "ok", "err", "hit tokens by source"], rows), file=sys.stderr)
+    print(format_table(["config", "hit served", "hit theor.", "hit by source", "TTFT p50 s",
+                        "TTFT p90 s", "TPGS", "ok", "err", "load 1m"], rows), file=sys.stderr)
     shared = None
     single = results.get("host+disk+mc")
     if "2x-rr-mc" in results and single and single["hit_served"]:
         shared = results["2x-rr-mc"]["hit_served"] / single["hit_served"]
         print(f"shared pool hit rate / single instance: {shared:.3f} (target >= 0.9)",
               file=sys.stderr)
-    payload = {"host": host_info(), "traces": traces, "args": vars(args), "results": results,
+    payload = {"host": machine, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": " ".join(["python", "benchmarks/tiers_agentx.py", *sys.argv[1:]]),
+               "commit": commit(), "traces": traces, "args": vars(args), "results": results,
+               "total_wall_s": round(time.monotonic() - started, 1),
                "shared_over_single_hit_rate": shared}
     print(write_json("tiers_agentx.json", payload), file=sys.stderr)
     return 0
