@@ -23,7 +23,8 @@ pair, through --metrics-url). The 1-minute load average is sampled during each c
 
 Defaults (since the re-run with ~50 requests per configuration): --scale 32 (each 64-token
 trace block becomes 32 tokens: half-size prompts, same prefix structure), --kv-cache-memory
-32MiB (the same fraction of the live sessions as 64MiB unscaled), --max-output 16, 160 s.
+32MiB (about a third of 4 live sessions, as 64MiB was unscaled), --max-context 1408 (the
+server's context must fit the pool), --max-output 16, 160 s.
 """
 
 from __future__ import annotations
@@ -229,7 +230,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--duration", type=float, default=160.0)
     ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--max-context", type=int, default=1408,
+                    help="context cap and --max-model-len (default: %(default)s, under the "
+                         "32MiB pool's 1456 tokens)")
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--scale", type=int, default=32,
                     help="tokens per 64-token trace block (default: %(default)s, half-size "
