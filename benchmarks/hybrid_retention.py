@@ -7,12 +7,16 @@ eviction policy, beside the full-attention-only bound. See loomserve/bench/hybri
 
 Targets: the best hybrid policy reaches >= 90% of the full-attention-only hit rate at every
 capacity, and >= 4x the hit rate of (a) (end-of-sequence states only) where (a) is weakest.
+"Where (a) is weakest" is taken across all evaluated sets and capacities (the row with the
+lowest (a) hit rate, either eviction); best/(a) is reported for every row as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 
@@ -35,7 +39,13 @@ def main() -> None:
                     "(16 x 128 x 128 fp32 state + conv), one pool",
            "capacity": "pool blocks = capacity tokens / block size, same for the "
                        "full-attention-only bound; state pages come out of the same blocks",
-           "eviction_alpha": args.alpha, "sets": {}}
+           "eviction_alpha": args.alpha,
+           "command": " ".join(["python"] + sys.argv),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
+                      f"{platform.python_version()}",
+           "sets": {}}
+    t_all = time.time()
     modes = {"regenerated": [False], "echoed": [True], "both": [False, True]}[args.outputs]
     jobs = [(spec.split("=", 1), echo) for spec in args.traces for echo in modes]
     for (name, path), echo in jobs:
@@ -46,19 +56,44 @@ def main() -> None:
               file=sys.stderr, flush=True)
         rows = evaluate(w, fractions, alpha=args.alpha,
                         log=lambda r: print(json.dumps(r), file=sys.stderr, flush=True))
-        weakest = min(rows, key=lambda r: r["a_end_only/lru"])
+        weakest = min(rows, key=_a)
         out["sets"][name] = {
             "requests": len(w.requests), "working_set_tokens": w.working_set_tokens,
             "rows": rows,
+            "min_best_over_fa": min(r["best_over_fa"] for r in rows),
             "target_best_ge_90pct_fa_all_capacities": all(
                 r["best_over_fa"] is not None and r["best_over_fa"] >= 0.9 for r in rows),
-            "target_best_ge_4x_a_where_a_weakest": weakest["best_over_a"] >= 4,
             "a_weakest_at_fraction": weakest["capacity_fraction"],
+            "best_over_a_where_a_weakest": weakest["best_over_a"],
+            "best_ge_4x_a_where_a_weakest_in_this_set": weakest["best_over_a"] >= 4,
             "wall_s": round(time.time() - t0, 1)}
+        out["summary"] = _summary(out["sets"])
+        out["wall_s"] = round(time.time() - t_all, 1)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    print(json.dumps({k: {kk: v[kk] for kk in v if kk.startswith("target") or kk == "a_weakest_at_fraction"}
-                      for k, v in out["sets"].items()}))
+    print(json.dumps(out["summary"], indent=1))
+
+
+def _a(row: dict) -> float:
+    return min(row["a_end_only/lru"], row["a_end_only/flop_aware"])
+
+
+def _summary(sets: dict) -> dict:
+    """The two targets over every evaluated (set, capacity)."""
+    rows = [(name, r) for name, s in sets.items() for r in s["rows"]]
+    name_fa, r_fa = min(rows, key=lambda x: x[1]["best_over_fa"])
+    name_a, r_a = min(rows, key=lambda x: _a(x[1]))
+    return {
+        "min_best_over_fa": r_fa["best_over_fa"],
+        "min_best_over_fa_at": [name_fa, r_fa["capacity_fraction"]],
+        "target_best_ge_90pct_fa_every_row": r_fa["best_over_fa"] >= 0.9,
+        "a_weakest_at": [name_a, r_a["capacity_fraction"]],
+        "a_hit_rate_there": _a(r_a),
+        "best_hit_rate_there": max(v for k, v in r_a.items()
+                                   if "/" in k and isinstance(v, float)),
+        "best_over_a_there": r_a["best_over_a"],
+        "target_best_ge_4x_a_where_a_weakest": r_a["best_over_a"] >= 4,
+    }
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ def replay(w: Workload, capacity_tokens: int, hybrid: bool, retention: Retention
             truncated += 1
         kv.free(req)
     return {"hit_rate": hit_tokens / counted if counted else 0.0, "truncated": truncated,
-            "num_blocks": num_blocks, "wall_s": round(time.perf_counter() - t0, 2)}
+            "num_blocks": num_blocks, "evictions": kv.pool.eviction_epoch,
+            "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 def evaluate(w: Workload, fractions, policies=POLICIES, evictions=EVICTIONS, alpha=1.0,
@@ -175,11 +176,23 @@ def evaluate(w: Workload, fractions, policies=POLICIES, evictions=EVICTIONS, alp
         cap = int(ws * f)
         row = {"capacity_fraction": f, "capacity_tokens": cap}
         row["full_attention_only"] = replay(w, cap, False, None)["hit_rate"]
+        skipped = []
         for name, ret in policies.items():
+            no_eviction = None
             for ev in evictions:
+                if no_eviction is not None and ev != "lru":
+                    # Nothing was evicted under LRU: the eviction policy never chose, so every
+                    # policy replays the same (unhashed free blocks are reused first by all).
+                    row[f"{name}/{ev}"] = no_eviction
+                    skipped.append(f"{name}/{ev}")
+                    continue
                 res = replay(w, cap, True, ret, ev, alpha)
                 row[f"{name}/{ev}"] = res["hit_rate"]
-        best = max(v for k, v in row.items() if "/" in k)
+                if ev == "lru" and res["evictions"] == 0:
+                    no_eviction = res["hit_rate"]
+        if skipped:
+            row["same_as_lru_no_eviction"] = skipped
+        best = max(v for k, v in row.items() if "/" in k and isinstance(v, float))
         row["best_over_fa"] = best / row["full_attention_only"] if row["full_attention_only"] else None
         base = min(row["a_end_only/lru"], row["a_end_only/flop_aware"])
         row["best_over_a"] = best / base if base else float("inf")
