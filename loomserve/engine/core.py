@@ -49,8 +49,8 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         return None
     if not tiers_supported(runner.kv_cache_config):
         kinds = sorted({g.spec.kind for g in runner.kv_cache_config.groups})
-        log.warning("KV tiers disabled: they support full-attention models only, this model "
-                    "has %s layer groups", ", ".join(kinds))
+        log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
+                    "(%s)", ", ".join(kinds))
         return None
     store = build_tiered_store(config, runner.kv_cache_config.page_bytes)
     model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))

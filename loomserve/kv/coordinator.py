@@ -203,6 +203,17 @@ class KVCacheCoordinator:
             out.extend(blocks)
         return out
 
+    # -- pages loaded from a tier ---------------------------------------------------------
+    def hit_positions(self, num_blocks: int) -> list[range]:
+        """Per group, the block positions whose pages a hit of exactly num_blocks reads: all
+        of them (full attention), the last window (sliding), the boundary (state)."""
+        return [mgr.hit_positions(num_blocks) for mgr in self.managers]
+
+    def cache_loaded(self, group_id: int, blocks: list[Block], positions: list[int],
+                     block_hashes: list[bytes], token_ids: list[int]) -> None:
+        """Make pages filled by a tier load hittable under their hashes (see the managers)."""
+        self.managers[group_id].cache_loaded(blocks, positions, block_hashes, token_ids)
+
     def free(self, request_id: str) -> None:
         self._ids.pop(request_id, None)
         for mgr in self.managers:

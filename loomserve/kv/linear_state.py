@@ -82,6 +82,17 @@ class LinearStateManager(SingleTypeKVManager):
         n = len(hit_blocks)
         return self.pool.cached[self.group_id].get(block_hashes[n - 1]) is hit_blocks[-1]
 
+    def hit_positions(self, num_blocks: int) -> range:
+        """Only the checkpoint at the boundary: the page keyed by the hash of block
+        num_blocks - 1."""
+        return range(num_blocks - 1, num_blocks) if num_blocks > 0 else range(0)
+
+    def cache_loaded(self, blocks, positions, block_hashes, token_ids) -> None:
+        """Loaded checkpoint pages: blocks[j] holds the state after positions[j] + 1 blocks."""
+        for blk, pos in zip(blocks, positions):
+            if block_hashes[pos] not in self.pool.cached[self.group_id]:
+                self._cache_checkpoint(blk, pos + 1, block_hashes)
+
     def blocks_for_hit_at(self, block_hashes, num_blocks):
         if num_blocks <= 0:
             return []

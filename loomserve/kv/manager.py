@@ -20,8 +20,12 @@ next allocate_slots or free (the engine's schedule -> run -> update loop guarant
 is when the copied checkpoint is released and the saved ones become hittable.
 
 Packed layout: the runner's backing buffer is [num_blocks, page_bytes]; row b is block b's
-page, holding all layers of its group. A block's bytes move between tiers as one unit:
-pages_for_hashes / request_pages list the (group, block id) pages to copy.
+page, holding all layers of its group (a state checkpoint is one page too). A block's bytes
+move between tiers as one unit: pages_for_hashes / request_pages list the (group, block id)
+pages to copy. Loading pages back (loomserve.kv.tiering): hit_positions(b) says which pages of
+each group a hit of b blocks reads, claim_pages references the device ones and allocates rows
+for the rest, cache_loaded_pages makes the loaded ones hittable in their group's manager, and
+release_pages lets go, after which the scheduler's normal admission hits them.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from loomserve.kv.coordinator import KVCacheCoordinator, KVHit, StaleHitError
 from loomserve.kv.eviction import FlopAwareEvictor, FlopModel
 from loomserve.kv.events import EventHook
 from loomserve.kv.hashing import BlockHasher
-from loomserve.kv.managers import manager_class
-from loomserve.kv.pool import BlockPool
+from loomserve.kv.managers import count_free, manager_class
+from loomserve.kv.pool import Block, BlockPool
 from loomserve.kv.retention import RetentionConfig, SessionPins
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig
 
@@ -239,6 +243,39 @@ class KVCacheManager:
             return []
         null = self.pool.null_block
         return [(g, b.block_id) for g, bs in enumerate(blocks) for b in bs if b is not null]
+
+    def hit_positions(self, num_blocks: int) -> list[range]:
+        """Per group, the block positions whose pages a prefix hit of exactly num_blocks blocks
+        reads (the pages a tier must supply where the device lacks them)."""
+        return self.coordinator.hit_positions(num_blocks)
+
+    def claim_pages(self, keep: list[Block], num_new: int) -> list[Block] | None:
+        """For a tier load: one reference on each cached block of keep (device pages the load
+        completes, so they stay until it ends) and num_new fresh unhashed pages to load into;
+        all or nothing (None: the pool has too few free blocks now). Release with
+        release_pages."""
+        pool = self.pool
+        if num_new + count_free(keep) > pool.num_free_blocks:
+            return None
+        pool.touch(keep)  # first: allocating must not evict them
+        return pool.allocate(num_new) if num_new else []
+
+    def cache_loaded_pages(self, req: KVRequest, pages: list[tuple[int, int, Block]]) -> None:
+        """Cache pages a tier load filled and checked: (group, block position, block), the
+        block holding that group's page of req's block at that position (for a state group:
+        the checkpoint after position + 1 blocks). The caller still holds their references."""
+        by_group: dict[int, list[tuple[int, Block]]] = {}
+        for g, pos, blk in pages:
+            by_group.setdefault(g, []).append((pos, blk))
+        hashes = req.block_hashes
+        for g, items in by_group.items():
+            items.sort(key=lambda x: x[0])
+            self.coordinator.cache_loaded(g, [b for _, b in items], [p for p, _ in items],
+                                          hashes, req.all_token_ids)
+
+    def release_pages(self, blocks: list[Block]) -> None:
+        """Drop the references claim_pages took, in the given order (pass tail first)."""
+        self.pool.free(blocks)
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """Per-group block ids; the same list objects on every call until free."""

@@ -72,6 +72,13 @@ class SingleTypeKVManager:
         out = list(map(get, block_hashes[:num_blocks]))
         return None if None in out else out
 
+    def hit_positions(self, num_blocks: int) -> range:
+        """Block positions whose pages of this group a hit of exactly num_blocks blocks reads
+        (what a tier must supply where the device lacks them). Full attention: all of them.
+        For num_blocks > 0 the range ends at num_blocks, and its start never decreases as
+        num_blocks grows (TierConnector relies on both)."""
+        return range(num_blocks)
+
     # -- hits -----------------------------------------------------------------------------
     def find_longest_hit(self, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
         """Cached blocks serving the longest hit of at most max_blocks blocks."""
@@ -140,6 +147,28 @@ class SingleTypeKVManager:
             pool.cache_blocks(self.group_id, blocks[start:end], block_hashes[start:end],
                               block_hashes[start - 1] if start else None,
                               token_ids[start * bs:end * bs], bs)
+
+    def cache_loaded(self, blocks: list[Block], positions: list[int], block_hashes: list[bytes],
+                     token_ids: list[int]) -> None:
+        """Cache pages filled outside a step (a tier load): blocks[j] holds this group's page of
+        block position positions[j] (ascending) of the chain block_hashes. The blocks belong to
+        no request; the caller keeps its references. A hash another block holds already keeps
+        that block (this one stays unhashed)."""
+        bs = self.block_size
+        pool = self.pool
+        j = 0
+        while j < len(blocks):  # one cache_blocks call (one BlockStored) per run of positions
+            k = j + 1
+            while k < len(blocks) and positions[k] == positions[k - 1] + 1:
+                k += 1
+            lo, hi = positions[j], positions[k - 1] + 1
+            run = blocks[j:k]
+            if self.flop_model is not None:
+                for i, b in zip(range(lo, hi), run):
+                    b.saved_flops = self.flop_model.kv_block_flops(i, bs)
+            pool.cache_blocks(self.group_id, run, block_hashes[lo:hi],
+                              block_hashes[lo - 1] if lo else None, token_ids[lo * bs:hi * bs], bs)
+            j = k
 
     # -- release --------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
@@ -217,6 +246,9 @@ class SlidingWindowManager(SingleTypeKVManager):
         cached = self.pool.cached[self.group_id]
         null = self.null
         return all(b is null or cached.get(h) is b for b, h in zip(hit_blocks, block_hashes))
+
+    def hit_positions(self, num_blocks: int) -> range:
+        return range(self._first_needed(num_blocks * self.block_size), num_blocks)
 
     def blocks_for_hit_at(self, block_hashes, num_blocks):
         get = self.pool.cached[self.group_id].get

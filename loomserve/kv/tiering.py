@@ -6,37 +6,50 @@ engine calls `after_execute()` after each forward pass and `poll()` once per ste
 idle). The connector never waits on tier I/O inside a step: it starts background operations
 (TierHandles) and looks at them again on a later call.
 
-Only full-attention groups are tiered: a page is a block's K/V, keyed by the layout fingerprint
-and the block's chained hash. Models with sliding-window or state groups get no connector
-(`tiers_supported`); their state checkpoints are not written down yet.
+A page is one block's row of the runner's packed buffer, keyed per group (the layout
+fingerprint of the group, then the block's chained hash): K/V of a full-attention or
+sliding-window block, or a linear/SSM state checkpoint (keyed by the hash of the block it ends
+at). Every group kind with a manager that says which pages a hit reads is tiered
+(`tiers_supported`: full attention, sliding window, linear state).
 
-Store path. The pool emits BlockStored when a request's blocks are cached, which happens at
-allocation, before the step that computes them. The connector only collects those events;
-after the step ran it offers the pages (rows of the runner's kv_buffer) to the store and, while
-the store's handle is pending (the rows are not snapshotted yet), holds one reference on each
-block so its row cannot be handed out again. `poll()` drops the references of finished handles.
-When a request of a session finishes, its cached blocks go to `on_session_pause`: written down
-whatever their seen count, and remembered for a prefetch before the session's predicted return.
+Store path. The pool emits BlockStored when pages are cached: attention blocks at allocation,
+before the step that computes them; state checkpoints once the step that saved them has run
+(at the request's next allocation, or when it is freed). The connector only collects those
+events; after the step ran (and, for checkpoints hashed by a free between steps, at the next
+poll) it offers the pages to the store and, while the store's handle is pending (the rows are
+not snapshotted yet), holds one reference on each block so its row cannot be handed out again.
+`poll()` drops the references of finished handles. When a request of a session finishes, the
+pages a hit at its end reads (every attention block, the last window, the state checkpoint) go
+to `on_session_pause`: written down whatever their seen count, and remembered for a prefetch
+before the session's predicted return.
 
-Load path, per waiting request (no state -> lookup -> load -> no state):
-- prepare, no state: probe the device (n blocks hit). If more blocks could hit (the cap is
-  prompt length - 1), lookup_async the keys of blocks [n, cap) and WAIT: the scheduler skips
-  the request this step and goes on with the others.
-- lookup done, k leading blocks found: probe the device again (n'), allocate blocks for
-  [n', n + k) in one transaction with the device hit, without caching them, and load_async the
-  pages into their rows; WAIT. A pool too full for that answers FULL (the scheduler stops
+Load path, per waiting request (no state -> lookup -> load -> no state). A hit of b blocks
+needs, per group, the pages the device coordinator would read (KVCacheManager.hit_positions):
+full attention all of [0, b), a sliding window the blocks of the last window before b, a state
+group the checkpoint at b. The connector serves the largest b <= cap (prompt length - 1, in
+blocks) for which every such page is on the device or in a tier.
+- prepare, no state: probe the device (n blocks hit). If more could hit, lookup_async the
+  pages not on the device that any b in (n, cap] reads and WAIT: the scheduler skips the
+  request this step and goes on with the others.
+- lookup done: probe the device again (n'), pick the largest b > n' whose pages are all on the
+  device or found, take one reference on the device pages of that hit and allocate a fresh
+  block for each missing page (KVCacheManager.claim_pages, all or nothing), and load_async
+  the pages into their rows; WAIT. A pool too full for that answers FULL (the scheduler stops
   admitting, as for any allocation failure) and the load is tried again next step.
-- load done, j leading blocks loaded (noticed by `poll()`, whatever the request's place in the
-  queue, so a full pool never waits on a loader the scheduler does not reach): cache exactly
-  those j blocks under their hashes, then free the request's blocks. The loaded blocks stay in the pool as ordinary cached blocks; the
-  unloaded ones are unhashed and reused first. GO: the scheduler's normal admission hits them
-  on the device, so a short or failed load only means more recompute.
+- load done (noticed by `poll()`, whatever the request's place in the queue, so a full pool
+  never waits on a loader the scheduler does not reach): the largest b the loaded pages still
+  complete (a page may have failed its checks) decides which loaded pages get cached under
+  their hashes in their group's manager (KVCacheManager.cache_loaded_pages); then every block
+  the load held is released. The cached pages stay in the pool as ordinary cached blocks; the
+  others are unhashed and reused first. GO: the scheduler's normal admission hits them on the
+  device, so a short or failed load only means more recompute.
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash: computed by a step
   that ran, or loaded and checked by a tier.
-- A row being loaded belongs to the loading request until its handle is done; if the request
-  is aborted meanwhile, the connector holds a reference on the block until then.
+- Rows being loaded belong to the connector until their handle is done, whatever happens to
+  the request meanwhile (an aborted request's rows are held until then, and nothing of its
+  load is cached).
 - A row being stored is not reused before the store's handle is done.
 - At most max_inflight requests have a lookup or load in flight; each request gets at most
   MAX_ROUNDS tier rounds per life (a pool that keeps evicting what was just loaded must not
@@ -57,7 +70,7 @@ import xxhash
 
 from loomserve.kv.events import BlockStored
 from loomserve.kv.pool import Block
-from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig
+from loomserve.kv.spec import KVCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +82,14 @@ PREFETCH_POLL_S = 0.02  # the prefetch predictor's due() scans every paused sess
 LOAD_CHUNK_BLOCKS = 64
 
 
+# Layer kinds whose managers say which pages a hit reads (hit_positions) and how loaded pages
+# become hittable (cache_loaded). A new kind is tiered once its manager does both.
+TIERED_KINDS = frozenset({"full_attention", "sliding_window", "linear_state"})
+
+
 def tiers_supported(kv_config: KVCacheConfig) -> bool:
-    """Whether every group is plain full attention (the only kind tiered so far)."""
-    return all(type(g.spec) is FullAttentionSpec for g in kv_config.groups)
+    """Whether every group's layer kind can be tiered."""
+    return all(g.spec.kind in TIERED_KINDS for g in kv_config.groups)
 
 
 def model_identity(name: str, folder: str | None) -> str:
@@ -149,17 +167,31 @@ class _AllOf:
 
 
 class _Pending:
-    """A request's tier I/O in flight: phase 'lookup' (keys of blocks [start, ...)) or 'load'
-    (num blocks from block start)."""
+    """A request's tier I/O in flight. Phase 'lookup': which tiers hold the pages `want`
+    ((group, block position) pairs a hit past the device hit of `start` blocks could read).
+    Phase 'load': the pages `want` being loaded into the fresh blocks `pages` (same order),
+    toward a hit of `end` blocks; `kept` are the (position, block) device pages of that hit,
+    referenced until the load ends."""
 
-    __slots__ = ("req", "phase", "handle", "start", "num")
+    __slots__ = ("req", "phase", "handle", "start", "end", "want", "pages", "kept")
 
-    def __init__(self, req, phase: str, handle, start: int, num: int = 0) -> None:
+    def __init__(self, req, phase: str, handle, start: int, want: list[tuple[int, int]],
+                 end: int = 0, pages: list[Block] | None = None,
+                 kept: list[tuple[int, Block]] | None = None) -> None:
         self.req = req
         self.phase = phase
         self.handle = handle
         self.start = start
-        self.num = num
+        self.end = end
+        self.want = want
+        self.pages = pages or []
+        self.kept = kept or []
+
+    def blocks(self) -> list[Block]:
+        """Every block the load references, in chain order (position ascending)."""
+        out = [(p, b) for (_, p), b in zip(self.want, self.pages)] + self.kept
+        out.sort(key=lambda pb: pb[0])
+        return [b for _, b in out]
 
 
 class TierConnector:
@@ -167,7 +199,8 @@ class TierConnector:
                  max_inflight: int = 8) -> None:
         from loomserve.tiers import KeySpace, fingerprint_for
         if not tiers_supported(kv.config):
-            raise ValueError("tiers support full-attention groups only")
+            kinds = sorted({g.spec.kind for g in kv.config.groups} - TIERED_KINDS)
+            raise ValueError(f"no tier support for layer kinds {kinds}")
         self.kv = kv
         self.pool = kv.pool
         self.store = store
@@ -177,6 +210,9 @@ class TierConnector:
         self.keyspaces = [KeySpace(fingerprint_for(kv.config, model_id, g))
                           for g in range(len(kv.config.groups))]
         self.num_groups = len(self.keyspaces)
+        # Groups whose pages grow with tokens (attention): their page at the first position
+        # past the device hit is what the in-memory "surely missing" check looks at.
+        self._token_groups = [m.token_blocks for m in kv.coordinator.managers]
         self._all_indexed = all(t.index_in_memory for t in store.tiers)
         self._reqs: dict[str, _Pending] = {}
         self._rounds: dict[str, int] = {}
@@ -185,7 +221,10 @@ class TierConnector:
         # hash of the first block of each load in flight -> the loading request: a second
         # request for the same prefix waits for that load instead of loading it again
         self._loading: dict[bytes, str] = {}
-        self._stored: list[tuple[int, list[bytes]]] = []  # BlockStored of this step
+        self._stored: list[tuple[int, list[bytes]]] = []  # BlockStored since the last offer
+        # (group, hash) of pages a pausing session needs that get hashed only when its request
+        # is freed (state checkpoints): stored whatever their seen count once they are.
+        self._pause_pending: set[tuple[int, bytes]] = set()
         self._collect = True
         self._held: list[tuple[object, list[Block]]] = []  # (handle, blocks referenced)
         self._io_done = threading.Event()
@@ -228,100 +267,171 @@ class TierConnector:
         self._finish_load(req, st)
         return GO
 
-    def _keys(self, req, start: int, end: int) -> list[bytes]:
-        """Position-major keys of blocks [start, end) of every group."""
-        hashes = req.block_hashes
-        if self.num_groups == 1:
-            return self.keyspaces[0].keys(hashes[start:end])
-        return [ks.key(hashes[i]) for i in range(start, end) for ks in self.keyspaces]
+    def _probe(self, req) -> tuple[int, int]:
+        """(device hit, cap) in blocks; the cap is prompt length - 1."""
+        _, n = self.kv.get_computed_blocks(req, record_stats=False)
+        return n // self.block_size, (len(req.all_token_ids) - 1) // self.block_size
 
-    def _leading(self, tiers: list[str | None]) -> list[str]:
-        """Tier of each leading block whose pages (one per group) were all found."""
-        g = self.num_groups
+    def _wanted(self, hashes: list[bytes], n: int, cap: int) -> list[tuple[int, int]]:
+        """(group, position) of every page not on the device that a hit of b blocks, n < b <=
+        cap, could read; position-major. Each group's pages for b form a range ending at b
+        whose start grows with b, so b = n + 1 gives the lowest position."""
+        cached = self.pool.cached
+        lows = [r.start for r in self.kv.hit_positions(n + 1)]
         out = []
-        for i in range(0, len(tiers), g):
-            part = tiers[i:i + g]
-            if any(t is None for t in part):
-                break
-            out.append(part[0])
+        for p in range(min(lows), cap):
+            h = hashes[p]
+            for g, lo in enumerate(lows):
+                if p >= lo and h not in cached[g]:
+                    out.append((g, p))
         return out
+
+    def _best_boundary(self, hashes: list[bytes], n: int, cap: int,
+                       extra: set | dict) -> int:
+        """The largest b, n < b <= cap, such that every group's pages for a hit of b blocks are
+        cached on the device or in extra ((group, position) pairs): the coordinator's fixed
+        point over device + tier pages. n when there is none."""
+        kv = self.kv
+        cached = self.pool.cached
+        lows = [r.start for r in kv.hit_positions(n + 1)]
+        sums = []  # per group: prefix counts of available pages from position lows[g]
+        for g, lo in enumerate(lows):
+            have = cached[g]
+            acc = [0]
+            c = 0
+            for p in range(lo, cap):
+                if hashes[p] in have or (g, p) in extra:
+                    c += 1
+                acc.append(c)
+            sums.append(acc)
+        for b in range(cap, n, -1):
+            for g, r in enumerate(kv.hit_positions(b)):
+                a, e = r.start - lows[g], r.stop - lows[g]
+                if sums[g][e] - sums[g][a] != e - a:
+                    break
+            else:
+                return b
+        return n
 
     def _start_lookup(self, req) -> str:
         rid = req.request_id
         if self._rounds.get(rid, 0) >= MAX_ROUNDS:
             return GO
-        bs = self.block_size
-        _, n = self.kv.get_computed_blocks(req, record_stats=False)
-        start, cap = n // bs, (len(req.all_token_ids) - 1) // bs
-        if cap <= start:
+        n, cap = self._probe(req)
+        if cap <= n:
             return GO
-        keys = self._keys(req, start, cap)
-        if self._surely_missing(keys[:self.num_groups]):
+        hashes = req.block_hashes
+        want = self._wanted(hashes, n, cap)
+        if not want or self._surely_missing(hashes, n, want):
             return GO
         if len(self._reqs) >= self.max_inflight:
             return WAIT
+        keys = [self.keyspaces[g].key(hashes[p]) for g, p in want]
         handle = self.store.lookup_async(keys)
         handle.add_done_callback(self._wake)
-        self._reqs[rid] = _Pending(req, "lookup", handle, start)
+        self._reqs[rid] = _Pending(req, "lookup", handle, n, want)
         self._rounds[rid] = self._rounds.get(rid, 0) + 1
         self.counters["lookups"] += 1
         return WAIT
 
-    def _surely_missing(self, first: list[bytes]) -> bool:
-        """Whether the first block past the device hit is in no tier, known without I/O (every
-        tier indexes its keys in memory). A new turn's first uncached block is usually new
-        content, so this saves most requests a background lookup and a step of waiting."""
+    def _surely_missing(self, hashes: list[bytes], n: int, want: list[tuple[int, int]]) -> bool:
+        """Whether no tier can extend the device hit, known without I/O (every tier indexes
+        its keys in memory): an attention group's page at the first position past the device
+        hit is in no tier. A new turn's first uncached block is usually new content, so this
+        saves most requests a background lookup and a step of waiting. Exact for full
+        attention (every longer hit reads that page); for a sliding window a longer hit could
+        skip it, which only costs a recompute. Without such a page (the device holds the
+        attention blocks, a state checkpoint is missing) the tiers are asked."""
         if not self._all_indexed:
             return False
-        return not any(any(t.contains(first)) for t in self.store.tiers)
+        first = [self.keyspaces[g].key(hashes[p]) for g, p in want
+                 if p == n and self._token_groups[g]]
+        if not first:
+            return False
+        found = [False] * len(first)
+        for t in self.store.tiers:
+            found = [f or c for f, c in zip(found, t.contains(first))]
+        return not all(found)
 
     def _start_load(self, req, st: _Pending) -> str:
         rid = req.request_id
-        found = self._leading(st.handle.result().tiers) if st.handle.ready() else []
-        end = st.start + len(found)
-        bs = self.block_size
-        hit, n = self.kv.get_computed_blocks(req, record_stats=False)
-        start = n // bs
-        if start >= end:
+        found = set()
+        if st.handle.ready():
+            found = {gp for gp, t in zip(st.want, st.handle.result().tiers) if t is not None}
+        n, cap = self._probe(req)
+        hashes = req.block_hashes
+        end = self._best_boundary(hashes, n, cap, found) if found else n
+        if end <= n:
             del self._reqs[rid]
             return GO
-        first = req.block_hashes[start]
+        first = hashes[n]
         if self._loading.get(first, rid) != rid:
             return WAIT  # the same prefix is being loaded for another request
-        if not self.kv.allocate_slots(req, (end - start) * bs, hit, n, cache=False):
+        want, kept = [], []
+        cached = self.pool.cached
+        for g, r in enumerate(self.kv.hit_positions(end)):
+            get = cached[g].get
+            for p in r:
+                b = get(hashes[p])
+                if b is None:
+                    want.append((g, p))  # in found: _best_boundary checked
+                else:
+                    kept.append((p, b))
+        want.sort(key=lambda gp: (gp[1], gp[0]))
+        kept_blocks = [b for _, b in kept]
+        pages = self.kv.claim_pages(kept_blocks, len(want))
+        if pages is None:
+            if len(want) + len(kept) > self.pool.num_usable:
+                del self._reqs[rid]  # could never fit: recompute instead
+                return GO
             return FULL  # keep the lookup result; try again next step
-        ids = self.kv.get_block_ids(rid)
         handles, sizes = [], []
-        for lo in range(start, end, LOAD_CHUNK_BLOCKS):
-            hi = min(end, lo + LOAD_CHUNK_BLOCKS)
-            rows = [ids[g][i] for i in range(lo, hi) for g in range(self.num_groups)]
-            h = self.store.load_async(self._keys(req, lo, hi), self.buffer, rows)
+        chunk = LOAD_CHUNK_BLOCKS * self.num_groups
+        for lo in range(0, len(want), chunk):
+            part = want[lo:lo + chunk]
+            keys = [self.keyspaces[g].key(hashes[p]) for g, p in part]
+            rows = [b.block_id for b in pages[lo:lo + chunk]]
+            h = self.store.load_async(keys, self.buffer, rows)
             h.add_done_callback(self._wake)
             handles.append(h)
-            sizes.append(len(rows))
-        self._reqs[rid] = _Pending(req, "load", _AllOf(handles, sizes), start, end - start)
+            sizes.append(len(part))
+        self._reqs[rid] = _Pending(req, "load", _AllOf(handles, sizes), n, want, end, pages,
+                                   kept)
         self._loading[first] = rid
         self.counters["loads"] += 1
         return WAIT
 
     def _finish_load(self, req, st: _Pending) -> None:
+        """The load ended: cache the loaded pages the longest hit they complete reads, then
+        release every block the load held (the cached ones stay hittable)."""
         rid = req.request_id
         del self._reqs[rid]
         self._loading.pop(req.block_hashes[st.start], None)
-        loaded = self._leading(st.handle.tiers())
-        if len(loaded) < st.num:
+        got = {gp: t for gp, t in zip(st.want, st.handle.tiers()) if t is not None}
+        hashes = req.block_hashes
+        end = self._best_boundary(hashes, st.start, st.end, got) if got else st.start
+        if end < st.end:
             self.counters["short_loads"] += 1
-        if loaded:
-            self.counters["loaded_blocks"] += len(loaded)
-            req.num_computed_tokens = (st.start + len(loaded)) * self.block_size
+        tiers: list[str] = []
+        if end > st.start:
+            need = self.kv.hit_positions(end)
+            pages = [(g, p, b) for (g, p), b in zip(st.want, st.pages)
+                     if (g, p) in got and p in need[g]]
             self._collect = False  # these pages came from a tier: nothing to write back
             try:
-                self.kv.allocate_slots(req, 0)  # caches exactly the loaded blocks; needs none
+                self.kv.cache_loaded_pages(req, pages)
             finally:
                 self._collect = True
-        self._loaded[rid] = (st.start, loaded)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
+            self.counters["loaded_blocks"] += len(pages)
+            by_pos: dict[int, str] = {}
+            for g, p, _ in pages:
+                by_pos.setdefault(p, got[(g, p)])
+            # Positions whose pages were all on the device count for the tier that completed
+            # the hit (e.g. a state checkpoint at the boundary).
+            last = got[(pages[-1][0], pages[-1][1])] if pages else None
+            tiers = [by_pos.get(p, last) for p in range(st.start, end)]
+        self._loaded[rid] = (st.start, tiers)
+        self.kv.release_pages(list(reversed(st.blocks())))  # chain heads last: live longest
 
     def on_admit(self, req, num_hit_tokens: int) -> int:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
@@ -347,7 +457,7 @@ class TierConnector:
         return usable * bs
 
     def on_finish(self, req, aborted: bool) -> None:
-        """Before the KV manager frees req (finished, aborted or preempted)."""
+        """Before the KV manager frees req (finished or aborted)."""
         rid = req.request_id
         self._rounds.pop(rid, None)
         self._loaded.pop(rid, None)
@@ -355,30 +465,40 @@ class TierConnector:
         if st is not None:
             if st.phase == "load":
                 self._loading.pop(req.block_hashes[st.start], None)
-            if st.phase == "load" and not st.handle.done():
-                blocks = self.kv.coordinator.request_blocks(rid)
-                held = [b for g in blocks for b in g[st.start:st.start + st.num]]
-                self.pool.touch(held)
-                self._held.append((st.handle, held))
+                if st.handle.done():
+                    self.kv.release_pages(list(reversed(st.blocks())))
+                else:  # the rows are still being written: hold them until the load ends
+                    self._held.append((st.handle, st.blocks()))
             else:
                 st.handle.cancel()
         if aborted or req.session_id is None:
             return
-        blocks = self.kv.coordinator.request_blocks(rid)
-        if blocks is None:
+        coord = self.kv.coordinator
+        if coord.block_ids(rid) is None:
             return
-        n = self.kv.coordinator.num_cached_blocks(rid)
-        keys, rows, refs = [], [], []
-        for g, ks in enumerate(self.keyspaces):
-            for h, b in zip(req.block_hashes[:n], blocks[g][:n]):
-                keys.append(ks.key(h))
-                rows.append(b.block_id)
-                refs.append(b)
-        if not keys:
+        # The pages a hit at the end of this turn reads (attention blocks, the last window,
+        # the state checkpoint at the boundary).
+        end = coord.hit_boundary(rid)
+        hashes = req.block_hashes
+        cached = self.pool.cached
+        all_keys, keys, rows, refs = [], [], [], []
+        for g, r in enumerate(self.kv.hit_positions(end)):
+            ks, get = self.keyspaces[g], cached[g].get
+            for p in r:
+                k = ks.key(hashes[p])
+                all_keys.append(k)
+                b = get(hashes[p])
+                if b is None:  # a checkpoint hashed when req is freed, right after this
+                    self._pause_pending.add((g, hashes[p]))
+                else:
+                    keys.append(k)
+                    rows.append(b.block_id)
+                    refs.append(b)
+        if not all_keys:
             return
         self.counters["session_pauses"] += 1
         store = self.store
-        store.on_session_pause(keys, None, session_id=req.session_id)  # prefetch registry
+        store.on_session_pause(all_keys, None, session_id=req.session_id)  # prefetch registry
         new = store.unwritten(keys)  # the rest is in the top tier or on its way down
         if new:
             self._hold(store.store([keys[i] for i in new], self.buffer, [rows[i] for i in new]),
@@ -387,10 +507,19 @@ class TierConnector:
     # -- engine side --------------------------------------------------------------------------
     def after_execute(self) -> None:
         """The step's blocks hold their data now: offer them to the store."""
+        self._offer_stored()
+
+    def _offer_stored(self) -> None:
+        """Offer the pages of the BlockStored events collected since the last call. Called
+        after each forward pass (attention blocks are hashed when allocated, before the step
+        that computes them) and at the start of poll() (events of frees between steps: state
+        checkpoints hashed when their request ends, whose step has run)."""
+        pending, self._pause_pending = self._pause_pending, set()
         if not self._stored:
             return
         stored, self._stored = self._stored, []
         keys, rows, refs = [], [], []
+        must = ([], [], [])  # a pausing session's pages: stored whatever their seen count
         cached = self.pool.cached
         for g, hashes in stored:
             ks = self.keyspaces[g]
@@ -398,12 +527,19 @@ class TierConnector:
             for h in hashes:
                 b = get(h)
                 if b is not None:
-                    keys.append(ks.key(h))
-                    rows.append(b.block_id)
-                    refs.append(b)
+                    out = must if pending and (g, h) in pending else (keys, rows, refs)
+                    out[0].append(ks.key(h))
+                    out[1].append(b.block_id)
+                    out[2].append(b)
         if keys:
             self.counters["offered_blocks"] += len(keys)
             self._hold(self.store.offer(keys, self.buffer, rows), refs)
+        if must[0]:
+            new = self.store.unwritten(must[0])
+            if new:
+                self._hold(self.store.store([must[0][i] for i in new], self.buffer,
+                                            [must[1][i] for i in new]),
+                           [must[2][i] for i in new])
 
     def _hold(self, handle, blocks: list[Block]) -> None:
         if handle.done() or not blocks:
@@ -412,10 +548,11 @@ class TierConnector:
         self._held.append((handle, blocks))
 
     def poll(self) -> None:
-        """Once per step: finish the loads that are done (their blocks become cached and the
-        request holds none, whatever its place in the queue: a full pool must not wait on a
-        request the scheduler does not reach), release rows whose store/load finished, start
-        due prefetches."""
+        """Once per step: offer pages hashed since the last step, finish the loads that are
+        done (their pages become cached and the connector holds none, whatever the request's
+        place in the queue: a full pool must not wait on a request the scheduler does not
+        reach), release rows whose store/load finished, start due prefetches."""
+        self._offer_stored()
         for st in [st for st in self._reqs.values() if st.phase == "load" and st.handle.done()]:
             self._finish_load(st.req, st)
         if self._held:

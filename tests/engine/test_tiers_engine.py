@@ -449,10 +449,23 @@ def test_tiers_off_by_default():
     assert llm.core.stats().prefix_hit_tokens_by_source == {"device": 0}
 
 
-def test_hybrid_model_disables_tiers(caplog):
+def test_hybrid_model_gets_tiers():
     import os
     from tests.engine.conftest import FIXTURES
     from loomserve import LLM
+    llm = LLM(os.path.join(FIXTURES, "tiny-qwen3-next"), kv_cache_memory="8MiB",
+              host_cache_memory="8MiB")
+    try:
+        assert llm.core.tiers is not None  # end to end: tests/tiers/test_hybrid_tiers.py
+    finally:
+        llm.close()
+
+
+def test_untiered_layer_kind_disables_tiers(caplog, monkeypatch):
+    import os
+    from tests.engine.conftest import FIXTURES
+    from loomserve import LLM
+    monkeypatch.setattr(tiering, "TIERED_KINDS", frozenset({"full_attention"}))
     with caplog.at_level("WARNING"):
         llm = LLM(os.path.join(FIXTURES, "tiny-qwen3-next"), kv_cache_memory="8MiB",
                   host_cache_memory="8MiB")
