@@ -423,13 +423,14 @@ class TierConnector:
             finally:
                 self._collect = True
             self.counters["loaded_blocks"] += len(pages)
-            by_pos: dict[int, str] = {}
-            for g, p, _ in pages:
-                by_pos.setdefault(p, got[(g, p)])
-            # Positions whose pages were all on the device count for the tier that completed
-            # the hit (e.g. a state checkpoint at the boundary).
-            last = got[(pages[-1][0], pages[-1][1])] if pages else None
-            tiers = [by_pos.get(p, last) for p in range(st.start, end)]
+            if pages:
+                by_pos: dict[int, str] = {}
+                for g, p, _ in pages:
+                    by_pos.setdefault(p, got[(g, p)])
+                # Positions whose pages were all on the device count for the tier that
+                # completed the hit (e.g. a state checkpoint at the boundary).
+                last = got[(pages[-1][0], pages[-1][1])]
+                tiers = [by_pos.get(p, last) for p in range(st.start, end)]
         self._loaded[rid] = (st.start, tiers)
         self.kv.release_pages(list(reversed(st.blocks())))  # chain heads last: live longest
 

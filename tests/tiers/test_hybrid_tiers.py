@@ -14,12 +14,15 @@ import random
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomserve import LLM, SamplingParams
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.spec import LinearStateSpec
 from loomserve.tiers import codec
 from tests.model.conftest import FIXTURES
+from tests.tiers.conftest import mooncake_service, redis_service  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BS = 4
@@ -212,3 +215,98 @@ def test_disk_tier_serves_a_restarted_hybrid_engine(tmp_path, model):
             expected_boundary(ref) * BS
     finally:
         fresh.close()
+
+
+def test_session_pause_writes_the_end_checkpoint_before_it_is_seen_twice(state_model):
+    """With write_after_seen=2 a page is not written on its first computation, but a pausing
+    session writes what its next turn reads, including the state checkpoint that is hashed
+    only when the turn's request is freed."""
+    name, ref = state_model
+    llm = make(name, POOL[name], host_cache_memory="4MiB", tier_write_after_seen=2)
+    try:
+        run_turn(llm, "t1", TURN1)
+        settle(llm)
+        conn = llm.core.tiers
+        end = expected_boundary(ref)
+        key = conn.keyspaces[state_group(llm)].key(hash_chain(ref["turn2"], BS)[end - 1])
+        assert all(conn.store.host.contains([key]))
+        evict(llm, ref)
+        settle(llm)
+        second = run_turn(llm, "t2", ref["turn2"])
+        assert second.output_token_ids == ref["out2"]
+        assert second.num_tier_cached_tokens == end * BS
+        settle(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "redis"])
+def test_shared_pool_serves_another_instance(backend, request):
+    """One instance computes a Qwen3-Next turn; another (same weights) loads its attention
+    blocks and state checkpoint from the shared pool."""
+    name = "tiny-qwen3-next"
+    ref = reference(name)
+    if backend == "mooncake":
+        svc = request.getfixturevalue("mooncake_service")
+        remote = f"mooncake://{svc.master_address}"
+    else:
+        remote = request.getfixturevalue("redis_service").url
+    one = make(name, POOL[name], remote_cache=remote)
+    two = make(name, POOL[name], remote_cache=remote)
+    try:
+        assert run_turn(one, "t1", TURN1).output_token_ids == ref["out1"]
+        settle(one)
+        second = run_turn(two, "t2", ref["turn2"])
+        assert second.output_token_ids == ref["out2"]
+        assert second.num_tier_cached_tokens == expected_boundary(ref) * BS
+        assert two.core.stats().prefix_hit_tokens_by_source[backend] == \
+            expected_boundary(ref) * BS
+        settle(two)
+    finally:
+        one.close()
+        two.close()
+
+
+# -- the boundary a tier can serve ------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_tier_boundary_is_the_coordinators_fixed_point(data):
+    """Whatever pages the device and the tiers hold, the boundary the connector loads toward
+    is the hit the device coordinator finds once those tier pages are cached on the device."""
+    import torch
+
+    from loomserve.kv.manager import KVCacheManager
+    from loomserve.tiers import HostTier, TieredStore
+    from loomserve.kv.tiering import TierConnector
+    from tests.kv.conftest import make_hybrid_config
+
+    window = data.draw(st.sampled_from([0, 5, 8, 13]), label="window")
+    state = data.draw(st.booleans(), label="state")
+    full = data.draw(st.booleans(), label="full") or not (window or state)
+    num_pos = data.draw(st.integers(1, 12), label="blocks")
+    config = make_hybrid_config(200, window=window, state=state, full=full)
+    kv = KVCacheManager(config)
+    store = TieredStore([HostTier(1 << 20, config.page_bytes)])
+    conn = TierConnector(kv, store, torch.zeros(1, config.page_bytes, dtype=torch.uint8), "m")
+    try:
+        hashes = [bytes([i]) * 16 for i in range(num_pos)]
+        groups = range(len(config.groups))
+        pages = st.sets(st.tuples(st.sampled_from(list(groups)), st.integers(0, num_pos - 1)))
+        device = data.draw(pages, label="device")
+        tier = data.draw(pages, label="tier")
+        for g, p in sorted(device):
+            (b,) = kv.pool.allocate(1)
+            kv.pool.cache_blocks(g, [b], [hashes[p]])
+        cap = num_pos
+        n = kv.coordinator.find_longest_hit(hashes, cap).num_blocks
+        b = conn._best_boundary(hashes, n, cap, tier)
+        wanted = set(conn._wanted(hashes, n, cap))
+        for g, p in sorted(tier - device):
+            (blk,) = kv.pool.allocate(1)
+            kv.pool.cache_blocks(g, [blk], [hashes[p]])
+        assert b == kv.coordinator.find_longest_hit(hashes, cap).num_blocks
+        if b > n:  # every page the load reads past the device was looked up
+            need = {(g, p) for g, r in enumerate(kv.hit_positions(b)) for p in r}
+            assert need - device <= wanted
+    finally:
+        store.close()
