@@ -18,6 +18,9 @@ Per request and state group:
   unhashed tail page; when the request is freed, the tail is hashed as the checkpoint at that
   boundary (unless one is cached there already).
 
+A checkpoint loaded from a KV tier (loomserve.kv.tiering) is cached by cache_loaded once its
+page holds the checked state, like a save whose step has run; it belongs to no request.
+
 Hits: a checkpoint exactly at the boundary, so the longest hit is the largest checkpointed
 boundary <= the length asked for (hit granularity = block_size, whatever the page size). The
 hit list has the checkpoint last and None before it. Hits are not prefix-closed.

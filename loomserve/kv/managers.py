@@ -4,7 +4,9 @@ A manager owns, for one group, each request's block list; it decides how many bl
 needs for a number of tokens, which cached blocks can serve a prefix hit, which blocks can be
 freed early and which get cached. New layer types (sliding window, linear/SSM state) plug in by
 subclassing SingleTypeKVManager and registering the spec kind in MANAGER_REGISTRY; the pool and
-the coordinator do not change.
+the coordinator do not change. To be tiered (loomserve.kv.tiering, TIERED_KINDS), a manager also
+says which pages a hit reads (hit_positions) and how pages loaded from a tier become hittable
+(cache_loaded).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loomserve import LLM, SamplingParams
+from loomserve.kv import tiering
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.spec import LinearStateSpec
 from loomserve.tiers import codec
@@ -135,6 +136,10 @@ def test_second_turn_prefix_comes_from_host_tier(model):
         assert stats.prefix_hit_tokens_by_source["host"] == hit
         conn = llm.core.tiers
         assert conn.counters["loads"] == 1 and conn.counters["short_loads"] == 0
+        # exactly the pages the hit reads: every attention block, the last window, the
+        # checkpoint at the boundary
+        needed = sum(len(r) for r in llm.core.kv.hit_positions(hit // BS))
+        assert conn.counters["loaded_blocks"] == needed
         kinds = {type(g.spec) for g in llm.core.runner.kv_cache_config.groups}
         if LinearStateSpec in kinds:  # the boundary checkpoint itself came from the tier
             g = state_group(llm)
@@ -213,6 +218,42 @@ def test_disk_tier_serves_a_restarted_hybrid_engine(tmp_path, model):
         assert second.num_tier_cached_tokens == expected_boundary(ref) * BS
         assert fresh.core.stats().prefix_hit_tokens_by_source["disk"] == \
             expected_boundary(ref) * BS
+    finally:
+        fresh.close()
+
+
+def test_device_attention_blocks_plus_tier_checkpoint(tmp_path, state_model, monkeypatch):
+    """The device holds the prefix's attention blocks but no checkpoint on them (a request
+    computed them and diverged): only the missing pages come from the tier, the device blocks
+    complete the hit, they are not loaded again."""
+    name, ref = state_model
+    kw = dict(disk_cache_dir=str(tmp_path / "kv"), disk_cache_size="8MiB")
+    llm = make(name, POOL[name], **kw)
+    try:
+        run_turn(llm, "t1", TURN1)
+        settle(llm)
+    finally:
+        llm.close()
+    fresh = make(name, POOL[name], **kw)
+    try:
+        fork = TURN1 + tokens(10, 5)  # shares turn 1's 10 prompt blocks, then diverges
+        monkeypatch.setattr(tiering, "MAX_ROUNDS", 0)  # computed, not loaded from the disk
+        assert fresh.generate(fork, GREEDY)[0].num_cached_tokens == 0
+        monkeypatch.setattr(tiering, "MAX_ROUNDS", 2)
+        settle(fresh)
+        conn = fresh.core.tiers
+        loaded = conn.counters["loaded_blocks"]
+        fa = next(g for g, grp in enumerate(fresh.core.runner.kv_cache_config.groups)
+                  if not isinstance(grp.spec, LinearStateSpec))
+        prompt_blocks = hash_chain(TURN1, BS)
+        assert all(h in fresh.core.kv.pool.cached[fa] for h in prompt_blocks)
+        second = run_turn(fresh, "t2", ref["turn2"])
+        assert second.output_token_ids == ref["out2"]
+        end = expected_boundary(ref)
+        assert second.num_tier_cached_tokens == end * BS
+        # the attention blocks past turn 1's prompt and the state checkpoint at the end
+        assert conn.counters["loaded_blocks"] - loaded == end - len(prompt_blocks) + 1
+        settle(fresh)
     finally:
         fresh.close()
 
