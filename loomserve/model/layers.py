@@ -131,7 +131,9 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; rotate_half(x) == roll(x, half) with the sign in sin."""
+    """x: [tokens, heads, head_dim]; rotate_half(x) == roll(x, half) with the sign in sin.
+    Two products and a sum, each rounded in the model dtype, as the reference does (a fused
+    addcmul rounds once and moves bf16 logits by ~0.04)."""
     return x * cos + torch.roll(x, half, dims=-1) * sin
 
 

@@ -20,6 +20,7 @@ from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from loomserve.model.attention import AttentionMetadata, paged_attention
 from loomserve.model.config import ModelConfig
 from loomserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from loomserve.model.layout import lm_head_logits
 
 
 class Attention(nn.Module):
@@ -152,9 +153,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, meta)
         return self.model.norm(x)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; every parameter must be covered exactly once."""

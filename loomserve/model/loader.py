@@ -14,6 +14,7 @@ from torch import nn
 
 from loomserve.model.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.model.gguf_loader import cached_conversion
+from loomserve.model.layout import optimize_cpu_layout
 from loomserve.model.registry import resolve
 from loomserve.model.tokenizer import Tokenizer
 
@@ -25,6 +26,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
+    layout: str = "default"  # the CPU weight layout chosen (loomserve.model.layout)
 
 
 def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
@@ -52,10 +54,19 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         model = model_cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(folder))
+    layout = optimize_cpu_layout(model, device, dtype, _tied_embedding(model))
     model.init_rotary(cfg.max_position_embeddings, device, dtype)
     model.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_folder(folder, cfg.eos_token_ids)
-    return LoadedModel(model, cfg, tokenizer, name, folder)
+    return LoadedModel(model, cfg, tokenizer, name, folder, layout)
+
+
+def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The input embedding when the model reads its LM head from it (lm_head is None)."""
+    if getattr(model, "lm_head", False) is not None:
+        return None
+    get = getattr(model, "get_input_embeddings", None)
+    return get() if get is not None else None
 
 
 def _iter_safetensors(folder: str):

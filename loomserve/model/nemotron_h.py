@@ -24,8 +24,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
-from loomserve.model.config import eos_token_ids
 from loomserve.model.attention import AttentionMetadata, paged_attention
+from loomserve.model.config import eos_token_ids
+from loomserve.model.layout import lm_head_logits
 from loomserve.model.mamba2 import Mamba2Mixer
 from loomserve.model.qwen3_next import layer_groups, pick
 
@@ -294,9 +295,11 @@ class NemotronHForCausalLM(nn.Module):
             x = layer(x, pick(attn_meta, g), pick(state_batch, g))
         return self.model.norm_f(x)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        return lm_head_logits(self, hidden, self.lm_head, self.model.embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (`backbone.` or `model.` trunk) in; every parameter exactly once."""

@@ -26,10 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
-from loomserve.model.config import eos_token_ids
 from loomserve.model.attention import AttentionMetadata, paged_attention
+from loomserve.model.config import eos_token_ids
 from loomserve.model.gated_deltanet import GatedDeltaNet
 from loomserve.model.layers import RotaryEmbedding, SwiGLU, apply_rope
+from loomserve.model.layout import lm_head_logits
 
 
 @dataclass(frozen=True)
@@ -297,9 +298,11 @@ class Qwen3NextForCausalLM(nn.Module):
             x = layer(x, rope, pick(attn_meta, g), pick(state_batch, g))
         return self.model.norm(x)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        return lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
 
     # --- HF weights -------------------------------------------------------------------------------
 

@@ -1,0 +1,122 @@
+"""Weight layouts for the CPU matrix products, chosen once after loading.
+
+A decode step multiplies one row per sequence by every weight matrix: a streaming read of the
+weights, so its speed is the memory bandwidth the GEMM kernel reaches (and, for bf16 at many
+rows, its compute rate). PyTorch's default [out, in] storage is not the fastest layout for
+either CPU kernel it uses (measured by benchmarks/matmul_layout.py on the 2-core benchmark VM):
+
+- fp32 (MKL GEMM): the same matrix stored input-major ([in, out]) streams at ~23 GB/s instead
+  of ~18 GB/s at one row, and is 2-16% faster with more rows. The parameter keeps its shape
+  [out, in] and its values; only its strides change (a transposed view of a contiguous [in, out]
+  buffer), so F.linear and every model see the same tensor as before.
+- bf16 (oneDNN, AMX / AVX-512-BF16): a weight reordered once into oneDNN's blocked layout is
+  1.3-1.45x faster at 1 to 256 rows; without it oneDNN reorders the plain weight inside every
+  call. A layer is packed only if a probe product is bit-identical to the plain kernel's (some
+  small shapes get other kernels whose rounding differs), so packing never changes an output. Each nn.Linear becomes a PackedLinear holding only the packed
+  copy. A tied LM head (the embedding matrix) gets a packed copy beside the embedding, which
+  still serves row gathers.
+
+Other devices and dtypes keep the default layout. The packed path uses PyTorch's oneDNN ops
+(the ones torch.compile's CPU backend emits); if they are missing or refuse a weight, that
+weight stays a plain nn.Linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
+
+
+def to_input_major(param: torch.Tensor) -> None:
+    """Re-lay a 2-D [out, in] parameter in place as a view of a contiguous [in, out] buffer."""
+    if param.dim() == 2 and param.is_contiguous():
+        param.data = param.data.t().contiguous().t()
+
+
+def onednn_bf16_available() -> bool:
+    try:
+        return (torch.backends.mkldnn.is_available()
+                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """A frozen linear layer whose weight oneDNN reordered for its bf16 kernels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def _pack(linear: nn.Linear, batch_hint: int) -> nn.Module:
+    try:
+        packed = PackedLinear(linear.weight, linear.bias, batch_hint)
+        # Packing must not change a single bit: oneDNN picks other kernels for some small
+        # shapes, whose rounding differs; those layers stay plain.
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 33):
+            probe = torch.randn(rows, packed.in_features, generator=gen).to(linear.weight.dtype)
+            if not torch.equal(packed(probe), F.linear(probe, linear.weight, linear.bias)):
+                return linear
+        return packed
+    except RuntimeError as e:  # an op or shape oneDNN does not take: keep the plain layer
+        log.debug("keeping a plain linear layer: %s", e)
+        return linear
+
+
+def _replace_linears(module: nn.Module, batch_hint: int) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, _pack(child, batch_hint))
+        else:
+            _replace_linears(child, batch_hint)
+
+
+def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                        tied_embedding: nn.Embedding | None, batch_hint: int = 32) -> str:
+    """Re-lay `model`'s weights for the CPU kernels (see the module docstring); returns what was
+    done, for the startup log. tied_embedding: the embedding that doubles as the LM head."""
+    if device.type != "cpu":
+        return "default"
+    if dtype == torch.float32:
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                to_input_major(m.weight)
+        if tied_embedding is not None:
+            to_input_major(tied_embedding.weight)
+        return "input-major fp32"
+    if dtype == torch.bfloat16 and onednn_bf16_available():
+        _replace_linears(model, batch_hint)
+        if tied_embedding is not None:
+            head = nn.Linear(tied_embedding.embedding_dim, tied_embedding.num_embeddings, bias=False,
+                             device="meta")
+            head.weight = tied_embedding.weight
+            model.packed_lm_head = _pack(head, batch_hint)
+        return "onednn-packed bf16"
+    return "default"
+
+
+def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,
+                   embedding: nn.Embedding) -> torch.Tensor:
+    """Logits through the untied LM head, else through the embedding matrix (its packed copy
+    when optimize_cpu_layout made one)."""
+    if lm_head is not None:
+        return lm_head(hidden)
+    packed = getattr(model, "packed_lm_head", None)
+    if packed is not None:
+        return packed(hidden)
+    return F.linear(hidden, embedding.weight)
