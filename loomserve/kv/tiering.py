@@ -42,7 +42,9 @@ blocks) for which every such page is on the device or in a tier.
   their hashes in their group's manager (KVCacheManager.cache_loaded_pages); then every block
   the load held is released. The cached pages stay in the pool as ordinary cached blocks; the
   others are unhashed and reused first. GO: the scheduler's normal admission hits them on the
-  device, so a short or failed load only means more recompute.
+  device, so a short or failed load only means more recompute. A short load first starts one
+  more round (MAX_ROUNDS permitting): a tier drops a page that fails its checks, so the next
+  lookup finds the longest boundary left (e.g. an earlier state checkpoint).
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash: computed by a step
@@ -218,6 +220,9 @@ class TierConnector:
         self._rounds: dict[str, int] = {}
         # request id -> (first loaded block, tier of each loaded block), until admitted
         self._loaded: dict[str, tuple[int, list[str]]] = {}
+        # requests whose last load came up short (a page missing or failing its checks): their
+        # next prepare starts another round (MAX_ROUNDS permitting) instead of admitting
+        self._short: set[str] = set()
         # hash of the first block of each load in flight -> the loading request: a second
         # request for the same prefix waits for that load instead of loading it again
         self._loading: dict[bytes, str] = {}
@@ -255,16 +260,21 @@ class TierConnector:
     def prepare(self, req) -> str:
         """GO: admit req normally (its device probe now sees whatever the tiers gave);
         WAIT: skip it this step; FULL: the pool cannot take its tier blocks now."""
-        st = self._reqs.get(req.request_id)
+        rid = req.request_id
+        st = self._reqs.get(rid)
         if st is None:
-            if req.request_id in self._loaded:
+            if rid in self._loaded and rid not in self._short:
                 return GO  # its load finished (in poll): the device probe sees the pages
+            self._short.discard(rid)
             return self._start_lookup(req)
         if not st.handle.done():
             return WAIT
         if st.phase == "lookup":
             return self._start_load(req, st)
         self._finish_load(req, st)
+        if rid in self._short:  # a page failed: one more round may find an earlier boundary
+            self._short.discard(rid)
+            return self._start_lookup(req)
         return GO
 
     def _probe(self, req) -> tuple[int, int]:
@@ -412,6 +422,7 @@ class TierConnector:
         end = self._best_boundary(hashes, st.start, st.end, got) if got else st.start
         if end < st.end:
             self.counters["short_loads"] += 1
+            self._short.add(rid)
         tiers: list[str] = []
         if end > st.start:
             need = self.kv.hit_positions(end)
@@ -431,13 +442,19 @@ class TierConnector:
                 # completed the hit (e.g. a state checkpoint at the boundary).
                 last = got[(pages[-1][0], pages[-1][1])]
                 tiers = [by_pos.get(p, last) for p in range(st.start, end)]
-        self._loaded[rid] = (st.start, tiers)
+        prev = self._loaded.get(rid)
+        if prev is not None and st.start <= prev[0] + len(prev[1]):  # an earlier round's load
+            tiers = prev[1][:max(0, st.start - prev[0])] + tiers
+            self._loaded[rid] = (min(prev[0], st.start), tiers)
+        else:
+            self._loaded[rid] = (st.start, tiers)
         self.kv.release_pages(list(reversed(st.blocks())))  # chain heads last: live longest
 
     def on_admit(self, req, num_hit_tokens: int) -> int:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
         tier loads supplied (the rest were already on the device)."""
         entry = self._loaded.pop(req.request_id, None)
+        self._short.discard(req.request_id)
         tier_tokens = self._count_tier_tokens(entry, num_hit_tokens)
         self.hit_tokens["device"] += num_hit_tokens - tier_tokens
         if self.store.write_after_seen > 1 and num_hit_tokens:
@@ -462,6 +479,7 @@ class TierConnector:
         rid = req.request_id
         self._rounds.pop(rid, None)
         self._loaded.pop(rid, None)
+        self._short.discard(rid)
         st = self._reqs.pop(rid, None)
         if st is not None:
             if st.phase == "load":

@@ -176,7 +176,7 @@ def test_missing_boundary_checkpoint_falls_back_to_an_earlier_one(state_model):
         llm.close()
 
 
-def test_corrupt_state_page_degrades_to_recompute(tmp_path, state_model):
+def test_corrupt_state_page_falls_back_to_an_earlier_checkpoint(tmp_path, state_model):
     name, ref = state_model
     llm = make(name, POOL[name], disk_cache_dir=str(tmp_path / "kv"), disk_cache_size="8MiB")
     try:
@@ -194,9 +194,39 @@ def test_corrupt_state_page_degrades_to_recompute(tmp_path, state_model):
         path.write_bytes(bytes(data))
         second = run_turn(llm, "t2", ref["turn2"])
         assert second.output_token_ids == ref["out2"]
-        assert second.num_tier_cached_tokens == 0  # the attention blocks alone serve no hit
-        assert conn.counters["short_loads"] == 1
+        # The load toward the end checkpoint came up short (the attention blocks alone serve
+        # no hit); the disk dropped the corrupt page, so a second round found the checkpoint
+        # at the end of turn 1's prompt.
+        assert conn.counters["short_loads"] == 1 and conn.counters["loads"] == 2
         assert disk.stats.corrupt >= 1
+        assert second.num_tier_cached_tokens == second.num_cached_tokens == len(TURN1)
+        settle(llm)
+    finally:
+        llm.close()
+
+
+def test_corrupt_state_page_without_another_round_is_recomputed(tmp_path, state_model,
+                                                               monkeypatch):
+    name, ref = state_model
+    monkeypatch.setattr(tiering, "MAX_ROUNDS", 1)
+    llm = make(name, POOL[name], disk_cache_dir=str(tmp_path / "kv"), disk_cache_size="8MiB")
+    try:
+        run_turn(llm, "t1", TURN1)
+        settle(llm)
+        evict(llm, ref)
+        settle(llm)
+        conn = llm.core.tiers
+        disk = conn.store.tier("disk")
+        end = expected_boundary(ref)
+        g = state_group(llm)
+        path = disk.path_of(conn.keyspaces[g].key(hash_chain(ref["turn2"], BS)[end - 1]))
+        data = bytearray(path.read_bytes())
+        data[codec.HEADER_BYTES + 100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        second = run_turn(llm, "t2", ref["turn2"])
+        assert second.output_token_ids == ref["out2"]
+        assert second.num_cached_tokens == 0  # the attention blocks alone serve no hit
+        assert conn.counters["short_loads"] == 1 and conn.counters["loads"] == 1
         settle(llm)
     finally:
         llm.close()
