@@ -117,10 +117,15 @@ class Scheduler:
                     continue
                 if verdict == "full":
                     break
-            hit, num_hit = self.kv.get_computed_blocks(req)
+            # Counted only once the request is admitted: a probe whose allocation fails is
+            # repeated next step and must not count its prompt twice in the hit rate.
+            hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
             n = self._chunk(req, req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hit, num_hit):
                 break  # the pool is full; running requests free blocks as they finish
+            if self.kv.enable_caching:
+                self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
+                self.kv.stats.prefix_hit_tokens += num_hit
             if i:
                 del waiting[i]
             else:

@@ -133,3 +133,15 @@ def test_bad_sampling_params():
                    {"top_k": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
+
+
+def test_hit_rate_counters_count_each_admitted_prompt_once(llm):
+    """Requests waiting for blocks are probed every step; only their admission counts."""
+    page = llm.core.runner.kv_cache_config.page_bytes
+    # 7 blocks of 16: one 60-token prompt (+12 new tokens = 5 blocks) runs at a time, the
+    # other three wait for dozens of steps.
+    small = make_llm(kv_cache_memory=str(page * 7), block_size=16)
+    batch = [[(7 * i + j) % 397 + 3 for j in range(60)] for i in range(4)]
+    small.generate(batch, GREEDY)
+    assert small.core.scheduler.num_preemptions == 0
+    assert small.core.kv.stats.prefix_queried_tokens == 4 * 60
