@@ -66,6 +66,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from itertools import accumulate
 
 import torch
 import xxhash
@@ -215,6 +216,7 @@ class TierConnector:
         # Groups whose pages grow with tokens (attention): their page at the first position
         # past the device hit is what the in-memory "surely missing" check looks at.
         self._token_groups = [m.token_blocks for m in kv.coordinator.managers]
+        self._prefix_closed = [m.prefix_closed_hits for m in kv.coordinator.managers]
         self._all_indexed = all(t.index_in_memory for t in store.tiers)
         self._reqs: dict[str, _Pending] = {}
         self._rounds: dict[str, int] = {}
@@ -284,16 +286,13 @@ class TierConnector:
 
     def _wanted(self, hashes: list[bytes], n: int, cap: int) -> list[tuple[int, int]]:
         """(group, position) of every page not on the device that a hit of b blocks, n < b <=
-        cap, could read; position-major. Each group's pages for b form a range ending at b
-        whose start grows with b, so b = n + 1 gives the lowest position."""
+        cap, could read. Each group's pages for b form a range ending at b whose start grows
+        with b, so b = n + 1 gives the lowest position."""
         cached = self.pool.cached
-        lows = [r.start for r in self.kv.hit_positions(n + 1)]
         out = []
-        for p in range(min(lows), cap):
-            h = hashes[p]
-            for g, lo in enumerate(lows):
-                if p >= lo and h not in cached[g]:
-                    out.append((g, p))
+        for g, r in enumerate(self.kv.hit_positions(n + 1)):
+            have = cached[g]
+            out += [(g, p) for p in range(r.start, cap) if hashes[p] not in have]
         return out
 
     def _best_boundary(self, hashes: list[bytes], n: int, cap: int,
@@ -304,20 +303,25 @@ class TierConnector:
         kv = self.kv
         cached = self.pool.cached
         lows = [r.start for r in kv.hit_positions(n + 1)]
-        sums = []  # per group: prefix counts of available pages from position lows[g]
+        avail = []  # per group: is the page at position lows[g] + i on the device or in extra
+        upper = cap
         for g, lo in enumerate(lows):
             have = cached[g]
-            acc = [0]
-            c = 0
-            for p in range(lo, cap):
-                if hashes[p] in have or (g, p) in extra:
-                    c += 1
-                acc.append(c)
-            sums.append(acc)
-        for b in range(cap, n, -1):
+            a = [hashes[p] in have or (g, p) in extra for p in range(lo, cap)]
+            avail.append(a)
+            if self._prefix_closed[g] and False in a:  # a hit of b reads all of [0, b)
+                upper = min(upper, lo + a.index(False))
+        sums: list[list[int]] | None = None
+        groups = range(len(lows))
+        for b in range(upper, n, -1):
+            # every group reads its page at b - 1: a cheap filter before the whole ranges
+            if not all(avail[g][b - 1 - lows[g]] for g in groups):
+                continue
+            if sums is None:
+                sums = [[0, *accumulate(a)] for a in avail]
             for g, r in enumerate(kv.hit_positions(b)):
-                a, e = r.start - lows[g], r.stop - lows[g]
-                if sums[g][e] - sums[g][a] != e - a:
+                lo, hi = r.start - lows[g], r.stop - lows[g]
+                if sums[g][hi] - sums[g][lo] != hi - lo:
                     break
             else:
                 return b
