@@ -19,8 +19,8 @@ connector: while its tier lookup or load is in flight it stays waiting and is sk
 requests behind it are still admitted; once its pages are loaded they are ordinary device hits.
 
 Invariants: a request is in exactly one of `waiting` / `running` or finished; a running
-request's blocks cover its computed tokens; a finished or preempted request holds no block; a
-waiting request holds blocks only while a tier load into them is in flight.
+request's blocks cover its computed tokens; a finished, preempted or waiting request holds no
+block (rows a tier is loading for a waiting request belong to the TierConnector).
 """
 
 from __future__ import annotations
