@@ -20,7 +20,7 @@ from tests.server.conftest import TINY_LLAMA, running_server
 
 from .conftest import require_mooncake, require_redis
 
-KILL_AFTER = 30  # measured requests completed before the store is killed
+KILL_AFTER = 15  # measured requests completed before the store is killed
 
 
 def reference_outputs(records) -> list[str]:
@@ -64,7 +64,7 @@ def test_store_killed_mid_replay(store, tmp_path):
         with running_server(kv_cache_memory=str(24 * PAGE), remote_cache=url,
                             max_num_seqs=2) as srv:
             args = replay_args(srv.url, str(tmp_path / "traces"), "--concurrency", "4",
-                               "--duration", "6", "--scale", "16", "--time-scale", "0.05",
+                               "--duration", "8", "--scale", "16", "--time-scale", "0.05",
                                "--seed", "5", "--max-output", "4", "--temperature", "0",
                                "--record-prompts", "--record-outputs", "--drain-timeout", "60")
             res = asyncio.run(replay_mod.run_replay(args, sessions, on_record=on_record))
@@ -77,7 +77,7 @@ def test_store_killed_mid_replay(store, tmp_path):
     records = res["records"]
     assert killed_at, f"the replay ended before {KILL_AFTER} requests: {m['requests']}"
     after = [r for r in records if r["send_time"] > killed_at[0]]
-    assert len(after) >= 10, "too few requests after the kill to mean anything"
+    assert len(after) >= 8, f"only {len(after)} requests after the kill"
     # every request completed, none failed or was cut off
     assert m["requests"]["errors"] == 0 and m["requests"]["primer_errors"] == 0, \
         m["errors_by_kind"]
