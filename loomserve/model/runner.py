@@ -35,7 +35,12 @@ _KIND_ORDER = {"full_attention": 0, "sliding_window": 1, "linear_state": 2}
 
 
 def group_layers(specs: list[KVCacheSpec | None]) -> tuple[KVCacheGroup, ...]:
-    """Layers with equal specs -> one group each; full attention, then sliding, then state."""
+    """Layers with equal specs -> one group each; full attention, then sliding, then state.
+
+    Every page is as large as the largest group's block, so attention groups with more layers
+    than others are split into groups of the smallest attention group's layer count: Gemma 3's
+    five sliding layers per full one would otherwise leave 4/5 of every full-attention page
+    empty. Splitting costs a block per token in each extra group, no extra bytes."""
     layers: dict[KVCacheSpec, list[int]] = {}
     for i, spec in enumerate(specs):
         if spec is not None:
@@ -43,7 +48,14 @@ def group_layers(specs: list[KVCacheSpec | None]) -> tuple[KVCacheGroup, ...]:
     if not layers:
         raise ValueError("the model declares no KV cache layers")
     order = sorted(layers, key=lambda s: (_KIND_ORDER.get(s.kind, 3), layers[s][0]))
-    return tuple(KVCacheGroup(s, tuple(layers[s])) for s in order)
+    attn = [len(layers[s]) for s in order if isinstance(s, FullAttentionSpec)]
+    size = min(attn) if len(attn) > 1 else None
+    groups = []
+    for spec in order:
+        ids = layers[spec]
+        step = size if size is not None and isinstance(spec, FullAttentionSpec) else len(ids)
+        groups += [KVCacheGroup(spec, tuple(ids[i:i + step])) for i in range(0, len(ids), step)]
+    return tuple(groups)
 
 
 class ModelRunner:

@@ -24,9 +24,22 @@ def test_group_layers_orders_full_sliding_state():
     swa2 = SlidingWindowSpec(4, 2, 16, F32, sliding_window=16)
     state = LinearStateSpec(4, state_shapes=((3, 5), (2, 4, 4)))
     groups = group_layers([state, swa2, None, swa, full, state, swa, full])
+    # swa2 has one layer, so the other attention groups split into one-layer groups too.
     assert [(g.spec, g.layer_ids) for g in groups] == [
-        (full, (4, 7)), (swa2, (1,)), (swa, (3, 6)), (state, (0, 5))]
-    assert groups[3].bytes_per_block() == 2 * (15 + 32) * 4
+        (full, (4,)), (full, (7,)), (swa2, (1,)), (swa, (3,)), (swa, (6,)), (state, (0, 5))]
+    assert groups[-1].bytes_per_block() == 2 * (15 + 32) * 4
+
+
+def test_group_layers_splits_attention_groups_to_equal_pages():
+    full = FullAttentionSpec(4, 2, 16, F32)
+    swa = SlidingWindowSpec(4, 2, 16, F32, sliding_window=8)
+    gemma = [swa] * 5 + [full] + [swa] * 5 + [full]  # 5:1, as Gemma 3
+    groups = group_layers(gemma)
+    assert [g.layer_ids for g in groups] == [(5, 11), (0, 1), (2, 3), (4, 6), (7, 8), (9, 10)]
+    assert len({g.bytes_per_block() for g in groups}) == 1  # no page is partly empty
+    assert group_layers([full] * 4)[0].layer_ids == (0, 1, 2, 3)  # one attention group: as is
+    state = LinearStateSpec(4, state_shapes=((3, 5),))
+    assert [g.layer_ids for g in group_layers([state, state, state, full])] == [(3,), (0, 1, 2)]
 
 
 def test_registry_resolves_architectures():
@@ -42,19 +55,20 @@ def test_registry_resolves_architectures():
         resolve({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
-def test_two_groups_share_one_packed_pool():
+def test_groups_share_one_packed_pool():
     r = tiny_runner("tiny-gemma3")  # layers: sliding, full, sliding
     kc = r.kv_cache_config
-    full, swa = kc.groups
-    assert full.layer_ids == (1,) and swa.layer_ids == (0, 2) and r.model.groups == [1, 0, 1]
+    full, swa_a, swa_b = kc.groups  # the sliding pair splits to match the one full layer
+    assert (full.layer_ids, swa_a.layer_ids, swa_b.layer_ids) == ((1,), (0,), (2,))
+    assert r.model.groups == [1, 0, 2]
     per_layer = 2 * 4 * 2 * 16 * 4  # K and V of one layer per block
-    assert full.bytes_per_block() == per_layer and kc.page_bytes == swa.bytes_per_block() == 2 * per_layer
+    assert kc.page_bytes == per_layer and all(g.bytes_per_block() == per_layer for g in kc.groups)
     base = r.kv_buffer.data_ptr()
     layers = r.model.model.layers
-    # Each group's page starts at byte 0; layer 2 is the second layer of the sliding group.
-    assert layers[1].self_attn.k_cache[5].data_ptr() - base == 5 * kc.page_bytes
-    assert layers[0].self_attn.v_cache[5].data_ptr() - base == 5 * kc.page_bytes + per_layer // 2
-    assert layers[2].self_attn.k_cache[5].data_ptr() - base == 5 * kc.page_bytes + per_layer
+    # Every group's page starts at byte 0 of the block's page.
+    for layer in layers:
+        assert layer.self_attn.k_cache[5].data_ptr() - base == 5 * kc.page_bytes
+        assert layer.self_attn.v_cache[5].data_ptr() - base == 5 * kc.page_bytes + per_layer // 2
     assert not r.zero_new_blocks  # every page holds K/V of the model dtype: no garbage to clear
 
 

@@ -28,7 +28,7 @@ from tests.tiers.conftest import mooncake_service, redis_service  # noqa: F401
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BS = 4
 # Device pool sizes (pages): room for one turn or one other prompt, not for both.
-POOL = {"tiny-qwen3-next": 24, "tiny-nemotron-h": 24, "tiny-gemma3": 40,
+POOL = {"tiny-qwen3-next": 24, "tiny-nemotron-h": 24, "tiny-gemma3": 60,
         "tiny-mistral-swa": 22, "tiny-gpt-oss": 40}
 STATE_MODELS = ["tiny-qwen3-next", "tiny-nemotron-h"]
 MODELS = STATE_MODELS + ["tiny-gemma3", "tiny-gpt-oss", "tiny-mistral-swa"]
