@@ -117,24 +117,26 @@ class Scheduler:
                     continue
                 if verdict == "full":
                     break
-            # Counted only once the request is admitted: a probe whose allocation fails is
-            # repeated next step and must not count its prompt twice in the hit rate.
             hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
             n = self._chunk(req, req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hit, num_hit):
                 break  # the pool is full; running requests free blocks as they finish
-            if self.kv.enable_caching:
-                self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
-                self.kv.stats.prefix_hit_tokens += num_hit
             if i:
                 del waiting[i]
             else:
                 waiting.popleft()
             req.num_computed_tokens = num_hit
-            tier_tokens = tiers.on_admit(req, num_hit) if tiers is not None else 0
-            if req.num_cached_tokens < 0:
+            # Hit-rate counters count a request once, at its first admission, as its usage's
+            # cached_tokens does: not the probes of a request waiting for blocks, not the
+            # re-admission of a preempted one.
+            first = req.num_cached_tokens < 0
+            tier_tokens = tiers.on_admit(req, num_hit, count=first) if tiers is not None else 0
+            if first:
                 req.num_cached_tokens = num_hit
                 req.num_tier_cached_tokens = tier_tokens
+                if self.kv.enable_caching:
+                    self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
+                    self.kv.stats.prefix_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_batch(out, req, n)

@@ -454,13 +454,15 @@ class TierConnector:
             self._loaded[rid] = (st.start, tiers)
         self.kv.release_pages(list(reversed(st.blocks())))  # chain heads last: live longest
 
-    def on_admit(self, req, num_hit_tokens: int) -> int:
+    def on_admit(self, req, num_hit_tokens: int, count: bool = True) -> int:
         """req was admitted with a device hit of num_hit_tokens; returns how many of them its
-        tier loads supplied (the rest were already on the device)."""
+        tier loads supplied (the rest were already on the device). count=False: a re-admission
+        (after a preemption), left out of the hit counters."""
         entry = self._loaded.pop(req.request_id, None)
         self._short.discard(req.request_id)
-        tier_tokens = self._count_tier_tokens(entry, num_hit_tokens)
-        self.hit_tokens["device"] += num_hit_tokens - tier_tokens
+        tier_tokens = self._count_tier_tokens(entry, num_hit_tokens, count)
+        if count:
+            self.hit_tokens["device"] += num_hit_tokens - tier_tokens
         if self.store.write_after_seen > 1 and num_hit_tokens:
             # A hit counts as seen again: offer the hit blocks after this step too.
             n = num_hit_tokens // self.block_size
@@ -468,14 +470,15 @@ class TierConnector:
                 self._stored.append((g, req.block_hashes[:n]))
         return tier_tokens
 
-    def _count_tier_tokens(self, entry, num_hit_tokens: int) -> int:
+    def _count_tier_tokens(self, entry, num_hit_tokens: int, count: bool = True) -> int:
         if entry is None:
             return 0
         start, tiers = entry
         bs = self.block_size
         usable = max(0, min(len(tiers), num_hit_tokens // bs - start))
-        for t in tiers[:usable]:
-            self.hit_tokens[t] += bs
+        if count:
+            for t in tiers[:usable]:
+                self.hit_tokens[t] += bs
         return usable * bs
 
     def on_finish(self, req, aborted: bool) -> None:

@@ -145,3 +145,14 @@ def test_hit_rate_counters_count_each_admitted_prompt_once(llm):
     small.generate(batch, GREEDY)
     assert small.core.scheduler.num_preemptions == 0
     assert small.core.kv.stats.prefix_queried_tokens == 4 * 60
+
+
+def test_hit_rate_counters_leave_out_readmissions_after_preemption(llm):
+    page = llm.core.runner.kv_cache_config.page_bytes
+    small = make_llm(kv_cache_memory=str(page * 14), block_size=16)
+    batch = prompts(8)
+    out = small.generate(batch, GREEDY)
+    assert small.core.scheduler.num_preemptions > 0
+    stats = small.core.kv.stats
+    assert stats.prefix_queried_tokens == sum(len(p) for p in batch)
+    assert stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in out)
