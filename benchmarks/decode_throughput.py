@@ -14,7 +14,10 @@ Method (servers): start the server on a free 127.0.0.1 port, wait for GET /healt
 with C short concurrent requests, then C concurrent streaming /v1/completions requests, each
 with its own 32-token prompt (sent as token ids; distinct from the first token, and fresh for
 every round, so neither prefix caching nor prompt reuse can help), ``max_tokens`` (default
-128), ``ignore_eos``, greedy, ``stream_options.include_usage``. Per round:
+128), ``ignore_eos``, greedy, ``stream_options.include_usage``. All servers run at once and the
+rounds are interleaved (repeat -> concurrency -> server, the server order rotated per repeat):
+this shared VM drifts by 20-30% within minutes, and interleaving gives every system the same
+drift. Per round:
 
     decode tok/s = sum over streams of (completion tokens - 1)
                    / (last token of any stream - first token of any stream)
@@ -30,7 +33,8 @@ Roofline: one decode step reads every weight once plus each stream's KV cache, s
                + C * ctx * layers * 2 * kv_heads * head_dim * kv dtype bytes
 with ctx = prompt + max_tokens/2 (the mean context over the decode), and
     max tok/s = C * bandwidth / bytes/step,
-bandwidth being benchmarks/membw.py's sustained read GB/s (cached in results/membw.json).
+bandwidth being benchmarks/membw.py's sustained read GB/s, measured before and after the
+systems in the same run (the higher one is used; --cached-bandwidth reuses results/membw.json).
 Caveat: a small model can sit partly in a large L3 cache and beat a DRAM roofline.
 
 Run:
@@ -131,37 +135,51 @@ def served_model_id(base_url: str) -> str | None:
         return None
 
 
-def bench_server(name: str, argv_for_port, concurrencies: Sequence[int], max_tokens: int,
-                 repeats: int, tokenizer, startup_timeout: float) -> dict[int, dict[str, Any]]:
-    """Start one server, measure every concurrency on it, stop it."""
-    port = common.free_port()
-    out: dict[int, dict[str, Any]] = {}
-    with ServerProcess(argv_for_port(port), port, name=name,
-                       startup_timeout=startup_timeout) as server:
-        model = served_model_id(server.base_url)
+def _measure_round(name: str, base_url: str, model: str | None, prompts: list[list[int]],
+                   max_tokens: int, label: str) -> DecodeMeasurement:
+    results = asyncio.run(run_concurrent_streams(
+        base_url, [completion_body(p, max_tokens, model) for p in prompts]))
+    m = decode_rate(results)
+    short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
+    if short:
+        m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
+    print(f"[{name}] {label}: {m.tok_per_s:8.1f} tok/s ({m.decode_tokens} tokens in "
+          f"{m.window_s:.2f}s{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
+          file=sys.stderr, flush=True)
+    return m
+
+
+def bench_servers(servers: Sequence[tuple[str, Any]], concurrencies: Sequence[int], max_tokens: int,
+                  repeats: int, tokenizer, startup_timeout: float) -> dict[str, dict[int, dict[str, Any]]]:
+    """Start every server at once, then interleave: for each repeat, each concurrency, each
+    server (order rotated per repeat) one round. The shared VM's speed drifts by 20-30% over
+    minutes; interleaving puts every system under the same drift, so the ratios hold even
+    when the absolute figures move. Idle servers use no CPU."""
+    import contextlib
+
+    runs: dict[str, dict[int, list[DecodeMeasurement]]] = {n: {c: [] for c in concurrencies} for n, _ in servers}
+    with contextlib.ExitStack() as stack:
+        live = []
+        for name, argv_for_port in servers:
+            port = common.free_port()
+            srv = stack.enter_context(ServerProcess(argv_for_port(port), port, name=name,
+                                                    startup_timeout=startup_timeout))
+            live.append((name, srv.base_url, served_model_id(srv.base_url)))
         offset = 0
-        for c in concurrencies:
-            warm = make_prompts(tokenizer, c, offset=offset)
-            offset += c
-            asyncio.run(run_concurrent_streams(
-                server.base_url, [completion_body(p, 8, model) for p in warm]))
-            runs: list[DecodeMeasurement] = []
-            for r in range(repeats):
-                prompts = make_prompts(tokenizer, c, offset=offset)
+        for c in concurrencies:  # warm-up: each server, each concurrency, once
+            for name, url, model in live:
+                asyncio.run(run_concurrent_streams(
+                    url, [completion_body(p, 8, model) for p in make_prompts(tokenizer, c, offset=offset)]))
                 offset += c
-                results = asyncio.run(run_concurrent_streams(
-                    server.base_url, [completion_body(p, max_tokens, model) for p in prompts]))
-                m = decode_rate(results)
-                short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
-                if short:
-                    m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
-                runs.append(m)
-                print(f"[{name}] C={c} run {r + 1}/{repeats}: {m.tok_per_s:8.1f} tok/s "
-                      f"({m.decode_tokens} tokens in {m.window_s:.2f}s"
-                      f"{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
-                      file=sys.stderr, flush=True)
-            out[c] = _summarise(runs)
-    return out
+        for r in range(repeats):
+            order = live[r % len(live):] + live[:r % len(live)]
+            for c in concurrencies:
+                for name, url, model in order:
+                    prompts = make_prompts(tokenizer, c, offset=offset)  # fresh: no prefix hits
+                    offset += c
+                    runs[name][c].append(_measure_round(name, url, model, prompts, max_tokens,
+                                                        f"C={c} run {r + 1}/{repeats}"))
+    return {name: {c: _summarise(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
 
 
 def _summarise(runs: Sequence[DecodeMeasurement]) -> dict[str, Any]:
@@ -406,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--llama-repack", action="store_true",
                     help="let llama-server use repacked/AMX weight buffers (off: see llama_server_argv)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--refresh-bandwidth", action="store_true")
+    ap.add_argument("--cached-bandwidth", action="store_true",
+                    help="reuse results/membw.json instead of measuring before and after the systems")
     ap.add_argument("--no-save", action="store_true", help="don't write the results JSON")
     args = ap.parse_args(argv)
 
@@ -418,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_c = max(concurrencies)
     gguf_path = os.path.abspath(args.model or common.default_gguf_path())
     facts = common.gguf_model_facts(gguf_path)
-    bw = measure_read_bandwidth(refresh=args.refresh_bandwidth)
+    bw = measure_read_bandwidth(refresh=not args.cached_bandwidth)
     tokenizer = load_tokenizer(gguf_path)
     ctx_slot = args.ctx_per_slot or -(-(PROMPT_LEN + args.max_tokens + 8) // 256) * 256
     print(f"model {gguf_path}: {facts.n_params / 1e6:.1f}M params, {facts.n_layers} layers, "
@@ -429,39 +448,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {"concurrency": concurrencies, "max_tokens": args.max_tokens,
                 "repeats": args.repeats, "prompt_tokens": PROMPT_LEN, "threads": args.threads}
     fresh: dict[str, dict[str, Any]] = {}
+    servers, extras = [], {}
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     for name in selected:
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        extra: dict[str, Any] = {}
-        try:
-            if name.startswith("loomserve"):
-                dtype = "float32" if name.endswith("fp32") else "bfloat16"
-                argv_fn = loomserve_argv(gguf_path, dtype, max_c, args.loomserve_arg)
-                extra["command"] = argv_fn(0)
-                by_c = bench_server(name, argv_fn, concurrencies, args.max_tokens, args.repeats,
-                                    tokenizer, args.startup_timeout)
-            elif name == "llama-server":
-                binary = common.ensure_llama_server()
-                argv_fn = llama_server_argv(binary, gguf_path, max_c, ctx_slot, args.threads,
-                                            args.llama_arg, repack=args.llama_repack)
-                extra["command"] = argv_fn(0)
-                by_c = bench_server(name, argv_fn, concurrencies, args.max_tokens, args.repeats,
-                                    tokenizer, args.startup_timeout)
-            else:
-                model, origin = load_hf_model(gguf_path, facts, args.hf_dtype)
-                extra["weights"] = origin
-                extra["dtype"] = args.hf_dtype
-                by_c = bench_hf(model, concurrencies, args.max_tokens, args.repeats, tokenizer,
-                                args.threads)
-                del model
-        except Exception as e:  # noqa: BLE001 - keep measuring the other systems
-            print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if name.startswith("loomserve"):
+            dtype = "float32" if name.endswith("fp32") else "bfloat16"
+            argv_fn = loomserve_argv(gguf_path, dtype, max_c, args.loomserve_arg)
+        elif name == "llama-server":
+            binary = common.ensure_llama_server()
+            argv_fn = llama_server_argv(binary, gguf_path, max_c, ctx_slot, args.threads,
+                                        args.llama_arg, repack=args.llama_repack)
+        else:
             continue
-        entry = {"system": name, "measured_at": started, "host": host, **settings, **extra,
+        servers.append((name, argv_fn))
+        extras[name] = {"command": argv_fn(0)}
+    by_system: dict[str, dict[int, dict[str, Any]]] = {}
+    if servers:
+        try:
+            by_system = bench_servers(servers, concurrencies, args.max_tokens, args.repeats,
+                                      tokenizer, args.startup_timeout)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other systems
+            print(f"[servers] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if "hf-generate" in selected:
+        try:
+            model, origin = load_hf_model(gguf_path, facts, args.hf_dtype)
+            extras["hf-generate"] = {"weights": origin, "dtype": args.hf_dtype}
+            by_system["hf-generate"] = bench_hf(model, concurrencies, args.max_tokens, args.repeats,
+                                                tokenizer, args.threads)
+            del model
+        except Exception as e:  # noqa: BLE001
+            print(f"[hf-generate] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    # The roofline uses the higher of the bandwidths measured before and after the systems.
+    bw_after = measure_read_bandwidth(refresh=not args.cached_bandwidth)
+    bw_used = max(bw, bw_after)
+    settings["read_gbs_before_after"] = [bw, bw_after]
+    for name, by_c in by_system.items():
+        entry = {"system": name, "measured_at": started, "host": host, **settings, **extras.get(name, {}),
                  "by_concurrency": {str(c): v for c, v in by_c.items()}}
         if name == "hf-generate" and args.hf_dtype == "bfloat16":
             entry["note"] = "bf16 weights: roofline computed for fp32"
-        attach_rooflines(entry, facts, bw, args.max_tokens)
+        attach_rooflines(entry, facts, bw_used, args.max_tokens)
         fresh[name] = entry
+    bw = bw_used
 
     path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
     payload = load_previous(path) if not args.no_save else {}
