@@ -264,8 +264,10 @@ def main() -> int:
                     "--disk-cache-size", args.disk_cache_size]
         # "mc" stands for a Mooncake pool started fresh for that configuration alone, so no
         # configuration hits what an earlier one left in the pool.
-        singles = {"device": [], "host": host, "host+disk": host + disk("a"),
-                   "host+disk+mc": host + disk("b") + ["mc"]}
+        # "disk" and "mc" alone show each lower tier serving by itself (behind a 1 GiB host
+        # tier they are rarely reached within one run).
+        singles = {"device": [], "host": host, "disk": disk("d"), "mc": ["mc"],
+                   "host+disk": host + disk("a"), "host+disk+mc": host + disk("b") + ["mc"]}
         pairs = {"2x-rr-mc": host + ["mc"], "2x-rr-none": []}
         for name, tiers in [*singles.items(), *pairs.items()]:
             if args.only and name not in args.only:
