@@ -149,36 +149,44 @@ def _measure_round(name: str, base_url: str, model: str | None, prompts: list[li
     return m
 
 
-def bench_servers(servers: Sequence[tuple[str, Any]], concurrencies: Sequence[int], max_tokens: int,
-                  repeats: int, tokenizer, startup_timeout: float) -> dict[str, dict[int, dict[str, Any]]]:
+def bench_systems(servers: Sequence[tuple[str, Any]], local: dict[str, HFGenerate],
+                  concurrencies: Sequence[int], max_tokens: int, repeats: int, tokenizer,
+                  startup_timeout: float) -> dict[str, dict[int, dict[str, Any]]]:
     """Start every server at once, then interleave: for each repeat, each concurrency, each
-    server (order rotated per repeat) one round. The shared VM's speed drifts by 20-30% over
-    minutes; interleaving puts every system under the same drift, so the ratios hold even
-    when the absolute figures move. Idle servers use no CPU."""
+    system (servers and in-process ones; order rotated per repeat) one round. The shared VM's
+    speed drifts by 20-30% over minutes; interleaving puts every system under the same drift,
+    so the ratios hold even when the absolute figures move. Idle systems use no CPU."""
     import contextlib
 
-    runs: dict[str, dict[int, list[DecodeMeasurement]]] = {n: {c: [] for c in concurrencies} for n, _ in servers}
+    names = [n for n, _ in servers] + list(local)
+    runs: dict[str, dict[int, list[DecodeMeasurement]]] = {n: {c: [] for c in concurrencies} for n in names}
     with contextlib.ExitStack() as stack:
-        live = []
+        targets = {}
         for name, argv_for_port in servers:
             port = common.free_port()
             srv = stack.enter_context(ServerProcess(argv_for_port(port), port, name=name,
                                                     startup_timeout=startup_timeout))
-            live.append((name, srv.base_url, served_model_id(srv.base_url)))
+            url, model = srv.base_url, served_model_id(srv.base_url)
+            targets[name] = (
+                lambda prompts, n, _u=url, _m=model: asyncio.run(run_concurrent_streams(
+                    _u, [completion_body(p, n, _m) for p in prompts])),
+                lambda prompts, label, _n=name, _u=url, _m=model: _measure_round(
+                    _n, _u, _m, prompts, max_tokens, label))
+        for name, system in local.items():
+            targets[name] = (lambda prompts, n, _s=system: _s.warm_up(prompts),
+                             lambda prompts, label, _s=system: _s.measure(prompts, max_tokens, label))
         offset = 0
-        for c in concurrencies:  # warm-up: each server, each concurrency, once
-            for name, url, model in live:
-                asyncio.run(run_concurrent_streams(
-                    url, [completion_body(p, 8, model) for p in make_prompts(tokenizer, c, offset=offset)]))
+        for c in concurrencies:  # warm-up: each system, each concurrency, once
+            for name in names:
+                targets[name][0](make_prompts(tokenizer, c, offset=offset), 8)
                 offset += c
         for r in range(repeats):
-            order = live[r % len(live):] + live[:r % len(live)]
+            order = names[r % len(names):] + names[:r % len(names)]
             for c in concurrencies:
-                for name, url, model in order:
+                for name in order:
                     prompts = make_prompts(tokenizer, c, offset=offset)  # fresh: no prefix hits
                     offset += c
-                    runs[name][c].append(_measure_round(name, url, model, prompts, max_tokens,
-                                                        f"C={c} run {r + 1}/{repeats}"))
+                    runs[name][c].append(targets[name][1](prompts, f"C={c} run {r + 1}/{repeats}"))
     return {name: {c: _summarise(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
 
 
@@ -286,59 +294,53 @@ def _dequantise_gguf(gguf_path: str, dtype):
     return model.to(dtype)
 
 
-def bench_hf(model, concurrencies: Sequence[int], max_tokens: int, repeats: int, tokenizer,
-             threads: int) -> dict[int, dict[str, Any]]:
-    import torch
-    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+class HFGenerate:
+    """transformers' generate() as a system of the interleaved loop: one round = one batch of
+    C prompts through generate(), timed from the first logits (a logits processor stamps the
+    end of the prefill forward) to generate() returning; tokens = C * (max_tokens - 1)."""
 
-    class FirstTokenClock(LogitsProcessor):
-        """Stamps the first call: the prefill forward has just produced the first logits."""
+    def __init__(self, model, tokenizer, threads: int) -> None:
+        self.model, self.threads = model, threads
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-        def __init__(self) -> None:
-            self.t_first: float | None = None
+    def _generate(self, prompts: list[list[int]], n: int):
+        import torch
+        from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-        def __call__(self, input_ids, scores):
-            if self.t_first is None:
-                self.t_first = time.perf_counter()
-            return scores
+        class FirstTokenClock(LogitsProcessor):
+            def __init__(self) -> None:
+                self.t_first: float | None = None
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out: dict[int, dict[str, Any]] = {}
-    offset = 0
-    with common.torch_threads(threads), torch.inference_mode():
-        for c in concurrencies:
-            def generate(prompts: list[list[int]], n: int):
-                ids = torch.tensor(prompts, dtype=torch.long)
-                clock = FirstTokenClock()
-                cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                       eos_token_id=None, pad_token_id=pad, use_cache=True)
-                t_sent = time.perf_counter()
-                seqs = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      generation_config=cfg,
-                                      logits_processor=LogitsProcessorList([clock]))
-                t_end = time.perf_counter()
-                new = seqs.shape[1] - ids.shape[1]
-                return t_sent, clock.t_first, t_end, new
+            def __call__(self, input_ids, scores):
+                if self.t_first is None:
+                    self.t_first = time.perf_counter()
+                return scores
 
-            generate(make_prompts(tokenizer, c, offset=offset), 8)  # warm-up
-            offset += c
-            runs = []
-            for r in range(repeats):
-                prompts = make_prompts(tokenizer, c, offset=offset)
-                offset += c
-                t_sent, t_first, t_end, new = generate(prompts, max_tokens)
-                tokens = c * (new - 1)
-                window = t_end - t_first
-                m = DecodeMeasurement(concurrency=c, decode_tokens=tokens, window_s=window,
-                                      tok_per_s=tokens / window, total_tokens=c * new,
-                                      ttft_s=[round(t_first - t_sent, 4)])
-                if new != max_tokens:
-                    m.errors.append(f"generated {new} tokens, not {max_tokens}")
-                runs.append(m)
-                print(f"[hf-generate] C={c} run {r + 1}/{repeats}: {m.tok_per_s:8.1f} tok/s "
-                      f"({tokens} tokens in {window:.2f}s)", file=sys.stderr, flush=True)
-            out[c] = _summarise(runs)
-    return out
+        with common.torch_threads(self.threads), torch.inference_mode():
+            ids = torch.tensor(prompts, dtype=torch.long)
+            clock = FirstTokenClock()
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                   eos_token_id=None, pad_token_id=self.pad, use_cache=True)
+            t_sent = time.perf_counter()
+            seqs = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                                       logits_processor=LogitsProcessorList([clock]))
+            return t_sent, clock.t_first, time.perf_counter(), seqs.shape[1] - ids.shape[1]
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        self._generate(prompts, 8)
+
+    def measure(self, prompts: list[list[int]], max_tokens: int, label: str) -> DecodeMeasurement:
+        c = len(prompts)
+        t_sent, t_first, t_end, new = self._generate(prompts, max_tokens)
+        tokens, window = c * (new - 1), t_end - t_first
+        m = DecodeMeasurement(concurrency=c, decode_tokens=tokens, window_s=window,
+                              tok_per_s=tokens / window, total_tokens=c * new,
+                              ttft_s=[round(t_first - t_sent, 4)])
+        if new != max_tokens:
+            m.errors.append(f"generated {new} tokens, not {max_tokens}")
+        print(f"[hf-generate] {label}: {m.tok_per_s:8.1f} tok/s ({tokens} tokens in {window:.2f}s)",
+              file=sys.stderr, flush=True)
+        return m
 
 
 # ----------------------------------------------------------------------------- report
@@ -462,22 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         servers.append((name, argv_fn))
         extras[name] = {"command": argv_fn(0)}
-    by_system: dict[str, dict[int, dict[str, Any]]] = {}
-    if servers:
-        try:
-            by_system = bench_servers(servers, concurrencies, args.max_tokens, args.repeats,
-                                      tokenizer, args.startup_timeout)
-        except Exception as e:  # noqa: BLE001 - keep measuring the other systems
-            print(f"[servers] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    local: dict[str, HFGenerate] = {}
     if "hf-generate" in selected:
-        try:
-            model, origin = load_hf_model(gguf_path, facts, args.hf_dtype)
-            extras["hf-generate"] = {"weights": origin, "dtype": args.hf_dtype}
-            by_system["hf-generate"] = bench_hf(model, concurrencies, args.max_tokens, args.repeats,
-                                                tokenizer, args.threads)
-            del model
-        except Exception as e:  # noqa: BLE001
-            print(f"[hf-generate] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        model, origin = load_hf_model(gguf_path, facts, args.hf_dtype)
+        extras["hf-generate"] = {"weights": origin, "dtype": args.hf_dtype}
+        local["hf-generate"] = HFGenerate(model, tokenizer, args.threads)
+    by_system = bench_systems(servers, local, concurrencies, args.max_tokens, args.repeats,
+                              tokenizer, args.startup_timeout)
     # The roofline uses the higher of the bandwidths measured before and after the systems.
     bw_after = measure_read_bandwidth(refresh=not args.cached_bandwidth)
     bw_used = max(bw, bw_after)
