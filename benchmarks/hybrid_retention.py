@@ -26,7 +26,9 @@ from loomserve.bench.trace import load_traces
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", action="append", required=True, help="NAME=PATH")
+    ap.add_argument("--traces", action="append", help="NAME=PATH")
+    ap.add_argument("--table", metavar="JSON",
+                    help="print the Markdown table of a results file and exit")
     ap.add_argument("--fractions", default="0.1,0.2,0.4,0.7,1.0")
     ap.add_argument("--alpha", type=float, default=1.0)
     ap.add_argument("--outputs", choices=["regenerated", "echoed", "both"], default="both",
@@ -34,6 +36,12 @@ def main() -> None:
                          "the next prompt (the recorded trace's view)")
     ap.add_argument("--out", default="benchmarks/results/hybrid_retention.json")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return
+    if not args.traces:
+        ap.error("--traces is required")
     fractions = [float(x) for x in args.fractions.split(",")]
     out = {"model": "Qwen3-Next-like: 12 full attention (2 kv heads x 256 bf16) + 36 GDN "
                     "(16 x 128 x 128 fp32 state + conv), one pool",
@@ -72,6 +80,25 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     print(json.dumps(out["summary"], indent=1))
+
+
+def table(out: dict) -> str:
+    def pair(r, p):
+        return f"{r[p + '/lru']:.3f}/{r[p + '/flop_aware']:.3f}"
+
+    def ratio(x):
+        return "inf" if x == float("inf") else f"{x:.2f}"
+
+    lines = ["| set | capacity | FA | (a) LRU/FLOP | (b) interval | (c) Marconi | (d) both "
+             "| best / FA | best / (a) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, st in out["sets"].items():
+        for r in st["rows"]:
+            lines.append(
+                f"| {name} | {r['capacity_fraction']:.0%} | {r['full_attention_only']:.3f} | "
+                + " | ".join(pair(r, p) for p in ("a_end_only", "b_interval", "c_marconi",
+                                                  "d_both"))
+                + f" | {r['best_over_fa']:.3f} | {ratio(r['best_over_a'])} |")
+    return "\n".join(lines)
 
 
 def _a(row: dict) -> float:
