@@ -156,8 +156,9 @@ class KVCacheManager:
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: KVHit | None = None,
                        num_hit_tokens: int = 0, cache: bool = True) -> bool:
         """Cover num_computed_tokens + num_hit_tokens + num_new_tokens positions, claiming the
-        hit first; all or nothing (False changes nothing). Blocks full once these tokens are
-        computed are cached under their hashes. cache=False allocates without caching the new
+        hit first; all or nothing (False changes no block). Blocks full once these tokens are
+        computed are cached under their hashes. Session pins past their time-to-live are
+        released first, whatever the outcome (housekeeping). cache=False allocates without caching the new
         blocks (their content arrives later, e.g. a tier load); a later allocate_slots caches
         them once num_computed_tokens covers them."""
         bs = self.block_size

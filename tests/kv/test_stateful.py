@@ -62,6 +62,10 @@ class KVMachine(RuleBasedStateMachine):
         hit, n_hit = self.kv.get_computed_blocks(req)
         self._check_hit(req, hit, n_hit)
         event("prefix hit" if n_hit else "no prefix hit")
+        if getattr(self.kv, "pins", None) is not None:
+            # Pins past their time-to-live are released by any allocation, refused or not:
+            # housekeeping, outside the all-or-nothing of the allocation itself.
+            self.kv.pins.expire()
         free_before = self.kv.num_free_blocks
         n_new = min(chunk, len(req.all_token_ids) - n_hit)
         if not self.kv.allocate_slots(req, n_new, hit, n_hit):
