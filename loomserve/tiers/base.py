@@ -122,6 +122,18 @@ class Tier(ABC):
     def subscribe(self, fn: Callable[[TierEvent], None]) -> None:
         self._hooks.append(fn)
 
+    def _account_put(self, keys: Sequence[bytes], ok: list[bool], refused: int, faults: int,
+                     t0: float) -> list[bytes]:
+        """Stats and the PagesStored event of one put; returns the keys stored. refused: pages
+        the backend declined (full); faults: pages lost to errors."""
+        stored = [k for k, o in zip(keys, ok) if o]
+        self.stats.add(stores=len(stored), store_fails=refused + faults, errors=faults,
+                       bytes_written=len(stored) * self.page_bytes)
+        self.stats.observe("put", time.perf_counter() - t0)
+        if stored:
+            self._emit(PagesStored(self.name, stored))
+        return stored
+
     def _emit(self, event: TierEvent) -> None:
         for fn in self._hooks:
             fn(event)

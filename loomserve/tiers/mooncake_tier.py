@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from loomserve.tiers import codec
-from loomserve.tiers.base import (PagesRemoved, PagesStored, Tier, TierUnavailable, copy_page,
+from loomserve.tiers.base import (PagesRemoved, Tier, TierUnavailable, copy_page,
                                   rows_list)
 
 OBJECT_NOT_FOUND = -704
@@ -248,12 +248,7 @@ class MooncakeTier(Tier):
                         unsafe = unsafe or r in _UNSAFE
             if unsafe:
                 self._retire("_write")
-        stored = [k for k, o in zip(keys, ok) if o]
-        self.stats.add(stores=len(stored), store_fails=refused + faults, errors=faults,
-                       bytes_written=len(stored) * self.page_bytes)
-        self.stats.observe("put", time.perf_counter() - t0)
-        if stored:
-            self._emit(PagesStored(self.name, stored))
+        self._account_put(keys, ok, refused, faults, t0)
         if faults and faults == len(keys):
             raise TierUnavailable(f"{self.name}: put failed")
         return ok

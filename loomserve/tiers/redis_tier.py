@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from loomserve.tiers import codec
-from loomserve.tiers.base import (PagesRemoved, PagesStored, Tier, TierUnavailable, cpu_row,
+from loomserve.tiers.base import (PagesRemoved, Tier, TierUnavailable, cpu_row,
                                   rows_list)
 
 
@@ -125,12 +125,7 @@ class RedisTier(Tier):
         ok = [r is True for r in res]
         refused = sum(isinstance(r, self._response_error) for r in res)
         faults = len(keys) - sum(ok) - refused
-        stored = [k for k, o in zip(keys, ok) if o]
-        self.stats.add(stores=len(stored), store_fails=refused + faults, errors=faults,
-                       bytes_written=len(stored) * self.page_bytes)
-        self.stats.observe("put", time.perf_counter() - t0)
-        if stored:
-            self._emit(PagesStored(self.name, stored))
+        self._account_put(keys, ok, refused, faults, t0)
         return ok
 
     def touch(self, keys) -> None:
