@@ -135,18 +135,30 @@ def served_model_id(base_url: str) -> str | None:
         return None
 
 
-def _measure_round(name: str, base_url: str, model: str | None, prompts: list[list[int]],
-                   max_tokens: int, label: str) -> DecodeMeasurement:
-    results = asyncio.run(run_concurrent_streams(
-        base_url, [completion_body(p, max_tokens, model) for p in prompts]))
-    m = decode_rate(results)
-    short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
-    if short:
-        m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
-    print(f"[{name}] {label}: {m.tok_per_s:8.1f} tok/s ({m.decode_tokens} tokens in "
-          f"{m.window_s:.2f}s{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
-          file=sys.stderr, flush=True)
-    return m
+class ServedSystem:
+    """An OpenAI-compatible server as a system of the interleaved loop (see HFGenerate)."""
+
+    def __init__(self, name: str, base_url: str) -> None:
+        self.name, self.base_url = name, base_url
+        self.model = served_model_id(base_url)
+
+    def _run(self, prompts: list[list[int]], n: int):
+        return asyncio.run(run_concurrent_streams(
+            self.base_url, [completion_body(p, n, self.model) for p in prompts]))
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        self._run(prompts, 8)
+
+    def measure(self, prompts: list[list[int]], max_tokens: int, label: str) -> DecodeMeasurement:
+        results = self._run(prompts, max_tokens)
+        m = decode_rate(results)
+        short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
+        if short:
+            m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
+        print(f"[{self.name}] {label}: {m.tok_per_s:8.1f} tok/s ({m.decode_tokens} tokens in "
+              f"{m.window_s:.2f}s{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
+              file=sys.stderr, flush=True)
+        return m
 
 
 def bench_systems(servers: Sequence[tuple[str, Any]], local: dict[str, HFGenerate],
@@ -161,24 +173,17 @@ def bench_systems(servers: Sequence[tuple[str, Any]], local: dict[str, HFGenerat
     names = [n for n, _ in servers] + list(local)
     runs: dict[str, dict[int, list[DecodeMeasurement]]] = {n: {c: [] for c in concurrencies} for n in names}
     with contextlib.ExitStack() as stack:
-        targets = {}
+        systems: dict[str, Any] = {}
         for name, argv_for_port in servers:
             port = common.free_port()
             srv = stack.enter_context(ServerProcess(argv_for_port(port), port, name=name,
                                                     startup_timeout=startup_timeout))
-            url, model = srv.base_url, served_model_id(srv.base_url)
-            targets[name] = (
-                lambda prompts, n, _u=url, _m=model: asyncio.run(run_concurrent_streams(
-                    _u, [completion_body(p, n, _m) for p in prompts])),
-                lambda prompts, label, _n=name, _u=url, _m=model: _measure_round(
-                    _n, _u, _m, prompts, max_tokens, label))
-        for name, system in local.items():
-            targets[name] = (lambda prompts, n, _s=system: _s.warm_up(prompts),
-                             lambda prompts, label, _s=system: _s.measure(prompts, max_tokens, label))
+            systems[name] = ServedSystem(name, srv.base_url)
+        systems.update(local)
         offset = 0
         for c in concurrencies:  # warm-up: each system, each concurrency, once
             for name in names:
-                targets[name][0](make_prompts(tokenizer, c, offset=offset), 8)
+                systems[name].warm_up(make_prompts(tokenizer, c, offset=offset))
                 offset += c
         for r in range(repeats):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -186,7 +191,8 @@ def bench_systems(servers: Sequence[tuple[str, Any]], local: dict[str, HFGenerat
                 for name in order:
                     prompts = make_prompts(tokenizer, c, offset=offset)  # fresh: no prefix hits
                     offset += c
-                    runs[name][c].append(targets[name][1](prompts, f"C={c} run {r + 1}/{repeats}"))
+                    runs[name][c].append(systems[name].measure(prompts, max_tokens,
+                                                               f"C={c} run {r + 1}/{repeats}"))
     return {name: {c: _summarise(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
 
 
