@@ -62,26 +62,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-def _pack(linear: nn.Linear, batch_hint: int) -> nn.Module:
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> PackedLinear | None:
+    """A PackedLinear of the weight, or None where oneDNN refuses it or rounds differently."""
     try:
-        packed = PackedLinear(linear.weight, linear.bias, batch_hint)
+        packed = PackedLinear(weight, bias, batch_hint)
         # Packing must not change a single bit: oneDNN picks other kernels for some small
         # shapes, whose rounding differs; those layers stay plain.
         gen = torch.Generator().manual_seed(0)
         for rows in (1, 33):
-            probe = torch.randn(rows, packed.in_features, generator=gen).to(linear.weight.dtype)
-            if not torch.equal(packed(probe), F.linear(probe, linear.weight, linear.bias)):
-                return linear
+            probe = torch.randn(rows, packed.in_features, generator=gen).to(weight.dtype)
+            if not torch.equal(packed(probe), F.linear(probe, weight, bias)):
+                return None
         return packed
     except RuntimeError as e:  # an op or shape oneDNN does not take: keep the plain layer
         log.debug("keeping a plain linear layer: %s", e)
-        return linear
+        return None
 
 
 def _replace_linears(module: nn.Module, batch_hint: int) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, _pack(child, batch_hint))
+            setattr(module, name, _packed(child.weight, child.bias, batch_hint) or child)
         else:
             _replace_linears(child, batch_hint)
 
@@ -102,10 +103,7 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
     if dtype == torch.bfloat16 and onednn_bf16_available():
         _replace_linears(model, batch_hint)
         if tied_embedding is not None:
-            head = nn.Linear(tied_embedding.embedding_dim, tied_embedding.num_embeddings, bias=False,
-                             device="meta")
-            head.weight = tied_embedding.weight
-            model.packed_lm_head = _pack(head, batch_hint)
+            model.packed_lm_head = _packed(tied_embedding.weight, None, batch_hint)
         return "onednn-packed bf16"
     return "default"
 
