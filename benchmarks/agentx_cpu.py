@@ -26,8 +26,16 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (ServerProcess, default_gguf_path, ensure_llama_server, format_table,  # noqa: E402
-                    free_port, host_info, which_loomserve, write_json)
+from common import (  # noqa: E402
+    ServerProcess,
+    default_gguf_path,
+    ensure_llama_server,
+    format_table,
+    free_port,
+    host_info,
+    which_loomserve,
+    write_json,
+)
 
 
 def synth_traces(sessions: int, seed: int) -> str:

@@ -299,7 +299,7 @@ def which_loomserve() -> list[str]:
     """argv prefix that runs the loomserve CLI (the console script, else ``-m``)."""
     exe = shutil.which("loomserve", path=os.path.dirname(sys.executable) + os.pathsep
                        + os.environ.get("PATH", ""))
-    return [exe] if exe else [sys.executable, "-m", "loomserve.cli"]
+    return [exe] if exe else [sys.executable, "-m", "loomserve.entrypoints.cli"]
 
 
 # ----------------------------------------------------------------------------- streaming client

@@ -61,8 +61,16 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import (DecodeMeasurement, ModelFacts, ServerProcess, decode_rate,  # noqa: E402
-                    format_table, median, roofline, run_concurrent_streams)
+from common import (  # noqa: E402
+    DecodeMeasurement,
+    ModelFacts,
+    ServerProcess,
+    decode_rate,
+    format_table,
+    median,
+    roofline,
+    run_concurrent_streams,
+)
 
 RESULT_NAME = "decode_throughput.json"
 PROMPT_LEN = 32

@@ -41,8 +41,8 @@ class SimRequest:
 
 def simulate(records: list[dict], config, chunk: int, seed: int = 0) -> dict:
     """The replay's requests through the KV manager alone, as the engine would drive it."""
-    from loomserve.engine.core import EngineCore, flop_model, retention_config
-    from loomserve.kv.manager import KVCacheManager
+    from loomserve.execution.core import EngineCore, flop_model, retention_config
+    from loomserve.kv.cache_manager import KVCacheManager
 
     runner = EngineCore(config).runner  # only for its KV config and FLOP model: no step runs
     kv = KVCacheManager(runner.kv_cache_config, retention=retention_config(config),

@@ -119,7 +119,7 @@ def loomserve_rep(seed: int, rep: int, session: bool = True):
 
     import torch
 
-    from loomserve.kv.manager import KVCacheManager
+    from loomserve.kv.cache_manager import KVCacheManager
     from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 
     @dataclass

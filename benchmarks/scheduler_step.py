@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from loomserve.engine.request import Request
-from loomserve.engine.scheduler import Scheduler
-from loomserve.kv.manager import KVCacheManager
+from loomserve.execution.request import Request
+from loomserve.execution.scheduler import Scheduler
+from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from loomserve.sampling_params import SamplingParams
 

@@ -27,12 +27,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 from common import format_table, host_info, median, write_json  # noqa: E402
 
-import torch  # noqa: E402
-
-from loomserve.tiers import DiskTier, HostTier, KeySpace, layout_fingerprint  # noqa: E402
-from loomserve.tiers import codec  # noqa: E402
+from loomserve.kv.tiers import (  # noqa: E402
+    DiskTier,
+    HostTier,
+    KeySpace,
+    codec,  # noqa: E402
+    layout_fingerprint,
+)
 
 MB = 1e6
 
@@ -129,16 +133,16 @@ def main() -> int:
                                        pb))]
     services = []
     if not args.no_remote:
-        from loomserve.tiers.service import MooncakeService, RedisService
+        from loomserve.control.store_launcher import MooncakeService, RedisService
         try:
-            from loomserve.tiers.redis_tier import RedisTier
+            from loomserve.kv.tiers.redis_tier import RedisTier
             rs = RedisService().start()
             services.append(rs)
             tiers.append(("redis", lambda: RedisTier(pb, url=rs.url, timeout_s=30)))
         except (ImportError, FileNotFoundError, RuntimeError, TimeoutError) as e:
             result["skipped"]["redis"] = str(e)
         try:
-            from loomserve.tiers.mooncake_tier import MooncakeTier, import_store
+            from loomserve.kv.tiers.mooncake_tier import MooncakeTier, import_store
             import_store()
             mc = MooncakeService(segment_bytes=max(256 << 20, 4 * n * pb)).start()
             services.append(mc)

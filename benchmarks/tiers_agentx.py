@@ -40,8 +40,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO_ROOT, ServerProcess, format_table, free_port, host_info,  # noqa: E402
-                    write_json)
+from common import REPO_ROOT, ServerProcess, format_table, free_port, host_info, write_json  # noqa: E402
 
 
 def env() -> dict:
@@ -254,7 +253,7 @@ def main() -> int:
 
     traces = args.traces or synth_traces(args.sessions, args.seed)
     work = tempfile.mkdtemp(prefix="loomserve-tiers-bench-")
-    from loomserve.tiers.service import MooncakeService, parse_size
+    from loomserve.control.store_launcher import MooncakeService, parse_size
     results: dict[str, dict] = {}
     try:
         host = ["--host-cache-memory", args.host_cache_memory]

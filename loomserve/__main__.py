@@ -1,5 +1,5 @@
 import sys
 
-from loomserve.cli import main
+from loomserve.entrypoints.cli import main
 
 sys.exit(main())

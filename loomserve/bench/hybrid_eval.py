@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from loomserve.bench.trace import Session
+from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.kv.eviction import FlopModel
-from loomserve.kv.manager import KVCacheManager, RetentionConfig
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, LinearStateSpec
 
 POLICIES = {

@@ -5,7 +5,7 @@
         [--semantics loomserve|kvcache-sim] [--stagger S] [--append-outputs] [--plot PNG] [--json]
 
 No model runs: every request of every trace goes, one at a time, through the real
-`loomserve.kv.manager.KVCacheManager` (block pool, chained hashing, prefix lookup, LRU free
+`loomserve.kv.cache_manager.KVCacheManager` (block pool, chained hashing, prefix lookup, LRU free
 queue) sized to a capacity in tokens, and the simulator counts prefix-hit tokens.
 
 Replay order. All requests of all traces are merged in time order: a request's replay time is
@@ -122,7 +122,7 @@ class SimRequest:
 
 
 class _KVReq:
-    """Satisfies loomserve.kv.manager.KVRequest."""
+    """Satisfies loomserve.kv.cache_manager.KVRequest."""
 
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "cache_salt", "session_id", "block_hashes")
@@ -316,7 +316,7 @@ class RunResult:
 def _make_manager(num_blocks: int, block_size: int, num_agents: int):
     import torch
 
-    from loomserve.kv.manager import KVCacheManager
+    from loomserve.kv.cache_manager import KVCacheManager
     from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
     # Token-level spec: the bytes per block never matter here.
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=1,

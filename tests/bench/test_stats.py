@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomserve.bench import stats
 from loomserve.bench.trace import parse_session

@@ -10,7 +10,7 @@ from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 
 @dataclass
 class Req:
-    """Satisfies loomserve.kv.manager.KVRequest."""
+    """Satisfies loomserve.kv.cache_manager.KVRequest."""
 
     request_id: str
     all_token_ids: list[int]

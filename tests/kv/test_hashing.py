@@ -1,7 +1,7 @@
 import random
 
-from tests.kv.conftest import Req
 from loomserve.kv.hashing import BlockHasher, hash_block, hash_chain
+from tests.kv.conftest import Req
 
 
 def toks(n, seed=0):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from tests.kv.conftest import Req, make_config, make_hybrid_config
+from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.kv.eviction import FlopModel
-from loomserve.kv.manager import KVCacheManager, RetentionConfig
+from tests.kv.conftest import Req, make_config, make_hybrid_config
 
 BS = 4
 
@@ -261,8 +261,8 @@ def test_pin_budget_drops_oldest_session():
 
 
 def test_scheduler_passes_state_directives():
-    from loomserve.engine.request import Request
-    from loomserve.engine.scheduler import Scheduler
+    from loomserve.execution.request import Request
+    from loomserve.execution.scheduler import Scheduler
     from loomserve.sampling_params import SamplingParams
     kv = KVCacheManager(make_hybrid_config(64))
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)

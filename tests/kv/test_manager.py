@@ -1,9 +1,9 @@
 import pytest
 
-from tests.kv.conftest import Req, make_config
+from loomserve.kv.cache_manager import KVCacheManager, StaleHitError
 from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from loomserve.kv.hashing import hash_chain
-from loomserve.kv.manager import KVCacheManager, StaleHitError
+from tests.kv.conftest import Req, make_config
 
 
 def run_prompt(kv, req):

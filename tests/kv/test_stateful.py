@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.kv.conftest import Req, make_config
+from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.hashing import hash_chain
-from loomserve.kv.manager import KVCacheManager
+from tests.kv.conftest import Req, make_config
 
 BS = 4
 _r = random.Random(1234)

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from tests.kv.conftest import make_hybrid_config
+from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.kv.eviction import FlopModel
-from loomserve.kv.manager import KVCacheManager, RetentionConfig
+from tests.kv.conftest import make_hybrid_config
 from tests.kv.test_stateful import BS, KVMachine
 
 

@@ -1,0 +1,171 @@
+"""Command line: `loomserve serve [MODEL] [options]`.
+
+Subcommands keep room for `loomserve bench ...`. Option defaults are read from EngineConfig so
+the numbers live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from loomserve.config import DTYPES, EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=_DEFAULTS["model"],
+                   help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--served-model-name", default=_DEFAULTS["served_model_name"],
+                   help="model name clients send and /v1/models lists (default: from the model)")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
+                   help="context length (default: the model's own, capped at the KV capacity)")
+    p.add_argument("--kv-cache-memory", default=_DEFAULTS["kv_cache_memory"],
+                   help="KV cache size: bytes (2GiB, 500MB) or a fraction of free GPU memory "
+                        "(0.8) (default: 1 GiB on CPU, 0.85 on GPU)")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
+                   help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=_DEFAULTS["max_num_batched_tokens"], help="token budget per step (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+                   help="most requests in the running batch (default: %(default)s)")
+    p.add_argument("--long-prefill-threshold", type=int,
+                   default=_DEFAULTS["long_prefill_threshold"],
+                   help="per-request prefill tokens per step (0 disables the cap) (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
+                   help="weights and KV cache dtype (default: %(default)s)")
+    p.add_argument("--device", default=_DEFAULTS["device"],
+                   help="auto, cpu, cuda, cuda:1, ... (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+                   help="random seed (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=_DEFAULTS["enable_prefix_caching"], help="disable prefix caching")
+    p.add_argument("--retention", default=_DEFAULTS["retention"],
+                   help="hybrid models: state checkpoints to keep besides sequence ends, a comma "
+                        "list of interval (end of each turn's prompt) and marconi (where a prefix "
+                        "is reused without one), or none (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=_DEFAULTS["checkpoint_every"],
+                   help="with interval retention, also a checkpoint every N tokens (0: off)")
+    p.add_argument("--max-checkpoints-per-path", type=int,
+                   default=_DEFAULTS["max_checkpoints_per_path"],
+                   help="most state checkpoints one request keeps (default: %(default)s)")
+    p.add_argument("--eviction", choices=["lru", "flop_aware"], default=_DEFAULTS["eviction"],
+                   help="which cached block goes first: least recently used, or lowest recency + "
+                        "FLOPs-saved-per-byte utility (default: %(default)s)")
+    p.add_argument("--session-pin-ttl", type=float, default=_DEFAULTS["session_pin_ttl"],
+                   help="keep a session's latest prefix through tool pauses for this many seconds "
+                        "(0: off; needs --session-pin-budget)")
+    p.add_argument("--session-pin-budget", default=_DEFAULTS["session_pin_budget"],
+                   help="most KV bytes pinned for sessions in all, e.g. 512MiB")
+    t = p.add_argument_group("KV tiers", "pages below the device pool; all off by default")
+    t.add_argument("--host-cache-memory", default=_DEFAULTS["host_cache_memory"],
+                   help="host memory for KV pages evicted from the device, e.g. 8GiB (default: off)")
+    t.add_argument("--disk-cache-dir", default=_DEFAULTS["disk_cache_dir"],
+                   help="local disk tier directory; pages survive a restart (default: off)")
+    t.add_argument("--disk-cache-size", default=_DEFAULTS["disk_cache_size"],
+                   help="bytes the disk tier may use (default: %(default)s)")
+    t.add_argument("--remote-cache", default=_DEFAULTS["remote_cache"],
+                   help="shared pool: mooncake://HOST:PORT (the master, see `loomserve store`) "
+                        "or redis://HOST:PORT (default: off)")
+    t.add_argument("--tier-write-after-seen", type=int,
+                   default=_DEFAULTS["tier_write_after_seen"],
+                   help="write a block down once computed or hit this many times "
+                        "(default: %(default)s)")
+    t.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
+                   help="most requests with a tier lookup or load in flight "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default: %(default)s)")
+    p.set_defaults(func=serve)
+
+
+def _add_store(sub) -> None:
+    from loomserve.control.store_launcher import add_store_parser  # imports no backend
+    add_store_parser(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loomserve",
+                                     description="An LLM serving engine for agentic traffic.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_serve(sub)
+    from loomserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
+    _add_store(sub)
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _num_params(engine) -> int | None:
+    runner = getattr(getattr(engine, "core", None), "runner", None)
+    for owner in (engine, runner):
+        n = getattr(owner, "num_params", None)
+        if isinstance(n, int):
+            return n
+    model = getattr(runner, "model", None)
+    if model is not None and hasattr(model, "parameters"):
+        return sum(p.numel() for p in model.parameters())
+    return None
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+def startup_line(engine, config: EngineConfig, url: str) -> str:
+    params = _num_params(engine)
+    return (f"loomserve: serving {engine.model_name} "
+            f"(from {config.model or 'built-in default'}, {config.dtype}, {config.torch_device}"
+            f"{f', {_human(params)} params' if params else ''}), "
+            f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens, "
+            f"on {url}")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loomserve.entrypoints.async_llm import AsyncLLM
+    from loomserve.entrypoints.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 2
+    engine = AsyncLLM(config)
+    try:
+        app = build_app(engine)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(startup_line(engine, config, f"http://{host}:{args.port}"), flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Offline batch inference, in the style of vLLM's `LLM`."""
+
+from __future__ import annotations
+
+import itertools
+
+from loomserve.config import EngineConfig
+from loomserve.entrypoints.output import RequestOutput
+from loomserve.entrypoints.processor import InputProcessor, RequestState
+from loomserve.entrypoints.tokenizer import Tokenizer
+from loomserve.execution.core import EngineCore
+from loomserve.execution.request import RequestStatus
+from loomserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model=None)` loads the built-in default model; keyword arguments are EngineConfig's."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.core = EngineCore(self.config)
+        runner = self.core.runner
+        self.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, runner.vocab_size)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        requests = [self.inputs.make_request(str(next(self._ids)), p, sp)
+                    for p, sp in zip(prompts, params)]  # all validated before any is queued
+        states: dict[str, RequestState] = {}
+        for req in requests:
+            states[req.request_id] = RequestState(req.request_id, req.prompt_token_ids,
+                                                  req.sampling, self.tokenizer)
+            self.core.add_request(req)
+        results: dict[str, RequestOutput] = {}
+        while self.core.has_work():
+            for out in self.core.step():
+                state = states[out.request_id]
+                results[out.request_id] = state.process([out])
+                if state.stopped_by_string:
+                    self.core.abort(out.request_id, RequestStatus.FINISHED_STOPPED)
+        return [results[rid] for rid in states]
+
+    def close(self) -> None:
+        """Stop the KV tiers' background threads (no-op without tiers)."""
+        self.core.close()
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.inputs.chat_prompt(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params)

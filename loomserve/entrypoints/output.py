@@ -1,0 +1,19 @@
+"""What the engine reports per request as it makes progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # all output tokens so far
+    text: str = ""  # all output text so far, stop strings cut off
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous report
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (device + tiers)
+    num_tier_cached_tokens: int = 0  # of those, loaded from a KV tier below the device

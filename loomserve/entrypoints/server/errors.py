@@ -1,0 +1,94 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Every failure the server reports goes through here, so clients built for the OpenAI API see the
+shape and status codes they expect, and FastAPI's own 422 / HTML shapes never leak out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("loomserve.entrypoints.server")
+
+
+class APIError(Exception):
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model",
+                    code="model_not_found")
+
+
+def engine_unavailable(exc: Exception) -> APIError:
+    return APIError(503, f"The engine is unavailable: {exc}", type="service_unavailable_error")
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status_code: int, message: str, type: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"Malformed JSON body: {first.get('msg', '')}", None
+    # Pydantic reports a union mismatch once per member ("prompt.str", "prompt.list[int]"...);
+    # the user only needs the field name.
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    message = f"{where}: {first.get('msg', 'invalid value')}"
+    if len(errors) > 1 and all(
+            [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1] for e in errors):
+        message = f"{param}: invalid value ({first.get('msg', '')})"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Unknown route: {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, "invalid_request_error", None, code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                              "internal_server_error")

@@ -1,0 +1,55 @@
+"""The contract between the control plane (scheduler) and the execution plane (model runner).
+
+The scheduler decides, per step, which requests run and how many of their tokens; the runner
+turns that into forward passes and sampled tokens. Nothing else crosses the boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomserve.kv.directives import StateDirective
+from loomserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    token_ids are the tokens to compute this step: a prefill chunk, or the one latest token of a
+    decoding request. Their positions are start_pos .. start_pos + len(token_ids) - 1, and the
+    KV of positions < start_pos is already in the cache (computed earlier or a prefix hit).
+    block_ids[g] is the request's block table for KV group g; it covers every position up to
+    start_pos + len(token_ids) - 1. The list objects are the scheduler's own and only grow, so
+    passing them costs nothing (the worker-receives-diffs rule matters once the worker is
+    another process).
+    sample is True when the chunk ends at the request's latest token, so a next token is due.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[list[int]]
+    sample: bool
+    sampling: SamplingParams
+    # Generated tokens so far; the runner uses len() to derive per-token seeds.
+    num_output_tokens: int = 0
+    # Linear/SSM-state groups only: group index -> what to do with the request's state.
+    states: dict[int, StateDirective] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInput:
+    seqs: list[ScheduledSeq]
+    # Requests that ended since the last step, so the runner can drop per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class ModelOutput:
+    # request_id -> sampled token id, only for seqs with sample=True.
+    sampled: dict[str, int]

@@ -1,0 +1,292 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) over per-request state pages, plus the state
+plumbing it shares with the Mamba2 mixer.
+
+Per value head the layer keeps a [k_dim, v_dim] matrix S and, per token, forgets (alpha = exp(g))
+then writes with the delta rule at rate beta:
+
+    S_t = alpha_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - alpha_t S_{t-1}^T k_t),   o_t = S_t^T q_t
+
+Decode seqs run that step once, vectorized over all of them. A prefill chunk runs the chunked
+(WY/UT) form: inside a chunk of C tokens with gamma_t = prod_{s<=t} alpha_s,
+
+    (I + A) U = beta V - beta gamma K S_0,     A[t, s] = beta_t (gamma_t / gamma_s) k_t.k_s  (s < t)
+
+is one unit-lower-triangular solve; then o = gamma Q S_0 + ((Q K^T) o decay) U and the chunk's end
+state is gamma_C S_0 + (K gamma_C / gamma)^T U. Decay ratios gamma_t / gamma_s (t >= s) are <= 1
+and are always formed as exp of a log difference, so nothing overflows however fast a head forgets.
+
+State (LinearStateSpec.state_shapes of one layer): the causal conv's last kernel-1 inputs
+[conv_dim, kernel - 1] and S [v_heads, k_dim, v_dim], both fp32 in the page whatever the model
+dtype (bf16 recurrent state drifts over long contexts).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loomserve.execution.layers.state import StateBatch, StateSeq
+
+CHUNK = 64
+
+
+# --- state plumbing shared with mamba2.py ----------------------------------------------------------
+
+def split_batch(sb: StateBatch) -> tuple[list[StateSeq], list[StateSeq]]:
+    decodes = [s for s in sb.seqs if s.is_decode]
+    prefills = [s for s in sb.seqs if not s.is_decode]
+    return decodes, prefills
+
+
+def save_offsets(s: StateSeq) -> list[tuple[int, int]]:
+    """(tokens of this chunk consumed, dst page) for each save, in order."""
+    out = []
+    for n, dst in sorted(s.saves):
+        j = n - s.start_pos
+        if not 0 < j <= s.end - s.start:
+            raise ValueError(f"save at {n} tokens is outside the chunk starting at {s.start_pos} "
+                             f"with {s.end - s.start} tokens")
+        out.append((j, dst))
+    return out
+
+
+def segments(s: StateSeq) -> list[tuple[int, int, list[int]]]:
+    """The chunk cut at its save points: (first row, end row, pages to save the state into at end)."""
+    cuts: dict[int, list[int]] = {}
+    for j, dst in save_offsets(s):
+        cuts.setdefault(j, []).append(dst)
+    out, prev, n = [], 0, s.end - s.start
+    for j in sorted(cuts):
+        out.append((prev, j, cuts[j]))
+        prev = j
+    if prev < n:
+        out.append((prev, n, []))
+    return out
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def gather_states(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] as fp32, in a buffer reused across layers and steps: a decode batch's
+    recurrent states are tens of MB, and a fresh tensor of that size per layer page-faults more
+    than the update costs (layers run one after another, so one buffer per shape serves all)."""
+    n, tail = blocks.numel(), tuple(cache.shape[1:])
+    key = (tail, cache.device)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws.shape[0] < n:
+        ws = _WORKSPACE[key] = torch.empty((max(n, 2 * (ws.shape[0] if ws is not None else 0)), *tail),
+                                           dtype=torch.float32, device=cache.device)
+    if cache.dtype == torch.float32:
+        return torch.index_select(cache, 0, blocks, out=ws[:n])
+    return ws[:n].copy_(cache.index_select(0, blocks))
+
+
+def causal_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                decodes: list[StateSeq], prefills: list[StateSeq]) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU over the flattened rows, carrying each seq's last kernel-1
+    inputs in `cache` [num_blocks, channels, kernel - 1]. x: [tokens, channels]; weight:
+    [channels, kernel]. Writes saves and the final window of every seq."""
+    out = torch.empty_like(x)
+    width = weight.shape[1] - 1
+    w = weight.to(x.dtype)
+    if decodes:
+        rows = torch.tensor([s.start for s in decodes], device=x.device)
+        blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
+        window = torch.cat([cache[blocks].to(x.dtype), x[rows].unsqueeze(-1)], dim=-1)  # [d, C, K]
+        y = (window * w).sum(-1)
+        if bias is not None:
+            y = y + bias
+        out[rows] = F.silu(y)
+        cache[blocks] = window[..., 1:].to(cache.dtype)
+        for i, s in enumerate(decodes):
+            for _, dst in save_offsets(s):  # validates n == start_pos + 1
+                cache[dst] = window[i, :, 1:].to(cache.dtype)
+    for s in prefills:
+        n = s.end - s.start
+        seq = torch.cat([cache[s.running_block].to(x.dtype), x[s.start:s.end].t()], dim=-1)
+        y = F.conv1d(seq.unsqueeze(0), w.unsqueeze(1), bias, groups=w.shape[0])[0]  # [C, n]
+        out[s.start:s.end] = F.silu(y).t()
+        for j, dst in save_offsets(s):
+            cache[dst] = seq[:, j:j + width].to(cache.dtype)
+        cache[s.running_block] = seq[:, n:n + width].to(cache.dtype)
+    return out
+
+
+# --- the gated delta rule --------------------------------------------------------------------------
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor,
+                           chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q, k: [len, heads, k_dim] (normalized, q scaled); v: [len, heads, v_dim];
+    g (log decay, <= 0), beta: [len, heads]; state: [heads, k_dim, v_dim] fp32.
+    Returns o [len, heads, v_dim] and the state after the last token (all fp32)."""
+    n = q.shape[0]
+    pad = (-n) % chunk
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # [len, H, ...] -> [H, chunks, chunk, ...]
+        t = t.float().movedim(0, 1)
+        if pad:
+            t = F.pad(t, (0, 0, 0, pad) if t.dim() == 3 else (0, pad))
+        return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
+
+    # Padding has g = 0 and beta = k = 0: it neither decays nor writes the state.
+    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)
+    cum = g.cumsum(-1)  # log gamma_t within each chunk
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    kb = k * beta.unsqueeze(-1)
+    a = (kb @ k.transpose(-1, -2)) * decay  # diagonal ignored: the solve is unitriangular
+    u_v = torch.linalg.solve_triangular(a, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(a, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_in = q * cum.exp().unsqueeze(-1)  # reads of the chunk's start state
+    k_out = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes carried to the chunk's end
+    end_decay = cum[..., -1].exp()[..., None, None]  # [H, chunks, 1, 1]
+    out = torch.empty_like(u_v)
+    s = state.float()
+    for c in range(q.shape[1]):
+        u = u_v[:, c] - w_k[:, c] @ s
+        out[:, c] = q_in[:, c] @ s + qk[:, c] @ u
+        s = s * end_decay[:, c] + k_out[:, c].transpose(-1, -2) @ u
+    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :n]
+    return out.movedim(0, 1), s
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of a batch of seqs: q, k [b, heads, k_dim]; v [b, heads, v_dim];
+    g, beta [b, heads]; state [b, heads, k_dim, v_dim] fp32, updated in place (the caller's
+    gathered copy: a state is MBs per seq, and fresh temporaries of that size cost more in page
+    faults than the arithmetic). Returns o [b, heads, v_dim] and the state."""
+    b, h, dk, dv = state.shape
+    q, k = q.float().reshape(b * h, 1, dk), k.float().reshape(b * h, 1, dk)
+    s = state.view(b * h, dk, dv)
+    s.mul_(g.float().exp().reshape(b * h, 1, 1))
+    u = (v.float().reshape(b * h, 1, dv) - torch.bmm(k, s)) * beta.float().reshape(b * h, 1, 1)
+    s.baddbmm_(k.transpose(1, 2), u)
+    return torch.bmm(q, s).view(b, h, dv), state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, then times SiLU(z) (Qwen3-Next: norm before gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next linear attention on flattened rows [tokens, hidden] with a StateBatch.
+
+    in_proj fuses HF's in_proj_qkvz and in_proj_ba, regrouped at load from HF's per-key-head
+    interleave into [q | k | v | z | b | a], so the conv input is one contiguous slice."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int,
+                 v_dim: int, conv_kernel: int, eps: float) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
+        self.key_size, self.value_size = num_k_heads * k_dim, num_v_heads * v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.conv_kernel = conv_kernel
+        self.in_proj = nn.Linear(hidden_size, self.conv_dim + self.value_size + 2 * num_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps)
+        self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+        # Set by the runner: (conv [num_blocks, conv_dim, kernel-1], recurrent [num_blocks, Hv, Dk, Dv]).
+        self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.k_dim, self.v_dim))
+
+    def forward(self, x: torch.Tensor, sb: StateBatch) -> torch.Tensor:
+        n = x.shape[0]
+        conv_cache, rec_cache = self.state_cache
+        hv = self.num_v_heads
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, hv, hv], dim=-1)
+        decodes, prefills = split_batch(sb)
+        mixed = causal_conv(mixed, conv_cache, self.conv_weight, None, decodes, prefills)
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        rep = hv // self.num_k_heads
+        q = l2norm(q.float().view(n, self.num_k_heads, self.k_dim)) * self.k_dim ** -0.5
+        k = l2norm(k.float().view(n, self.num_k_heads, self.k_dim))
+        if rep > 1:  # each key head serves `rep` consecutive value heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        v = v.view(n, hv, self.v_dim)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        core = torch.empty(n, hv, self.v_dim, dtype=torch.float32, device=x.device)
+        if decodes:
+            rows = torch.tensor([s.start for s in decodes], device=x.device)
+            blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
+            o, st = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                               gather_states(rec_cache, blocks))
+            core[rows] = o
+            rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
+            for i, s in enumerate(decodes):
+                for _, dst in save_offsets(s):  # validates n == start_pos + 1
+                    rec_cache[dst] = st[i].to(rec_cache.dtype)
+        for s in prefills:
+            st = rec_cache[s.running_block].float()
+            for lo, hi, dsts in segments(s):
+                r = slice(s.start + lo, s.start + hi)
+                core[r], st = chunk_gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], st)
+                for dst in dsts:
+                    rec_cache[dst] = st.to(rec_cache.dtype)
+            rec_cache[s.running_block] = st.to(rec_cache.dtype)
+        o = self.norm(core, z.view(n, hv, self.v_dim), x.dtype)
+        return self.out_proj(o.reshape(n, self.value_size))
+
+    # --- HF weights -------------------------------------------------------------------------------
+
+    def load_hf(self, name: str, tensor: torch.Tensor) -> str:
+        """Copy one HF tensor (name relative to the layer, e.g. 'in_proj_qkvz.weight'); returns
+        the parameter it filled, for the loader's coverage check."""
+        hk, rep, dk, dv = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.k_dim, self.v_dim
+        w = self.in_proj.weight.data
+        if name == "in_proj_qkvz.weight":
+            t = tensor.view(hk, 2 * dk + 2 * rep * dv, -1)
+            q, k, v, z = t.split([dk, dk, rep * dv, rep * dv], dim=1)
+            ks, vs = self.key_size, self.value_size
+            for part, off in ((q, 0), (k, ks), (v, 2 * ks), (z, 2 * ks + vs)):
+                _copy(w.narrow(0, off, part.shape[0] * part.shape[1]), part.reshape(-1, t.shape[-1]), name)
+            return "in_proj.weight#qkvz"
+        if name == "in_proj_ba.weight":
+            t = tensor.view(hk, 2 * rep, -1)
+            b, a = t.split([rep, rep], dim=1)
+            off = self.conv_dim + self.value_size
+            _copy(w.narrow(0, off, self.num_v_heads), b.reshape(-1, t.shape[-1]), name)
+            _copy(w.narrow(0, off + self.num_v_heads, self.num_v_heads), a.reshape(-1, t.shape[-1]), name)
+            return "in_proj.weight#ba"
+        if name == "conv1d.weight":
+            _copy(self.conv_weight.data, tensor.reshape(self.conv_dim, -1), name)
+            return "conv_weight"
+        params = dict(self.named_parameters())
+        if name not in params:
+            raise ValueError(f"unexpected Gated DeltaNet weight {name!r}")
+        _copy(params[name].data, tensor, name)
+        return name
+
+    def hf_param_keys(self) -> set[str]:
+        keys = {n for n, _ in self.named_parameters()} - {"in_proj.weight"}
+        return keys | {"in_proj.weight#qkvz", "in_proj.weight#ba"}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {name!r}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,281 @@
+"""ModelRunner: owns the model, the paged KV buffer and the sampler; turns a ModelInput into tokens.
+
+One step is one forward pass over all scheduled tokens flattened together (decode tokens first,
+then prefill chunks), logits only for the rows that end a seq due a token, then sampling.
+
+KV groups. The model declares one KVCacheSpec per layer; layers with equal specs form a group,
+ordered full attention first, then sliding window, then linear state (within a kind, by first
+layer). All groups share ONE uint8 buffer of [num_blocks, page_bytes], page_bytes the largest
+group's bytes per block; a block id belongs to one group at a time, and group g's page holds
+all of g's layers from byte 0: attention [layers, 2, block_size, kv_heads, head_dim], linear
+state the concatenated state tensors of each layer in turn. Each layer gets views of its region.
+Per step: attention metadata per attention group (from ScheduledSeq.block_ids[g]); for state
+groups the StateDirectives are applied to whole pages before the forward pass, then a
+StateBatch per group is handed to the linear layers (the contract: loomserve.execution.models.registry).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from loomserve.config import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_GPU_KV_FRACTION,
+    EngineConfig,
+    parse_memory,
+)
+from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
+from loomserve.execution.layers.attention import GatherWorkspace, build_metadata
+from loomserve.execution.layers.state import StateBatch, StateSeq
+from loomserve.execution.models.loader import load_model
+from loomserve.execution.sampler import Sampler
+from loomserve.kv.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    LinearStateSpec,
+    SlidingWindowSpec,
+)
+
+_KIND_ORDER = {"full_attention": 0, "sliding_window": 1, "linear_state": 2}
+
+
+def group_layers(specs: list[KVCacheSpec | None]) -> tuple[KVCacheGroup, ...]:
+    """Layers with equal specs -> one group each; full attention, then sliding, then state.
+
+    Every page is as large as the largest group's block, so attention groups with more layers
+    than others are split into groups of the smallest attention group's layer count: Gemma 3's
+    five sliding layers per full one would otherwise leave 4/5 of every full-attention page
+    empty. Splitting costs a block per token in each extra group, no extra bytes."""
+    layers: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec is not None:
+            layers.setdefault(spec, []).append(i)
+    if not layers:
+        raise ValueError("the model declares no KV cache layers")
+    order = sorted(layers, key=lambda s: (_KIND_ORDER.get(s.kind, 3), layers[s][0]))
+    attn = [len(layers[s]) for s in order if isinstance(s, FullAttentionSpec)]
+    size = min(attn) if len(attn) > 1 else None
+    groups = []
+    for spec in order:
+        ids = layers[spec]
+        step = size if size is not None and isinstance(spec, FullAttentionSpec) else len(ids)
+        groups += [KVCacheGroup(spec, tuple(ids[i:i + step])) for i in range(0, len(ids), step)]
+    return tuple(groups)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if os.environ.get("LOOMSERVE_NUM_THREADS"):
+            # On a shared CPU host, fewer OpenMP threads than cores avoids spin-waiting on
+            # descheduled siblings, which can cost more than the parallelism gains.
+            torch.set_num_threads(int(os.environ["LOOMSERVE_NUM_THREADS"]))
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        loaded = load_model(config.model, self.dtype, self.device, config.resolved_cache_dir)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.model_name = loaded.name
+        self.model_folder = loaded.folder
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        limit = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        self.max_model_len = config.max_model_len or limit
+        params = list(self.model.parameters())
+        self.num_params = sum(p.numel() for p in params)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.block_size = config.block_size
+        self.kv_cache_config = self._kv_cache_config()
+        self.kv_buffer = self._allocate_kv()
+        groups = self.kv_cache_config.groups
+        self.attn_groups = [g for g, grp in enumerate(groups) if isinstance(grp.spec, FullAttentionSpec)]
+        self.state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.spec, LinearStateSpec)]
+        self.group_bytes = [grp.bytes_per_block() for grp in groups]
+        # Pages of state groups hold arbitrary bytes, which read as K/V of another dtype may be
+        # NaN; masked positions must be finite, so attention blocks are zeroed when first written.
+        self.zero_new_blocks = any(grp.spec.kind not in ("full_attention", "sliding_window")
+                                   or grp.spec.dtype != self.dtype for grp in groups)
+        self.sampler = Sampler(self.device, config.seed)
+        self.workspace = GatherWorkspace()
+
+    # --- KV cache -----------------------------------------------------------------------------
+
+    def _kv_cache_config(self) -> KVCacheConfig:
+        specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
+        groups = group_layers(specs)
+        for grp in groups:
+            if grp.spec.block_size != self.block_size:
+                raise ValueError(f"layer spec {grp.spec} has block_size != {self.block_size}")
+            if isinstance(grp.spec, SlidingWindowSpec) and grp.spec.sliding_window < 1:
+                raise ValueError(f"sliding-window spec without a window: {grp.spec}")
+        self.layer_specs = specs
+        num_blocks = KVCacheConfig.num_blocks_for(self._kv_budget_bytes(), groups)
+        if num_blocks < 1:
+            raise ValueError("kv-cache-memory is too small to hold one block")
+        return KVCacheConfig(num_blocks, groups)
+
+    def _kv_budget_bytes(self) -> int:
+        cuda = self.device.type == "cuda"
+        if self.config.kv_cache_memory is None:
+            if not cuda:
+                return DEFAULT_CPU_KV_BYTES
+            kind, value = "fraction", DEFAULT_GPU_KV_FRACTION
+        else:
+            kind, value = parse_memory(str(self.config.kv_cache_memory))
+        if kind == "bytes":
+            return int(value)
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)  # measured after the weights are in
+            return int(free * value)
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * value)
+
+    def _allocate_kv(self) -> torch.Tensor:
+        """One backing buffer of packed pages; every layer gets strided views into its group's
+        region of each page (see the module docstring for the layout)."""
+        kc = self.kv_cache_config
+        n, page = kc.num_blocks, kc.page_bytes
+        if self.device.type == "cpu":
+            # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
+            # with the pages actually used instead of the whole budget at start.
+            buf = torch.from_numpy(np.zeros((n, page), dtype=np.uint8))
+        else:
+            buf = torch.zeros(n, page, dtype=torch.uint8, device=self.device)
+        layer_group: list[int | None] = [None] * len(self.layer_specs)
+        modules = _cache_modules(self.model, len(self.layer_specs))
+        for g, grp in enumerate(kc.groups):
+            spec, per_layer = grp.spec, grp.spec.bytes_per_block_per_layer()
+            for slot, layer in enumerate(grp.layer_ids):
+                layer_group[layer] = g
+                base = slot * per_layer
+                if isinstance(spec, FullAttentionSpec):
+                    kv = _view(buf, base, spec.dtype, (2, spec.block_size, spec.num_kv_heads, spec.head_dim))
+                    modules[layer].k_cache, modules[layer].v_cache = kv[:, 0], kv[:, 1]
+                elif isinstance(spec, LinearStateSpec):
+                    views, off = [], base
+                    for shape in spec.state_shapes:
+                        views.append(_view(buf, off, spec.dtype, shape))
+                        off += math.prod(shape) * spec.dtype.itemsize
+                    modules[layer].state_cache = tuple(views)
+                else:
+                    raise NotImplementedError(f"no page layout for layer kind {spec.kind!r}")
+        self.model.set_layer_groups(layer_group)
+        return buf
+
+    # --- step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> ModelOutput:
+        due, logits = self.compute_logits(inp)
+        if not due:
+            return ModelOutput(sampled={})
+        tokens = self.sampler(logits, [s.sampling for s in due], [s.num_output_tokens for s in due])
+        return ModelOutput(sampled={s.request_id: t for s, t in zip(due, tokens)})
+
+    @torch.inference_mode()
+    def compute_logits(self, inp: ModelInput) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Forward pass; returns the seqs with sample=True (batch order) and their fp32 logits."""
+        seqs = [s for s in inp.seqs if s.token_ids]
+        if not seqs:
+            return [], torch.empty(0, self.vocab_size, device=self.device)
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        prefills = [s for s in seqs if len(s.token_ids) > 1]
+        for s in seqs:
+            if s.start_pos + len(s.token_ids) > self.max_model_len:
+                raise ValueError(f"request {s.request_id} runs past max_model_len={self.max_model_len}")
+        ordered = decodes + prefills
+        ids: list[int] = []
+        last_row: dict[int, int] = {}  # id(seq) -> row of its last token in the flattened batch
+        for s in ordered:
+            ids.extend(s.token_ids)
+            last_row[id(s)] = len(ids) - 1
+        groups = self.kv_cache_config.groups
+        attn_meta: list = [None] * len(groups)
+        positions = None
+        for g in self.attn_groups:
+            spec = groups[g].spec
+            meta, positions = build_metadata(
+                [(s.start_pos, s.block_ids[g]) for s in decodes],
+                [(s.start_pos, len(s.token_ids), s.block_ids[g]) for s in prefills],
+                self.block_size, self.device, self.dtype,
+                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
+            meta.workspace = self.workspace
+            if self.zero_new_blocks:
+                fresh = meta.slot_blocks[meta.slot_offsets == 0]
+                if fresh.numel():
+                    self.kv_buffer[fresh, :self.group_bytes[g]] = 0
+            attn_meta[g] = meta
+        if positions is None:
+            positions = torch.tensor([p for s in ordered for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
+                                     dtype=torch.long, device=self.device)
+        state_batch: list = [None] * len(groups)
+        if self.state_groups:
+            self._apply_state_directives(ordered)
+            for g in self.state_groups:
+                state_batch[g] = self._state_batch(ordered, g)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, attn_meta, state_batch)
+        due = [s for s in seqs if s.sample]
+        if not due:
+            return [], torch.empty(0, self.vocab_size, device=self.device)
+        rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
+        return due, self.model.compute_logits(hidden[rows]).float()
+
+    # --- linear-state groups ------------------------------------------------------------------
+
+    def _apply_state_directives(self, seqs: list[ScheduledSeq]) -> None:
+        """init_from: one whole-page copy into running_block; zero_init: zero the group's region.
+        Done for every seq before the forward pass, so layers see ready states."""
+        src, dst, zero = [], [], {}
+        for s in seqs:
+            for g, d in s.states.items():
+                if d.init_from is not None:
+                    src.append(d.init_from)
+                    dst.append(d.running_block)
+                elif d.zero_init:
+                    zero.setdefault(g, []).append(d.running_block)
+        buf = self.kv_buffer
+        if src:
+            s_ids = torch.tensor(src, dtype=torch.long, device=self.device)
+            buf[torch.tensor(dst, dtype=torch.long, device=self.device)] = buf[s_ids]
+        for g, blocks in zero.items():
+            buf[torch.tensor(blocks, dtype=torch.long, device=self.device), :self.group_bytes[g]] = 0
+
+    def _state_batch(self, seqs: list[ScheduledSeq], g: int) -> StateBatch:
+        out, row = [], 0
+        for s in seqs:
+            n = len(s.token_ids)
+            d = s.states.get(g)
+            if d is None:
+                raise ValueError(f"request {s.request_id} has no state directive for KV group {g}")
+            out.append(StateSeq(row, row + n, s.start_pos, d.running_block, list(d.saves)))
+            row += n
+        return StateBatch(out)
+
+
+def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """[num_blocks, *shape] of `dtype` starting `offset` bytes into every page."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buf[:, offset:offset + nbytes].view(dtype).view(buf.shape[0], *shape)
+
+
+def _cache_modules(model, num_layers: int) -> list:
+    if hasattr(model, "kv_cache_modules"):
+        return list(model.kv_cache_modules())
+    out = []
+    for layer in model.model.layers:
+        found = None
+        for name in ("self_attn", "linear_attn", "mixer"):
+            m = getattr(layer, name, None)
+            if m is not None and (hasattr(m, "k_cache") or hasattr(m, "state_cache")):
+                found = m
+                break
+        out.append(found)
+    return out

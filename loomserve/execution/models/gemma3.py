@@ -1,0 +1,67 @@
+"""Gemma 3 (text only: Gemma3ForCausalLM) over the paged KV cache.
+
+What differs from the Llama family, as transformers' modeling_gemma3 does it:
+- sliding and full layers alternate (layer_types; by default 5 sliding then 1 full), and each
+  kind rotates with its own RoPE: sliding layers use rope_local_base_freq without scaling, full
+  layers rope_theta with the config's scaling;
+- every RMSNorm scales by (1 + w), in fp32, before casting back; q and k are normed per head;
+- four norms per layer: the attention and MLP outputs are normed before their residual adds;
+- embeddings are multiplied by sqrt(hidden) (the factor rounded to the model dtype first);
+- the MLP gate uses tanh-approximated GELU; scores are scaled by query_pre_attn_scalar^-1/2;
+- final logits are soft-capped (cap * tanh(logits / cap)) when final_logit_softcapping is set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loomserve.execution.layers.common import GeluTanhGLU, GemmaRMSNorm, RotaryEmbedding
+from loomserve.execution.models.arch_config import ArchConfig
+from loomserve.execution.models.llama import Attention, LlamaForCausalLM, LlamaModel
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, norm=GemmaRMSNorm, scale=cfg.query_pre_attn_scalar ** -0.5)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = GeluTanhGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, rope, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def _build_model(self, cfg: ArchConfig) -> nn.Module:
+        return LlamaModel(cfg, layer=Gemma3DecoderLayer, norm=GemmaRMSNorm)
+
+    def init_rotary(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg, max_positions, device, dtype)
+        self.local_rotary = RotaryEmbedding(cfg, max_positions, device, dtype, theta=cfg.local_rope_theta)
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
+                state_batch=None) -> torch.Tensor:
+        cfg = self.config
+        cos, sin = self.rotary.lookup(positions)
+        rope = (cos, sin, self.rotary.half)
+        lcos, lsin = self.local_rotary.lookup(positions)
+        local = (lcos, lsin, self.local_rotary.half)
+        x = self.model.embed_tokens(input_ids) * self.embed_scale
+        for i, (layer, meta) in enumerate(zip(self.model.layers, self.layer_metadata(attn_meta))):
+            x = layer(x, local if cfg.is_sliding(i) else rope, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

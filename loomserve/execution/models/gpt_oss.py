@@ -1,0 +1,79 @@
+"""gpt-oss (GptOssForCausalLM) over the paged KV cache: sliding and full layers alternate.
+
+What differs from the Llama family, as transformers' modeling_gpt_oss does it:
+- attention has sinks (a learned logit per head in every softmax denominator) and biases on
+  q/k/v and o; RoPE is YaRN-scaled (cos and sin carry its attention factor);
+- the MLP is a mixture of experts: a biased linear router, top-k experts per token weighted by
+  the softmax of their k logits; each expert is a clamped SwiGLU with biases whose fused
+  gate_up columns interleave gate and up, computing (up + 1) * gate * sigmoid(alpha * gate).
+
+The experts run as a dense loop over the experts the step routes to (CPU-friendly, no grouped
+GEMM). Checkpoints are read unquantized: the released MXFP4 expert weights need dequantizing
+first (not done here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loomserve.execution.layers.common import RMSNorm
+from loomserve.execution.models.arch_config import ArchConfig
+from loomserve.execution.models.llama import Attention, LlamaForCausalLM, LlamaModel
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.addmm(self.gate_up_proj_bias[e], x, self.gate_up_proj[e])
+        gate = gate_up[:, ::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        return torch.addmm(self.down_proj_bias[e], (up + 1) * gate * torch.sigmoid(gate * self.alpha),
+                           self.down_proj[e])
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = Experts(cfg)
+        self.top_k = cfg.num_experts_per_tok
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            y = self.experts.run(e, x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, o_bias=cfg.attention_bias, sinks=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg)
+
+    def forward(self, x, rope, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    def _build_model(self, cfg: ArchConfig) -> nn.Module:
+        if cfg.num_experts < 1 or not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"gpt-oss needs 1 <= num_experts_per_tok ({cfg.num_experts_per_tok}) "
+                             f"<= num_local_experts ({cfg.num_experts})")
+        return LlamaModel(cfg, layer=GptOssDecoderLayer)

@@ -1,0 +1,78 @@
+"""load_model: an HF folder, a .gguf file, or None (the built-in default) -> the model.
+
+The tokenizer is the front end's (loomserve.entrypoints.tokenizer), read from the same folder."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from loomserve.execution.models.default import DEFAULT_MODEL_NAME, default_model_path
+from loomserve.execution.models.gguf_loader import cached_conversion
+from loomserve.execution.models.registry import resolve
+from loomserve.execution.models.weight_layout import optimize_cpu_layout
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # implements the contract in loomserve.execution.models.registry
+    config: Any  # ArchConfig for the attention models; the model class's config_class otherwise
+    name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
+    folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
+    layout: str = "default"  # the CPU weight layout chosen (loomserve.execution.models.weight_layout)
+
+
+def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
+    """(HF folder, model name) for a model argument, converting a GGUF on first use."""
+    name = None
+    if path is None:
+        path, name = default_model_path(), DEFAULT_MODEL_NAME
+    path = os.path.expanduser(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return cached_conversion(path, cache_dir), name or os.path.splitext(os.path.basename(path))[0]
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        return path, name or os.path.basename(os.path.normpath(path))
+    raise FileNotFoundError(f"model {path!r} is neither a .gguf file nor an HF folder with config.json "
+                            "(models are never fetched from the hub)")
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
+               cache_dir: str) -> LoadedModel:
+    device = torch.device(device)
+    folder, name = resolve_model(path, cache_dir)
+    with open(os.path.join(folder, "config.json")) as f:
+        model_cls, cfg = resolve(json.load(f))
+    # Build on the meta device: no time spent initializing weights that are overwritten next.
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(_iter_safetensors(folder))
+    layout = optimize_cpu_layout(model, device, dtype, _tied_embedding(model))
+    model.init_rotary(cfg.max_position_embeddings, device, dtype)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, cfg, name, folder, layout)
+
+
+def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The input embedding when the model reads its LM head from it (lm_head is None)."""
+    if getattr(model, "lm_head", False) is not None:
+        return None
+    get = getattr(model, "get_input_embeddings", None)
+    return get() if get is not None else None
+
+
+def _iter_safetensors(folder: str):
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

@@ -1,0 +1,116 @@
+"""Model registry: HF `architectures` (or `model_type`) -> model class, and the runner's model contract.
+
+Entries are lazy "module:Class" paths, so a model's module is imported only when a checkpoint
+asks for it, and an entry whose module is not there (yet) is skipped as if unregistered.
+A model module may also call `register()` itself.
+
+The contract a model class implements (the runner calls nothing else):
+
+    cls.config_class  (optional)      a class with from_hf(hf_config_dict) -> config; else the
+                                      registry's CONFIGS entry; else ArchConfig. The config
+                                      needs vocab_size, max_position_embeddings, eos_token_ids.
+    cls(config)                       built on the meta device, then .to(dtype).to_empty(device)
+    load_weights(iter of (HF name, tensor))
+    init_rotary(max_positions, device, dtype)    after the weights: derived tables (RoPE)
+    kv_cache_specs(block_size, dtype) -> list[KVCacheSpec | None]
+                                      one per layer, in layer order; None for a layer that keeps
+                                      no cache (an MLP-only layer). Linear-state specs choose
+                                      their own dtype (fp32 state in a bf16 model is fine).
+    kv_cache_modules() (optional) -> list[nn.Module | None]
+                                      the module that owns each layer's cache; default: the
+                                      first of layer.self_attn / .linear_attn / .mixer that has
+                                      a `k_cache` or `state_cache` attribute, over model.model.layers
+    set_layer_groups(groups)          group id per layer (None where the spec was None)
+
+    forward(input_ids, positions, attn_meta, state_batch) -> hidden [tokens, hidden]
+        input_ids, positions: [tokens], the step's tokens flattened, decode rows first, then
+            prefill chunks (the rows AttentionMetadata and StateSeq refer to).
+        attn_meta: list indexed by KV group id; AttentionMetadata for attention groups (full or
+            sliding: the window is in the metadata), None for state groups.
+        state_batch: list indexed by KV group id; loomserve.execution.layers.state.StateBatch for linear-
+            state groups, None for attention groups. StateDirective page copies/zeroing have
+            already happened when forward runs.
+    compute_logits(hidden [rows, hidden]) -> logits [rows, vocab] (softcapping included)
+
+Before the first step the runner binds each cache module (after set_layer_groups):
+    attention: .k_cache, .v_cache   [num_blocks, block_size, kv_heads, head_dim] (spec dtype)
+    linear state: .state_cache      tuple of [num_blocks, *shape], one per spec.state_shapes
+                                    entry (spec dtype); page p of every view lies in pool page p
+Group ids follow the runner's order: full attention groups first, then sliding window, then
+linear state; within a kind, by first layer. Layers with equal specs share a group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "loomserve.execution.models.gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "loomserve.execution.models.gpt_oss:GptOssForCausalLM",
+    "Qwen3NextForCausalLM": "loomserve.execution.models.qwen3_next:Qwen3NextForCausalLM",
+    "NemotronHForCausalLM": "loomserve.execution.models.nemotron_h:NemotronHForCausalLM",
+}
+# Config classes of models that do not name one as `config_class` (default: ArchConfig).
+CONFIGS: dict[str, str] = {
+    "Qwen3NextForCausalLM": "loomserve.execution.models.qwen3_next:Qwen3NextConfig",
+    "NemotronHForCausalLM": "loomserve.execution.models.nemotron_h:NemotronHConfig",
+}
+# model_type -> architecture, for configs without `architectures`.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+}
+
+
+def register(architecture: str, target: str | type, model_type: str | None = None,
+             config: str | type | None = None) -> None:
+    """Add or replace an entry; target (and config) is a class or a lazy "module:Class" path."""
+    ARCHITECTURES[architecture] = _path(target)
+    if config is not None:
+        CONFIGS[architecture] = _path(config)
+    if model_type:
+        MODEL_TYPES[model_type] = architecture
+
+
+def _path(target: str | type) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def _load(target: str) -> type | None:
+    module, _, name = target.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:  # the model's file is not there; a broken import inside it is a bug
+            return None
+        raise
+    return getattr(mod, name)
+
+
+def supported_architectures() -> list[str]:
+    return [a for a, t in ARCHITECTURES.items() if importlib.util.find_spec(t.partition(":")[0]) is not None]
+
+
+def resolve(hf: dict[str, Any]) -> tuple[type, Any]:
+    """(model class, parsed config) for an HF config.json dict."""
+    archs = list(hf.get("architectures") or [])
+    if not archs and hf.get("model_type") in MODEL_TYPES:
+        archs = [MODEL_TYPES[hf["model_type"]]]
+    for arch in archs:
+        cls = _load(ARCHITECTURES[arch]) if arch in ARCHITECTURES else None
+        if cls is not None:
+            config_cls = getattr(cls, "config_class", None)
+            if config_cls is None and arch in CONFIGS:
+                config_cls = _load(CONFIGS[arch])
+            if config_cls is None:
+                from loomserve.execution.models.arch_config import ArchConfig as config_cls
+            return cls, config_cls.from_hf(hf)
+    raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                     f"supported: {supported_architectures()}")

@@ -1,0 +1,79 @@
+"""A request as the engine core sees it: token ids in, token ids out.
+
+Lifecycle: WAITING -> RUNNING -> (PREEMPTED -> WAITING ...) -> FINISHED_*. Preemption is by
+recompute: the request drops its blocks and later prefills prompt + generated tokens again,
+usually hitting its own freed-but-still-hashed blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from loomserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """Satisfies loomserve.kv.cache_manager.KVRequest (the KV manager owns block_hashes)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 max_tokens: int, eos_token_ids: frozenset[int] = frozenset(), *,
+                 session_id: str | None = None, parent_session_id: str | None = None,
+                 cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.session_id = session_id
+        self.parent_session_id = parent_session_id
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic()
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.num_cached_tokens = -1  # set at first admission; -1 = not admitted yet
+        self.num_tier_cached_tokens = 0  # of those, loaded from a KV tier (host/disk/remote)
+        self.num_preemptions = 0
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_token_ids = frozenset(stop_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; return the finished status if it ends the request."""
+        self.all_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

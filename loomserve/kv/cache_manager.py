@@ -1,0 +1,309 @@
+"""KVCacheManager: the facade the scheduler uses (pool + hasher + coordinator + managers).
+
+Call pattern per request (see the engine's scheduler):
+    hit, n_hit = kv.get_computed_blocks(req)          # only while req holds no blocks
+    ok = kv.allocate_slots(req, n_new, hit, n_hit)    # right after; False = pool too small
+    ... the scheduler advances req.num_computed_tokens ...
+    ok = kv.allocate_slots(req, n_new)                # next chunks / decode steps
+    kv.free(req)                                      # finished, aborted or preempted
+Preemption by recompute is free(req) + num_computed_tokens = 0; the request keeps its
+block_hashes, which stay valid and are never recomputed.
+
+A hit handle is valid until the next allocate_slots/free/reset call: allocate_slots checks it
+(cheaply, via the pool's eviction epoch) and raises StaleHitError if its blocks were reused.
+
+Hybrid models (sliding-window and linear/SSM-state groups in the same pool): after a successful
+allocate_slots, state_directives(req) says per state group where the request's recurrent state
+lives, whether to copy a checkpoint into it or zero it, and which checkpoints to save inside the
+step just allocated. The step allocated by allocate_slots must have run before the request's
+next allocate_slots or free (the engine's schedule -> run -> update loop guarantees it): that
+is when the copied checkpoint is released and the saved ones become hittable.
+
+Packed layout: the runner's backing buffer is [num_blocks, page_bytes]; row b is block b's
+page, holding all layers of its group (a state checkpoint is one page too). A block's bytes
+move between tiers as one unit: pages_for_hashes / request_pages list the (group, block id)
+pages to copy. Loading pages back (loomserve.kv.connector): hit_positions(b) says which pages of
+each group a hit of b blocks reads, claim_pages references the device ones and allocates rows
+for the rest, cache_loaded_pages makes the loaded ones hittable in their group's manager, and
+release_pages lets go, after which the scheduler's normal admission hits them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from loomserve.kv.coordinator import KVCacheCoordinator, KVHit, StaleHitError
+from loomserve.kv.directives import StateDirective
+from loomserve.kv.events import EventHook
+from loomserve.kv.eviction import FlopAwareEvictor, FlopModel
+from loomserve.kv.hashing import BlockHasher
+from loomserve.kv.managers import count_free, manager_class
+from loomserve.kv.pool import Block, BlockPool
+from loomserve.kv.retention import RetentionConfig, SessionPins
+from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig
+
+__all__ = ["KVCacheManager", "KVCacheStats", "KVHit", "KVRequest", "StaleHitError",
+           "RetentionConfig", "FlopModel", "EVICTION_POLICIES"]
+
+EVICTION_POLICIES = ("lru", "flop_aware")
+_NO_STATES: dict[int, StateDirective] = {}
+
+
+class KVRequest(Protocol):
+    request_id: str
+    all_token_ids: list[int]  # prompt + generated so far; append-only
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    cache_salt: str | None
+    session_id: str | None
+    block_hashes: list[bytes]  # starts []; only the KV manager appends to it
+
+
+@dataclass
+class KVCacheStats:
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+def default_flop_model(config: KVCacheConfig) -> FlopModel:
+    """A rough FLOP model from the specs alone (hidden size guessed as 8x the KV width of the
+    attention layers, ~12 hidden^2 parameters per layer); pass a real one when known."""
+    layers = sum(len(g.layer_ids) for g in config.groups)
+    attn = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
+    width = max((g.spec.num_kv_heads * g.spec.head_dim for g in attn), default=512)
+    hidden = 8 * width
+    attn_layers = sum(len(g.layer_ids) for g in attn)
+    return FlopModel(2.0 * 12 * hidden * hidden * layers, 4.0 * attn_layers * hidden)
+
+
+class KVCacheManager:
+    """The data plane facade.
+
+    retention: which state checkpoints to keep and session pinning (RetentionConfig; default:
+    only the state at each request's end). eviction: "lru" (the free queue order) or
+    "flop_aware" (recency + eviction_alpha * FLOPs saved per byte, see kv.eviction), with
+    flop_model (default: a rough one from the specs). clock: for pin TTLs (tests inject one).
+    """
+
+    def __init__(self, config: KVCacheConfig, enable_caching: bool = True,
+                 event_hook: EventHook | list[EventHook] | None = None,
+                 max_sessions: int = 1024, retention: RetentionConfig | None = None,
+                 eviction: str = "lru", flop_model: FlopModel | None = None,
+                 eviction_alpha: float = 1.0, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        hooks = [] if event_hook is None else (
+            list(event_hook) if isinstance(event_hook, (list, tuple)) else [event_hook])
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}")
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.enable_caching = enable_caching
+        self.retention = retention or RetentionConfig()
+        null = any(manager_class(g.spec).needs_null_block for g in config.groups)
+        usable = config.num_blocks - null
+        evictor = None
+        if eviction == "flop_aware":
+            flop_model = flop_model or default_flop_model(config)
+            evictor = FlopAwareEvictor(usable, flop_model, eviction_alpha)
+        else:
+            flop_model = None
+        self.eviction = eviction
+        self.pool = BlockPool(config.num_blocks, len(config.groups), enable_caching, hooks,
+                              reserve_null_block=null, evictor=evictor)
+        self.coordinator = KVCacheCoordinator(config, self.pool, self.retention, flop_model)
+        self.hasher = BlockHasher(self.block_size, max_sessions)
+        self.stats = KVCacheStats()
+        self._empty = self.coordinator.empty_hit
+        self.state_groups = [m.group_id for m in self.coordinator.state_managers]
+        self.has_state_groups = bool(self.state_groups)
+        self.pins: SessionPins | None = None
+        if self.retention.pinning and enable_caching:
+            page = config.page_bytes
+            self.pins = SessionPins(self.pool, self.retention.pin_ttl_s,
+                                    self.retention.pin_budget_bytes // max(1, page), clock)
+
+    def subscribe(self, fn: EventHook) -> None:
+        self.pool.subscribe(fn)
+
+    # -- prefix hits ----------------------------------------------------------------------
+    def get_computed_blocks(self, req: KVRequest, record_stats: bool = True
+                            ) -> tuple[KVHit, int]:
+        """Longest cached prefix of req.all_token_ids, capped at len-1, block aligned.
+        Returns (hit handle for allocate_slots, number of hit tokens); takes no references.
+        record_stats=False: a probe (e.g. before a tier lookup) that the hit-rate counters
+        must not count."""
+        if not self.enable_caching:
+            return self._empty, 0
+        n = len(req.all_token_ids)
+        bs = self.block_size
+        hashes = self.hasher.ensure(req, n // bs)
+        self.hasher.remember(req)
+        hit = self.coordinator.find_longest_hit(hashes, (n - 1) // bs)
+        num_hit = hit.num_blocks * bs
+        if record_stats:
+            self.stats.prefix_queried_tokens += n
+            self.stats.prefix_hit_tokens += num_hit
+        return hit, num_hit
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: KVHit | None = None,
+                       num_hit_tokens: int = 0, cache: bool = True) -> bool:
+        """Cover num_computed_tokens + num_hit_tokens + num_new_tokens positions, claiming the
+        hit first; all or nothing (False changes no block). Blocks full once these tokens are
+        computed are cached under their hashes. Session pins past their time-to-live are
+        released first, whatever the outcome (housekeeping). cache=False allocates without caching the new
+        blocks (their content arrives later, e.g. a tier load); a later allocate_slots caches
+        them once num_computed_tokens covers them."""
+        bs = self.block_size
+        if num_hit_tokens % bs:
+            raise ValueError("num_hit_tokens must be block aligned")
+        total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
+        rid = req.request_id
+        coord = self.coordinator
+        if coord.stepped:
+            if self.pins is not None:
+                self.pins.expire()
+            if self.enable_caching and self.has_state_groups:
+                self.hasher.ensure(req, min(total, len(req.all_token_ids)) // bs)
+            ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes,
+                                req.num_computed_tokens, req.num_prompt_tokens)
+        else:
+            if self.pins is not None:
+                self.pins.expire()
+            ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes)
+        if not ok:
+            return False
+        if self.enable_caching and cache:
+            tokens = req.all_token_ids
+            num_full = min(total, len(tokens)) // bs
+            if num_full > self.coordinator.num_cached_blocks(rid):
+                hashes = self.hasher.ensure(req, num_full)
+                self.coordinator.cache_full_blocks(rid, min(num_full, len(hashes)), hashes,
+                                                   tokens)
+        return True
+
+    def free(self, req: KVRequest) -> None:
+        """Release all of req's blocks, tail first; no-op if it holds none. With state groups,
+        the checkpoints of its last step become hittable (that step has run), and the state at
+        the last boundary it crossed is kept. With pinning, the session's latest hit boundary
+        (checkpoint + prefix blocks) is pinned first."""
+        coord = self.coordinator
+        rid = req.request_id
+        if self.enable_caching and (coord.state_managers or self.pins is not None) and \
+                coord.block_ids(rid) is not None:
+            hashes = self.hasher.ensure(req)
+            coord.finish(rid, hashes)
+            if self.pins is not None and req.session_id is not None:
+                n = coord.hit_boundary(rid)
+                blocks = coord.blocks_for_hit_at(hashes, n) if n > 0 else None
+                if blocks:
+                    self.pins.pin(req.session_id, blocks)
+        coord.free(rid)
+        if self.enable_caching:
+            self.hasher.remember(req)
+
+    def state_directives(self, req: KVRequest) -> dict[int, StateDirective]:
+        """Per state group index, what the runner does with req's state in the step just
+        allocated by allocate_slots. Empty (a shared dict: do not mutate) without state
+        groups."""
+        if not self.has_state_groups:
+            return _NO_STATES
+        rid = req.request_id
+        out = {}
+        for mgr in self.coordinator.state_managers:
+            d = mgr.directive(rid)
+            if d is not None:
+                out[mgr.group_id] = d
+        return out
+
+    # -- packed pages (for tiers) -----------------------------------------------------------
+    def pages_for_hashes(self, block_hashes: list[bytes]) -> list[tuple[int, int]]:
+        """(group, block id) of every cached page keyed by one of block_hashes: a KV block of
+        an attention group or a state checkpoint ending at that block. Each page is one row
+        [page_bytes] of the runner's packed buffer, so it is copied out and back as a unit."""
+        out = []
+        for g, cached in enumerate(self.pool.cached):
+            get = cached.get
+            for h in block_hashes:
+                b = get(h)
+                if b is not None:
+                    out.append((g, b.block_id))
+        return out
+
+    def request_pages(self, req: KVRequest) -> list[tuple[int, int]]:
+        """(group, block id) of every page req holds (null entries excluded)."""
+        blocks = self.coordinator.request_blocks(req.request_id)
+        if blocks is None:
+            return []
+        null = self.pool.null_block
+        return [(g, b.block_id) for g, bs in enumerate(blocks) for b in bs if b is not null]
+
+    def hit_positions(self, num_blocks: int) -> list[range]:
+        """Per group, the block positions whose pages a prefix hit of exactly num_blocks blocks
+        reads (the pages a tier must supply where the device lacks them)."""
+        return self.coordinator.hit_positions(num_blocks)
+
+    def claim_pages(self, keep: list[Block], num_new: int) -> list[Block] | None:
+        """For a tier load: one reference on each cached block of keep (device pages the load
+        completes, so they stay until it ends) and num_new fresh unhashed pages to load into;
+        all or nothing (None: the pool has too few free blocks now). Release with
+        release_pages."""
+        pool = self.pool
+        if num_new + count_free(keep) > pool.num_free_blocks:
+            return None
+        pool.touch(keep)  # first: allocating must not evict them
+        return pool.allocate(num_new) if num_new else []
+
+    def cache_loaded_pages(self, req: KVRequest, pages: list[tuple[int, int, Block]]) -> None:
+        """Cache pages a tier load filled and checked: (group, block position, block), the
+        block holding that group's page of req's block at that position (for a state group:
+        the checkpoint after position + 1 blocks). The caller still holds their references."""
+        by_group: dict[int, list[tuple[int, Block]]] = {}
+        for g, pos, blk in pages:
+            by_group.setdefault(g, []).append((pos, blk))
+        hashes = req.block_hashes
+        for g, items in by_group.items():
+            items.sort(key=lambda x: x[0])
+            self.coordinator.cache_loaded(g, [b for _, b in items], [p for p, _ in items],
+                                          hashes, req.all_token_ids)
+
+    def release_pages(self, blocks: list[Block]) -> None:
+        """Drop the references claim_pages took, in the given order (pass tail first)."""
+        self.pool.free(blocks)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per-group block ids; the same list objects on every call until free."""
+        ids = self.coordinator.block_ids(request_id)
+        if ids is None:
+            return [[] for _ in self.coordinator.managers]
+        return ids
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; only when no block is in use. Session hash memos stay (they
+        hold content hashes, not blocks)."""
+        if self.pins is not None and not self.coordinator._ids:
+            for sid in list(self.pins._pins):
+                self.pins.release(sid)
+        return self.pool.reset_prefix_cache()
+
+    def end_session(self, session_id: str) -> None:
+        """The session ended: drop its hash memo and release its pinned blocks."""
+        self.hasher.end_session(session_id)
+        if self.pins is not None:
+            self.pins.release(session_id)

@@ -1,0 +1,279 @@
+"""The linear-attention / SSM-state manager: one recurrent state per request in pool pages.
+
+Per request and state group:
+- `running`: the page holding the live state, updated in place by the runner; it is the one
+  entry of the group's block table (req_block_ids[rid] == [running.block_id]).
+- `init`: a kept checkpoint claimed by a prefix hit; the directive copies it into `running`
+  before the step. Its reference is held until the request's next allocation or free, so no
+  other allocation of the same schedule() can evict it before the copy ran.
+- saves: checkpoints to take inside the step, at block boundaries the chunk crosses, chosen by
+  the retention policy (RetentionConfig). Their pages are allocated in the same all-or-nothing
+  transaction and get their hash (the hash of the block ending at the checkpoint, in this
+  group's hash map) when the step has run, i.e. at the request's next allocation or free:
+  the runner copies `init_from` pages before the forward pass and writes saves during it, so a
+  checkpoint hashed at allocation could be handed to another request of the same step as an
+  `init_from` before it holds the state. Deferring the hash makes that impossible.
+- `tail`: the baseline "state at sequence end" retention. Each step that crosses a boundary
+  and keeps no checkpoint there saves the state at the last crossed boundary into one reused,
+  unhashed tail page; when the request is freed, the tail is hashed as the checkpoint at that
+  boundary (unless one is cached there already).
+
+A checkpoint loaded from a KV tier (loomserve.kv.connector) is cached by cache_loaded once its
+page holds the checked state, like a save whose step has run; it belongs to no request.
+
+Hits: a checkpoint exactly at the boundary, so the longest hit is the largest checkpointed
+boundary <= the length asked for (hit granularity = block_size, whatever the page size). The
+hit list has the checkpoint last and None before it. Hits are not prefix-closed.
+
+Invariants: a request holds one reference on each of running, init, tail and each pending
+save page, and nothing else in this group; a hashed checkpoint page holds the state after
+exactly (its position) tokens of the chain whose last block hash it carries.
+"""
+
+from __future__ import annotations
+
+from loomserve.kv.directives import StateDirective
+from loomserve.kv.managers.base import SingleTypeKVManager
+from loomserve.kv.pool import Block, BlockPool
+from loomserve.kv.retention import RetentionConfig
+
+
+class _ReqState:
+    __slots__ = ("running", "init", "pending", "tail", "tail_pos", "end_pos", "kept",
+                 "marconi_pos", "directive", "plan")
+
+    def __init__(self) -> None:
+        self.running: Block | None = None
+        self.init: Block | None = None
+        self.pending: list[tuple[Block, int]] = []  # (page, boundary in blocks) of last step
+        self.tail: Block | None = None
+        self.tail_pos = 0  # boundary (blocks) whose state the tail page holds; 0 = none
+        self.end_pos = 0  # last boundary the computation crossed
+        self.kept = 0  # checkpoints kept by retention policies (bounded per path)
+        self.marconi_pos = 0  # full-attention hit boundary without a checkpoint; 0 = none
+        self.directive: StateDirective | None = None
+        self.plan: tuple[list[int], bool, int] | None = None  # (saves, tail save, last boundary)
+
+
+class LinearStateManager(SingleTypeKVManager):
+    kind = "linear_state"
+    token_blocks = False
+    stepped = True
+
+    def __init__(self, spec, group_id: int, pool: BlockPool) -> None:
+        super().__init__(spec, group_id, pool)
+        self.retention = RetentionConfig()
+        self.states: dict[str, _ReqState] = {}
+
+    # -- hits -----------------------------------------------------------------------------
+    def find_longest_hit(self, block_hashes: list[bytes], max_blocks: int) -> list[Block]:
+        n = min(max_blocks, len(block_hashes))
+        if n <= 0:
+            return []
+        get = self.pool.cached[self.group_id].get
+        i = n
+        for b in map(get, reversed(block_hashes[:n])):
+            if b is not None:
+                return [None] * (i - 1) + [b]
+            i -= 1
+        return []
+
+    def validate_hit(self, hit_blocks, block_hashes) -> bool:
+        if not hit_blocks:
+            return True
+        n = len(hit_blocks)
+        return self.pool.cached[self.group_id].get(block_hashes[n - 1]) is hit_blocks[-1]
+
+    def hit_positions(self, num_blocks: int) -> range:
+        """Only the checkpoint at the boundary: the page keyed by the hash of block
+        num_blocks - 1."""
+        return range(num_blocks - 1, num_blocks) if num_blocks > 0 else range(0)
+
+    def cache_loaded(self, blocks, positions, block_hashes, token_ids) -> None:
+        """Loaded checkpoint pages: blocks[j] holds the state after positions[j] + 1 blocks."""
+        for blk, pos in zip(blocks, positions):
+            if block_hashes[pos] not in self.pool.cached[self.group_id]:
+                self._cache_checkpoint(blk, pos + 1, block_hashes)
+
+    def blocks_for_hit_at(self, block_hashes, num_blocks):
+        if num_blocks <= 0:
+            return []
+        b = self.pool.cached[self.group_id].get(block_hashes[num_blocks - 1])
+        return None if b is None else [b]
+
+    # -- per-step plan --------------------------------------------------------------------
+    def begin_step(self, request_id: str, block_hashes: list[bytes]) -> None:
+        """The previous step has run: release the claimed checkpoint, hash its saves."""
+        st = self.states.get(request_id)
+        if st is None:
+            return
+        pool = self.pool
+        if st.init is not None:
+            pool.free((st.init,))
+            st.init = None
+        if st.pending:
+            pending = st.pending
+            st.pending = []
+            for blk, pos in pending:
+                self._cache_checkpoint(blk, pos, block_hashes)
+            pool.free([b for b, _ in reversed(pending)])
+
+    def _cache_checkpoint(self, blk: Block, pos: int, block_hashes: list[bytes]) -> None:
+        if pos > len(block_hashes) or not self.pool.enable_caching:
+            return
+        if self.flop_model is not None:
+            blk.saved_flops = self.flop_model.checkpoint_flops(pos * self.block_size)
+        self.pool.cache_blocks(self.group_id, [blk], [block_hashes[pos - 1]])
+
+    def prepare(self, request_id: str, start: int, total: int, num_prompt_tokens: int,
+                block_hashes: list[bytes], marconi_pos: int) -> None:
+        """Decide this step's saves for the chunk [start, total) (no side effect on the pool)."""
+        st = self.states.get(request_id)
+        if st is None:
+            st = _ReqState()
+            st.marconi_pos = marconi_pos
+            self.states[request_id] = st
+        bs = self.block_size
+        lo = start // bs + 1
+        hi = min(total // bs, len(block_hashes))
+        if hi < lo or not self.pool.enable_caching:
+            st.plan = ([], False, 0)
+            return
+        ret = self.retention
+        cached = self.pool.cached[self.group_id]
+        want: list[int] = []
+        if ret.marconi and lo <= st.marconi_pos <= hi:
+            want.append(st.marconi_pos)
+        if ret.interval:
+            p = num_prompt_tokens // bs
+            if lo <= p <= hi:
+                want.append(p)
+            if ret.every_n_tokens > 0:
+                nb = max(1, ret.every_n_tokens // bs)
+                k = hi // nb * nb
+                while k >= lo and len(want) < ret.max_checkpoints_per_path + 2:
+                    want.append(k)
+                    k -= nb
+        saves: list[int] = []
+        room = ret.max_checkpoints_per_path - st.kept
+        for p in want:
+            if room <= 0:
+                break
+            if p > 0 and p not in saves and block_hashes[p - 1] not in cached:
+                saves.append(p)
+                room -= 1
+        tail = hi not in saves and block_hashes[hi - 1] not in cached
+        st.plan = (saves, tail, hi)
+
+    def num_blocks_to_allocate(self, request_id, num_tokens, hit_blocks, exact=True) -> int:
+        st = self.states[request_id]
+        saves, tail, _ = st.plan
+        need = len(saves) + (st.running is None) + (tail and st.tail is None)
+        if hit_blocks:
+            ckpt = hit_blocks[-1]
+            need += 1 if (ckpt.ref_cnt == 0 or not exact) else 0
+        return need
+
+    def claim_hit(self, request_id, hit_blocks) -> None:
+        self.req_blocks.setdefault(request_id, [])
+        self.req_block_ids.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        if not hit_blocks:
+            return
+        st = self.states[request_id]
+        if st.running is not None:
+            raise ValueError(f"prefix hit for request {request_id} that already holds blocks")
+        ckpt = hit_blocks[-1]
+        self.pool.touch([ckpt])
+        st.init = ckpt
+        st.end_pos = len(hit_blocks)
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> None:
+        st = self.states[request_id]
+        saves, tail, hi = st.plan
+        st.plan = None
+        blocks = self.req_blocks.setdefault(request_id, [])
+        ids = self.req_block_ids.setdefault(request_id, [])
+        self.num_cached.setdefault(request_id, 0)
+        n = len(saves) + (st.running is None) + (tail and st.tail is None)
+        new = self.pool.allocate(n) if n else []
+        zero = False
+        if st.running is None:
+            st.running = new.pop()
+            blocks.append(st.running)
+            ids.append(st.running.block_id)
+            zero = st.init is None
+        if tail and st.tail is None:
+            st.tail = new.pop()
+        bs = self.block_size
+        out = [(p * bs, b.block_id) for p, b in zip(saves, new)]
+        st.pending = list(zip(new, saves))
+        st.kept += len(saves)
+        if hi > st.end_pos:
+            st.end_pos = hi
+        if tail:
+            out.append((hi * bs, st.tail.block_id))
+            st.tail_pos = hi
+        out.sort()
+        st.directive = StateDirective(
+            running_block=st.running.block_id,
+            init_from=st.init.block_id if st.init is not None else None,
+            zero_init=zero, saves=out)
+
+    def directive(self, request_id: str) -> StateDirective | None:
+        st = self.states.get(request_id)
+        return None if st is None else st.directive
+
+    def cache_full_blocks(self, request_id, num_full_blocks, block_hashes, token_ids) -> None:
+        pass  # checkpoints are hashed when their step has run (begin_step / finish)
+
+    # -- release --------------------------------------------------------------------------
+    def finish(self, request_id: str, block_hashes: list[bytes]) -> None:
+        """The request is being freed after its last step ran: hash pending saves and the tail
+        checkpoint at the last crossed boundary (references still held; free() drops them)."""
+        st = self.states.get(request_id)
+        if st is None:
+            return
+        for blk, pos in st.pending:
+            self._cache_checkpoint(blk, pos, block_hashes)
+        if st.tail is not None and st.tail_pos and st.tail_pos == st.end_pos:
+            if st.tail_pos <= len(block_hashes) and \
+                    block_hashes[st.tail_pos - 1] not in self.pool.cached[self.group_id]:
+                self._cache_checkpoint(st.tail, st.tail_pos, block_hashes)
+
+    def abort_prepare(self, request_id: str) -> None:
+        """The allocation failed: forget a state that never got a page."""
+        st = self.states.get(request_id)
+        if st is not None and st.running is None:
+            del self.states[request_id]
+        elif st is not None:
+            st.plan = None
+
+    def end_position(self, request_id: str) -> int:
+        st = self.states.get(request_id)
+        return 0 if st is None else st.end_pos
+
+    def held_blocks(self, request_id: str) -> list[Block]:
+        st = self.states.get(request_id)
+        if st is None:
+            return []
+        out = [b for b in (st.running, st.init, st.tail) if b is not None]
+        out.extend(b for b, _ in st.pending)
+        return out
+
+    def free(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        self.req_blocks.pop(request_id, None)
+        self.req_block_ids.pop(request_id, None)
+        self.num_cached.pop(request_id, None)
+        if st is None:
+            return
+        # Running and unhashed pages go to the front; checkpoints to the back, latest last.
+        out = [b for b, _ in st.pending]
+        if st.init is not None:
+            out.append(st.init)
+        if st.tail is not None:
+            out.append(st.tail)
+        if st.running is not None:
+            out.append(st.running)
+        self.pool.free(out)

@@ -1,0 +1,139 @@
+"""Host-memory tier: one preallocated buffer of page slots, LRU over keys.
+
+The buffer is pinned when CUDA is present (so device<->host copies can run asynchronously and
+at full PCIe/NVLink-C2C speed) and plain memory otherwise. It is allocated once: a put never
+allocates, it takes a free slot or evicts the least recently used key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from loomserve.kv.tiers.base import PagesRemoved, PagesStored, Tier, copy_page, rows_list
+
+
+class HostTier(Tier):
+    name = "host"
+    local = True
+    index_in_memory = True
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None,
+                 name: str | None = None) -> None:
+        super().__init__(page_bytes, name)
+        self.num_slots = capacity_bytes // page_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"host tier of {capacity_bytes} bytes holds no {page_bytes}-byte page")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.buffer = torch.empty((self.num_slots, page_bytes), dtype=torch.uint8,
+                                  pin_memory=self.pinned)
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU order: front is oldest
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        # Copies happen under the lock: a slot being read must not be evicted and rewritten.
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.page_bytes
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        t0 = time.perf_counter()
+        with self._lock:
+            out = [k in self._slots for k in keys]
+        self.stats.observe("contains", time.perf_counter() - t0)
+        return out
+
+    def get_into(self, keys, out: torch.Tensor, rows=None) -> list[bool]:
+        self._check_page(out)
+        rows = rows_list(rows, len(keys))
+        t0 = time.perf_counter()
+        ok = [False] * len(keys)
+        hits = 0
+        non_blocking = self.pinned and out.device.type == "cuda"
+        with self._lock:
+            slots = self._slots
+            buf = self.buffer
+            for i, k in enumerate(keys):
+                s = slots.get(k)
+                if s is None:
+                    continue
+                slots.move_to_end(k)
+                copy_page(out[rows[i]], buf[s], non_blocking)
+                ok[i] = True
+                hits += 1
+            if non_blocking:
+                # Before the lock is released: the slots may be rewritten right after.
+                torch.cuda.current_stream(out.device).synchronize()
+        self.stats.add(hits=hits, misses=len(keys) - hits, bytes_read=hits * self.page_bytes)
+        self.stats.observe("get", time.perf_counter() - t0)
+        return ok
+
+    def put(self, keys, src: torch.Tensor, rows=None) -> list[bool]:
+        self._check_page(src)
+        rows = rows_list(rows, len(keys))
+        t0 = time.perf_counter()
+        stored: list[bytes] = []
+        evicted: list[bytes] = []
+        with self._lock:
+            slots = self._slots
+            buf = self.buffer
+            for i, k in enumerate(keys):
+                if k in slots:
+                    slots.move_to_end(k)
+                    continue
+                if self._free:
+                    s = self._free.pop()
+                else:
+                    old, s = slots.popitem(last=False)
+                    evicted.append(old)
+                copy_page(buf[s], src[rows[i]])
+                slots[k] = s
+                stored.append(k)
+            if src.device.type == "cuda":
+                torch.cuda.current_stream(src.device).synchronize()
+        self.stats.add(stores=len(stored), evictions=len(evicted),
+                       bytes_written=len(stored) * self.page_bytes)
+        self.stats.observe("put", time.perf_counter() - t0)
+        if evicted:
+            self._emit(PagesRemoved(self.name, evicted))
+        if stored:
+            self._emit(PagesStored(self.name, stored))
+        return [True] * len(keys)
+
+    def touch(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                if k in self._slots:
+                    self._slots.move_to_end(k)
+
+    def remove(self, keys) -> None:
+        removed = []
+        with self._lock:
+            for k in keys:
+                s = self._slots.pop(k, None)
+                if s is not None:
+                    self._free.append(s)
+                    removed.append(k)
+        if removed:
+            self._emit(PagesRemoved(self.name, removed, "removed"))
+
+    def clear(self) -> None:
+        with self._lock:
+            keys = list(self._slots)
+            self._slots.clear()
+            self._free = list(range(self.num_slots - 1, -1, -1))
+        if keys:
+            self._emit(PagesRemoved(self.name, keys, "removed"))
+
+    def lru_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._slots)

@@ -1,0 +1,90 @@
+"""One real engine on the tiny fixture model behind a real uvicorn server, for the whole session.
+
+The server runs in a thread of the test process, so tests can read engine.stats() directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+TINY_LLAMA = os.environ.get("LOOMSERVE_TEST_MODEL") or os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-llama"))
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: object
+
+    @property
+    def model(self) -> str:
+        return self.engine.model_name
+
+    def wait_idle(self, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.engine.stats()
+            if s.num_running == 0 and s.num_waiting == 0 and s.kv_blocks_used == 0:
+                return s
+            time.sleep(0.02)
+        raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")
+
+
+@contextlib.contextmanager
+def running_server(**config):
+    """A real engine (tiny fixture model unless config says otherwise) behind uvicorn."""
+    if not os.path.isdir(TINY_LLAMA):
+        pytest.skip("tests/fixtures/tiny-llama is missing")
+    import uvicorn
+
+    from loomserve.config import EngineConfig
+    from loomserve.entrypoints.async_llm import AsyncLLM
+    from loomserve.entrypoints.server.app import build_app
+
+    config = {"model": TINY_LLAMA, "kv_cache_memory": "8MiB", "dtype": "float32", **config}
+    engine = AsyncLLM(EngineConfig(**config))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", engine)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def aclient_factory(server):
+    import openai
+    # AsyncOpenAI binds to the event loop it first runs on: build one per asyncio.run.
+    return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                      max_retries=0, timeout=60)

@@ -1,0 +1,82 @@
+"""ModelRunner set-up: KV sizing and the packed page layout, length limits, and a Qwen2 (q/k/v
+bias) checkpoint built on the fly against transformers."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelInput
+from loomserve.execution.model_runner import ModelRunner
+from loomserve.kv.spec import FullAttentionSpec
+from tests.execution.models.conftest import FIXTURES, Blocks, logits_of, ref_logits, seq
+
+
+def test_kv_cache_config_and_packed_views():
+    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-llama"), device="cpu", block_size=8,
+                                 kv_cache_memory="1MiB"))
+    kc = r.kv_cache_config
+    (group,) = kc.groups
+    assert group.spec == FullAttentionSpec(8, 2, 16, torch.float32) and group.layer_ids == (0, 1)
+    assert kc.page_bytes == 2 * 2 * 8 * 2 * 16 * 4
+    assert kc.num_blocks == (1 << 20) // kc.page_bytes
+    assert r.kv_buffer.shape == (kc.num_blocks, kc.page_bytes) and r.kv_buffer.dtype == torch.uint8
+    # Layer 1's K of block 3 lies inside block 3's page, after layer 0's K and V.
+    k1 = r.model.model.layers[1].self_attn.k_cache
+    assert k1[3].data_ptr() - r.kv_buffer.data_ptr() == 3 * kc.page_bytes + kc.page_bytes // 2
+    assert r.model_name == "tiny-llama" and r.max_model_len == 256 and r.vocab_size == 512
+    assert r.num_params > 0 and r.weight_bytes == 4 * r.num_params
+
+
+def test_max_model_len_limits():
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=10_000))
+    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=64,
+                                 kv_cache_memory="1MiB"))
+    assert r.max_model_len == 64
+
+
+def test_qwen2_bias_matches_hf(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    ref = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF inits biases to zero; make them matter
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    ref.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "tiny-llama" / f, tmp_path / f)
+    r = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", block_size=4, kv_cache_memory="1MiB"))
+    tokens = torch.randint(3, 400, (14,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = ref_logits(ref, tokens)
+    blocks, table = Blocks(4), []
+    got = logits_of(r, [seq("q", tokens[:9], 0, blocks.cover(table, 9))])
+    torch.testing.assert_close(got["q"], want[8], atol=1e-4, rtol=1e-4)
+    got = logits_of(r, [seq("q", tokens[9:], 9, blocks.cover(table, 14))])
+    torch.testing.assert_close(got["q"], want[13], atol=1e-4, rtol=1e-4)
+    out = r.execute(ModelInput([seq("q", [tokens[13]], 14, blocks.cover(table, 15), sample=False)]))
+    assert out.sampled == {}
+
+
+def test_bfloat16_runner_tracks_fp32_reference():
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / "tiny-llama"), dtype=torch.float32).eval()
+    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-llama"), device="cpu", dtype="bfloat16",
+                                 block_size=4, kv_cache_memory="1MiB"))
+    assert r.kv_cache_config.groups[0].spec.dtype == torch.bfloat16
+    tokens = torch.randint(3, 400, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = ref_logits(ref, tokens)
+    blocks, table = Blocks(4), []
+    got = logits_of(r, [seq("b", tokens[:12], 0, blocks.cover(table, 12))])
+    torch.testing.assert_close(got["b"], want[11], atol=0.1, rtol=0.05)
+    got = logits_of(r, [seq("b", tokens[12:], 12, blocks.cover(table, 13))])
+    torch.testing.assert_close(got["b"], want[12], atol=0.1, rtol=0.05)
