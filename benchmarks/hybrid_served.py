@@ -46,7 +46,7 @@ def simulate(records: list[dict], config, chunk: int, seed: int = 0) -> dict:
 
     runner = EngineCore(config).runner  # only for its KV config and FLOP model: no step runs
     kv = KVCacheManager(runner.kv_cache_config, retention=retention_config(config),
-                        eviction=config.eviction, flop_model=flop_model(runner))
+                        eviction=config.cache.eviction, flop_model=flop_model(runner))
     rng = random.Random(seed)
     hit = prompt = 0
     for i, rec in enumerate(records):
@@ -89,7 +89,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "loomserve", "bench", "synth", "--profile", "cpu",
                         "--sessions", str(args.sessions), "--seed", str(args.seed), "--out", traces,
                         "--json"], check=True, stdout=subprocess.DEVNULL)
-    config = EngineConfig(model=MODEL, kv_cache_memory=args.kv_cache_memory, dtype="float32",
+    config = EngineConfig.from_kwargs(model=MODEL, kv_cache_memory=args.kv_cache_memory, dtype="float32",
                           retention=args.retention, eviction=args.eviction)
     port = free_port()
     serve = [sys.executable, "-m", "loomserve", "serve", MODEL, "--port", str(port),
@@ -105,7 +105,7 @@ def main() -> int:
     result = json.loads(out.stdout)
     records = [r for r in result["records"] if r["error"] is None and r["prompt_ids"]]
     served = result["metrics"]["hit_rate"]["served"]
-    sim = simulate(records, config, chunk=config.long_prefill_threshold)
+    sim = simulate(records, config, chunk=config.scheduler.long_prefill_threshold)
     payload = {
         "host": host_info(), "args": vars(args), "requests": len(records),
         "served_hit_rate": served, "simulated_hit_rate": sim["hit_rate"],

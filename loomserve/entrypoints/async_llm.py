@@ -58,7 +58,7 @@ class AsyncLLM:
             self._thread.start()
         runner = self.core.runner
         self.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
-        self.model_name = config.served_model_name or runner.model_name
+        self.model_name = config.model.served_model_name or runner.model_name
         self.max_model_len = self.core.max_model_len
         self.vocab_size = runner.vocab_size
         self.kv_capacity_tokens = runner.kv_cache_config.capacity_tokens

@@ -7,13 +7,13 @@ the numbers live in one place.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
-from loomserve.config import DTYPES, EngineConfig
+from loomserve.config import DTYPES, EVICTION_POLICIES, EngineConfig, flat_defaults, flat_fields
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_DEFAULTS = flat_defaults()
+_DEFAULTS["retention"] = ",".join(_DEFAULTS["retention"]) or "none"
 
 
 def _add_serve(sub) -> None:
@@ -56,7 +56,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-checkpoints-per-path", type=int,
                    default=_DEFAULTS["max_checkpoints_per_path"],
                    help="most state checkpoints one request keeps (default: %(default)s)")
-    p.add_argument("--eviction", choices=["lru", "flop_aware"], default=_DEFAULTS["eviction"],
+    p.add_argument("--eviction", choices=EVICTION_POLICIES, default=_DEFAULTS["eviction"],
                    help="which cached block goes first: least recently used, or lowest recency + "
                         "FLOPs-saved-per-byte utility (default: %(default)s)")
     p.add_argument("--session-pin-ttl", type=float, default=_DEFAULTS["session_pin_ttl"],
@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    names = flat_fields()
+    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def _num_params(engine) -> int | None:
@@ -131,7 +131,8 @@ def _human(n: float) -> str:
 def startup_line(engine, config: EngineConfig, url: str) -> str:
     params = _num_params(engine)
     return (f"loomserve: serving {engine.model_name} "
-            f"(from {config.model or 'built-in default'}, {config.dtype}, {config.torch_device}"
+            f"(from {config.model.model or 'built-in default'}, {config.model.dtype}, "
+            f"{config.model.torch_device}"
             f"{f', {_human(params)} params' if params else ''}), "
             f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens, "
             f"on {url}")

@@ -19,7 +19,7 @@ class LLM:
     """`LLM(model=None)` loads the built-in default model; keyword arguments are EngineConfig's."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.core = EngineCore(self.config)
         runner = self.core.runner
         self.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)

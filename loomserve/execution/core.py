@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from loomserve.config import EngineConfig, parse_memory
+from loomserve.config import EngineConfig
 from loomserve.execution.messages import EngineStats
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.request import Request, RequestStatus
@@ -46,9 +46,9 @@ class CoreOutput:
 def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
                         ) -> TierConnector | None:
     """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
-    if not config.tiers_enabled:
+    if not config.tier.enabled:
         return None
-    if not config.enable_prefix_caching:
+    if not config.cache.enable_prefix_caching:
         log.warning("KV tiers need prefix caching; tiers disabled")
         return None
     if not tiers_supported(runner.kv_cache_config):
@@ -56,19 +56,18 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
                     "(%s)", ", ".join(kinds))
         return None
-    store = build_tiered_store(config, runner.kv_cache_config.page_bytes)
+    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes)
     model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
-    return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier_max_inflight)
+    return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier.tier_max_inflight)
 
 
 def retention_config(config: EngineConfig) -> RetentionConfig:
-    policies = config.retention_policies
-    budget = int(parse_memory(config.session_pin_budget)[1]) if config.session_pin_budget else 0
-    return RetentionConfig(interval="interval" in policies, every_n_tokens=config.checkpoint_every,
-                           marconi="marconi" in policies,
-                           max_checkpoints_per_path=config.max_checkpoints_per_path,
-                           pin_ttl_s=config.session_pin_ttl, pin_budget_bytes=budget)
+    c = config.cache
+    return RetentionConfig(interval="interval" in c.retention, every_n_tokens=c.checkpoint_every,
+                           marconi="marconi" in c.retention,
+                           max_checkpoints_per_path=c.max_checkpoints_per_path,
+                           pin_ttl_s=c.session_pin_ttl, pin_budget_bytes=c.session_pin_budget)
 
 
 def flop_model(runner: ModelRunner) -> FlopModel:
@@ -86,17 +85,19 @@ class EngineCore:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.kv = KVCacheManager(self.runner.kv_cache_config,
-                                 enable_caching=config.enable_prefix_caching,
-                                 retention=retention_config(config), eviction=config.eviction,
+                                 enable_caching=config.cache.enable_prefix_caching,
+                                 retention=retention_config(config), eviction=config.cache.eviction,
                                  flop_model=flop_model(self.runner))
         self.tiers = make_tier_connector(config, self.runner, self.kv)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.long_prefill_threshold, self.tiers)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                   sc.long_prefill_threshold, self.tiers)
         capacity = self.runner.kv_cache_config.capacity_tokens
-        if capacity < config.block_size:
+        if capacity < config.cache.block_size:
             raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
-        if config.max_model_len and config.max_model_len > capacity:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the KV cache capacity "
+        max_len = config.model.max_model_len
+        if max_len and max_len > capacity:
+            raise ValueError(f"--max-model-len {max_len} exceeds the KV cache capacity "
                              f"of {capacity} tokens: raise --kv-cache-memory")
         # A request must fit in the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.runner.max_model_len, capacity)
@@ -150,7 +151,7 @@ class EngineCore:
         runner = self.runner
         model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
         self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
-                                   max_inflight or self.config.tier_max_inflight)
+                                   max_inflight or self.config.tier.tier_max_inflight)
         self.scheduler.tiers = self.tiers
         return self.tiers
 

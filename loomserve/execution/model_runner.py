@@ -22,51 +22,19 @@ import os
 import numpy as np
 import torch
 
-from loomserve.config import (
-    DEFAULT_CPU_KV_BYTES,
-    DEFAULT_GPU_KV_FRACTION,
-    EngineConfig,
-    parse_memory,
-)
+from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.execution.layers.attention import GatherWorkspace, build_metadata
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
 from loomserve.execution.sampler import Sampler
+from loomserve.kv.planning import kv_budget_bytes, plan_kv_cache
 from loomserve.kv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroup,
-    KVCacheSpec,
     LinearStateSpec,
     SlidingWindowSpec,
 )
-
-_KIND_ORDER = {"full_attention": 0, "sliding_window": 1, "linear_state": 2}
-
-
-def group_layers(specs: list[KVCacheSpec | None]) -> tuple[KVCacheGroup, ...]:
-    """Layers with equal specs -> one group each; full attention, then sliding, then state.
-
-    Every page is as large as the largest group's block, so attention groups with more layers
-    than others are split into groups of the smallest attention group's layer count: Gemma 3's
-    five sliding layers per full one would otherwise leave 4/5 of every full-attention page
-    empty. Splitting costs a block per token in each extra group, no extra bytes."""
-    layers: dict[KVCacheSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        if spec is not None:
-            layers.setdefault(spec, []).append(i)
-    if not layers:
-        raise ValueError("the model declares no KV cache layers")
-    order = sorted(layers, key=lambda s: (_KIND_ORDER.get(s.kind, 3), layers[s][0]))
-    attn = [len(layers[s]) for s in order if isinstance(s, FullAttentionSpec)]
-    size = min(attn) if len(attn) > 1 else None
-    groups = []
-    for spec in order:
-        ids = layers[spec]
-        step = size if size is not None and isinstance(spec, FullAttentionSpec) else len(ids)
-        groups += [KVCacheGroup(spec, tuple(ids[i:i + step])) for i in range(0, len(ids), step)]
-    return tuple(groups)
 
 
 class ModelRunner:
@@ -76,23 +44,24 @@ class ModelRunner:
             # On a shared CPU host, fewer OpenMP threads than cores avoids spin-waiting on
             # descheduled siblings, which can cost more than the parallelism gains.
             torch.set_num_threads(int(os.environ["LOOMSERVE_NUM_THREADS"]))
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
-        loaded = load_model(config.model, self.dtype, self.device, config.resolved_cache_dir)
+        mcfg = config.model
+        self.device = mcfg.torch_device
+        self.dtype = mcfg.torch_dtype
+        loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir)
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name
         self.model_folder = loaded.folder
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         limit = mc.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+        if mcfg.max_model_len is not None and mcfg.max_model_len > limit:
+            raise ValueError(f"max_model_len={mcfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = mcfg.max_model_len or limit
         params = list(self.model.parameters())
         self.num_params = sum(p.numel() for p in params)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         self.kv_cache_config = self._kv_cache_config()
         self.kv_buffer = self._allocate_kv()
         groups = self.kv_cache_config.groups
@@ -103,39 +72,15 @@ class ModelRunner:
         # NaN; masked positions must be finite, so attention blocks are zeroed when first written.
         self.zero_new_blocks = any(grp.spec.kind not in ("full_attention", "sliding_window")
                                    or grp.spec.dtype != self.dtype for grp in groups)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, mcfg.seed)
         self.workspace = GatherWorkspace()
 
     # --- KV cache -----------------------------------------------------------------------------
 
     def _kv_cache_config(self) -> KVCacheConfig:
-        specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
-        groups = group_layers(specs)
-        for grp in groups:
-            if grp.spec.block_size != self.block_size:
-                raise ValueError(f"layer spec {grp.spec} has block_size != {self.block_size}")
-            if isinstance(grp.spec, SlidingWindowSpec) and grp.spec.sliding_window < 1:
-                raise ValueError(f"sliding-window spec without a window: {grp.spec}")
-        self.layer_specs = specs
-        num_blocks = KVCacheConfig.num_blocks_for(self._kv_budget_bytes(), groups)
-        if num_blocks < 1:
-            raise ValueError("kv-cache-memory is too small to hold one block")
-        return KVCacheConfig(num_blocks, groups)
-
-    def _kv_budget_bytes(self) -> int:
-        cuda = self.device.type == "cuda"
-        if self.config.kv_cache_memory is None:
-            if not cuda:
-                return DEFAULT_CPU_KV_BYTES
-            kind, value = "fraction", DEFAULT_GPU_KV_FRACTION
-        else:
-            kind, value = parse_memory(str(self.config.kv_cache_memory))
-        if kind == "bytes":
-            return int(value)
-        if cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)  # measured after the weights are in
-            return int(free * value)
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * value)
+        self.layer_specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
+        budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
+        return plan_kv_cache(self.layer_specs, self.block_size, budget)
 
     def _allocate_kv(self) -> torch.Tensor:
         """One backing buffer of packed pages; every layer gets strided views into its group's

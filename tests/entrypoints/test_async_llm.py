@@ -12,7 +12,7 @@ from tests.execution.conftest import TINY_LLAMA
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncLLM(EngineConfig(model=TINY_LLAMA, kv_cache_memory="8MiB"))
+    eng = AsyncLLM(EngineConfig.from_kwargs(model=TINY_LLAMA, kv_cache_memory="8MiB"))
     yield eng
     eng.shutdown()
 

@@ -62,7 +62,7 @@ def test_prefix_hit_reports_cached_tokens(llm):
     base = prompts(1, lo=100, hi=100, seed=3)[0]
     first = llm.generate(base + [9], GREEDY)[0]
     second = llm.generate(base + [11, 12], GREEDY)[0]
-    bs = llm.config.block_size
+    bs = llm.config.cache.block_size
     assert second.num_cached_tokens == (len(base) // bs) * bs
     assert first.num_cached_tokens <= second.num_cached_tokens
 

@@ -480,13 +480,14 @@ def test_serve_flags_reach_engine_config(tmp_path):
         "serve", "--host-cache-memory", "1GiB", "--disk-cache-dir", str(tmp_path),
         "--disk-cache-size", "2GiB", "--remote-cache", "mooncake://127.0.0.1:50051",
         "--tier-write-after-seen", "2", "--tier-max-inflight", "4"])
-    cfg = engine_config_from_args(args)
+    cfg = engine_config_from_args(args).tier
     assert (cfg.host_cache_memory, cfg.disk_cache_dir, cfg.disk_cache_size, cfg.remote_cache,
             cfg.tier_write_after_seen, cfg.tier_max_inflight) == (
-        "1GiB", str(tmp_path), "2GiB", "mooncake://127.0.0.1:50051", 2, 4)
-    assert cfg.tiers_enabled
+        1 << 30, str(tmp_path), 2 << 30, "mooncake://127.0.0.1:50051", 2, 4)
+    assert cfg.enabled and cfg.remote_scheme == "mooncake"
+    assert cfg.remote_address == "127.0.0.1:50051"
     defaults = engine_config_from_args(build_parser().parse_args(["serve"]))
-    assert not defaults.tiers_enabled
+    assert not defaults.tier.enabled
     with pytest.raises(ValueError):
         type(cfg)(remote_cache="http://x")
     with pytest.raises(ValueError):

@@ -71,6 +71,7 @@ from itertools import accumulate
 import torch
 import xxhash
 
+from loomserve.config import TierConfig
 from loomserve.kv.events import BlockStored
 from loomserve.kv.pool import Block
 from loomserve.kv.spec import KVCacheConfig
@@ -119,24 +120,20 @@ def model_identity(name: str, folder: str | None) -> str:
     return f"{name}@{h.hexdigest()}"
 
 
-def build_tiered_store(config, page_bytes: int):
-    """A TieredStore from EngineConfig's tier options (host -> disk -> remote), or None."""
-    from loomserve.config import parse_memory
+def build_tiered_store(config: TierConfig, page_bytes: int):
+    """A TieredStore from the tier config (host -> disk -> remote), or None."""
     from loomserve.kv.tiers import DiskTier, HostTier, TieredStore
     tiers = []
     if config.host_cache_memory:
-        tiers.append(HostTier(int(parse_memory(str(config.host_cache_memory))[1]), page_bytes))
+        tiers.append(HostTier(config.host_cache_memory, page_bytes))
     if config.disk_cache_dir:
-        size = int(parse_memory(str(config.disk_cache_size))[1])
-        tiers.append(DiskTier(config.disk_cache_dir, size, page_bytes))
-    remote = config.remote_cache
-    if remote:
-        if remote.startswith("mooncake://"):
-            from loomserve.kv.tiers.mooncake_tier import MooncakeTier
-            tiers.append(MooncakeTier(remote[len("mooncake://"):].rstrip("/"), page_bytes))
-        else:
-            from loomserve.kv.tiers.redis_tier import RedisTier
-            tiers.append(RedisTier(page_bytes, url=remote))
+        tiers.append(DiskTier(config.disk_cache_dir, config.disk_cache_size, page_bytes))
+    if config.remote_scheme == "mooncake":
+        from loomserve.kv.tiers.mooncake_tier import MooncakeTier
+        tiers.append(MooncakeTier(config.remote_address, page_bytes))
+    elif config.remote_scheme == "redis":
+        from loomserve.kv.tiers.redis_tier import RedisTier
+        tiers.append(RedisTier(page_bytes, url=config.remote_cache))
     if not tiers:
         return None
     return TieredStore(tiers, write_after_seen=config.tier_write_after_seen)

@@ -49,7 +49,7 @@ def running_server(**config):
     from loomserve.entrypoints.server.app import build_app
 
     config = {"model": TINY_LLAMA, "kv_cache_memory": "8MiB", "dtype": "float32", **config}
-    engine = AsyncLLM(EngineConfig(**config))
+    engine = AsyncLLM(EngineConfig.from_kwargs(**config))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

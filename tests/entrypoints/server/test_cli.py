@@ -25,7 +25,7 @@ def test_options_map_to_engine_config():
         "--block-size", "32", "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
         "--long-prefill-threshold", "0", "--dtype", "bfloat16", "--device", "cpu", "--seed", "3",
         "--served-model-name", "m", "--no-prefix-caching", "--port", "9000"])
-    assert engine_config_from_args(args) == EngineConfig(
+    assert engine_config_from_args(args) == EngineConfig.from_kwargs(
         model="some/model", max_model_len=512, kv_cache_memory="2GiB", block_size=32,
         max_num_batched_tokens=256, max_num_seqs=4, long_prefill_threshold=0, dtype="bfloat16",
         device="cpu", seed=3, served_model_name="m", enable_prefix_caching=False)

@@ -31,7 +31,7 @@ def test_metrics_present_and_counting(client, server):
     missing = [n for n in NAMES if n not in before]
     assert not missing, missing
     assert before["loomserve_kv_blocks_total"] > 0
-    prompt = list(range(10, 10 + 3 * server.engine.config.block_size + 1))
+    prompt = list(range(10, 10 + 3 * server.engine.config.cache.block_size + 1))
     for _ in range(2):
         client.completions.create(model=server.model, prompt=prompt, max_tokens=5,
                                   temperature=0, extra_body={"ignore_eos": True})

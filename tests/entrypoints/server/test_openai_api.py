@@ -88,7 +88,7 @@ def test_completions_stream(client, server):
 
 
 def test_repeated_long_prompt_hits_the_prefix_cache(client, server):
-    block = server.engine.config.block_size
+    block = server.engine.config.cache.block_size
     prompt = list(range(5, 5 + 6 * block + 3))
     kw = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0,
               extra_body={"ignore_eos": True})

@@ -25,7 +25,7 @@ if (os.cpu_count() or 1) <= 2:
 def tiny_runner(name: str, block_size: int = 4, dtype: str = "float32"):
     from loomserve.execution.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig(model=str(FIXTURES / name), dtype=dtype, device="cpu",
+    return ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / name), dtype=dtype, device="cpu",
                                     block_size=block_size, kv_cache_memory="2MB"))
 
 

@@ -38,7 +38,7 @@ def smol_runner():
     # The default cache dir: the conversion is shared with every other test and the server.
     from loomserve.entrypoints.tokenizer import Tokenizer
 
-    runner = ModelRunner(EngineConfig(model=None, dtype="float32", device="cpu", kv_cache_memory="64MB"))
+    runner = ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu", kv_cache_memory="64MB"))
     runner.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
     return runner
 
@@ -87,5 +87,5 @@ def test_restart_reuses_converted_folder(smol_runner, monkeypatch):
         raise AssertionError("a restart must not dequantize again")
 
     monkeypatch.setattr(gguf_loader, "convert_gguf", no_conversion)
-    folder = gguf_loader.cached_conversion(default_model_path(), smol_runner.config.resolved_cache_dir)
+    folder = gguf_loader.cached_conversion(default_model_path(), smol_runner.config.model.resolved_cache_dir)
     assert folder == smol_runner.model_folder

@@ -16,7 +16,7 @@ from tests.execution.models.conftest import FIXTURES, Blocks, logits_of, ref_log
 
 
 def test_kv_cache_config_and_packed_views():
-    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-llama"), device="cpu", block_size=8,
+    r = ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-llama"), device="cpu", block_size=8,
                                  kv_cache_memory="1MiB"))
     kc = r.kv_cache_config
     (group,) = kc.groups
@@ -33,8 +33,8 @@ def test_kv_cache_config_and_packed_views():
 
 def test_max_model_len_limits():
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=10_000))
-    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=64,
+        ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=10_000))
+    r = ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-qwen3"), device="cpu", max_model_len=64,
                                  kv_cache_memory="1MiB"))
     assert r.max_model_len == 64
 
@@ -54,7 +54,7 @@ def test_qwen2_bias_matches_hf(tmp_path):
     ref.save_pretrained(tmp_path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "tiny-llama" / f, tmp_path / f)
-    r = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", block_size=4, kv_cache_memory="1MiB"))
+    r = ModelRunner(EngineConfig.from_kwargs(model=str(tmp_path), device="cpu", block_size=4, kv_cache_memory="1MiB"))
     tokens = torch.randint(3, 400, (14,), generator=torch.Generator().manual_seed(0)).tolist()
     want = ref_logits(ref, tokens)
     blocks, table = Blocks(4), []
@@ -70,7 +70,7 @@ def test_bfloat16_runner_tracks_fp32_reference():
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / "tiny-llama"), dtype=torch.float32).eval()
-    r = ModelRunner(EngineConfig(model=str(FIXTURES / "tiny-llama"), device="cpu", dtype="bfloat16",
+    r = ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-llama"), device="cpu", dtype="bfloat16",
                                  block_size=4, kv_cache_memory="1MiB"))
     assert r.kv_cache_config.groups[0].spec.dtype == torch.bfloat16
     tokens = torch.randint(3, 400, (13,), generator=torch.Generator().manual_seed(1)).tolist()

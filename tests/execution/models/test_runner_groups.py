@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loomserve.execution.batch import ModelInput, ScheduledSeq, StateDirective
-from loomserve.execution.model_runner import group_layers
 from loomserve.execution.models.registry import resolve
+from loomserve.kv.planning import group_layers
 from loomserve.kv.spec import FullAttentionSpec, LinearStateSpec, SlidingWindowSpec
 from tests.execution.models.conftest import FIXTURES, GREEDY, ref_logits, tiny_runner
 

@@ -59,7 +59,7 @@ def test_prefix_caching_on_off_and_hf_agree(name):
 
 
 def test_out_of_window_blocks_are_freed():
-    core = EngineCore(EngineConfig(model=str(FIXTURES / "tiny-gemma3"), dtype="float32", device="cpu",
+    core = EngineCore(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-gemma3"), dtype="float32", device="cpu",
                                    block_size=4, kv_cache_memory="2MB"))
     groups = core.runner.kv_cache_config.groups
     slidings = [g for g, grp in enumerate(groups) if isinstance(grp.spec, SlidingWindowSpec)]

@@ -1,0 +1,58 @@
+"""The device KV cache: block size, pool size, prefix caching, retention, eviction, pinning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loomserve.config.units import MemoryBudget, parse_bytes, parse_memory
+
+RETENTION_POLICIES = ("interval", "marconi")
+EVICTION_POLICIES = ("lru", "flop_aware")
+# Without a flag the CPU gets a fixed KV budget (a fraction of RAM would be greedy on a shared
+# host); a GPU gets a fraction of the memory left after the weights, as vLLM does.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_GPU_KV_FRACTION = 0.85
+
+
+@dataclass
+class CacheConfig:
+    """`kv_cache_memory` and `session_pin_budget` are parsed at construction (strings such as
+    "2GiB" or "0.3" are accepted); `retention` becomes a tuple of policy names."""
+
+    block_size: int = 16
+    kv_cache_memory: MemoryBudget | None = None  # None: the device's default (see above)
+    enable_prefix_caching: bool = True
+    # Hybrid models (linear/SSM-state layers): which state checkpoints to keep besides the one
+    # at each sequence's end. "interval" = at the end of every turn's prompt (+ every N tokens
+    # with checkpoint_every); "marconi" = where a prefix is reused without a checkpoint.
+    retention: tuple[str, ...] = RETENTION_POLICIES
+    checkpoint_every: int = 0
+    max_checkpoints_per_path: int = 4
+    eviction: str = "lru"  # or "flop_aware": recency + FLOPs saved per byte held
+    # Session pinning through tool pauses: off unless both are set.
+    session_pin_ttl: float = 0.0  # seconds
+    session_pin_budget: int = 0  # bytes
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv-cache-memory")
+        self.retention = _parse_retention(self.retention)
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be lru or flop_aware, got {self.eviction!r}")
+        if self.checkpoint_every < 0 or self.max_checkpoints_per_path < 0:
+            raise ValueError("checkpoint-every and max-checkpoints-per-path must be >= 0")
+        self.session_pin_budget = (parse_bytes(self.session_pin_budget, "session-pin-budget")
+                                   if self.session_pin_budget else 0)
+        if self.session_pin_ttl < 0:
+            raise ValueError("session-pin-ttl must be >= 0")
+
+
+def _parse_retention(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    names = value.split(",") if isinstance(value, str) else list(value)
+    policies = tuple(p.strip() for p in names if p.strip() and p.strip() != "none")
+    unknown = set(policies) - set(RETENTION_POLICIES)
+    if unknown:
+        raise ValueError(f"retention must list interval and/or marconi (or none), got {value!r}")
+    return policies
