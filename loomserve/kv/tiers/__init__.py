@@ -14,18 +14,18 @@ from loomserve.kv.tiers.base import (
     TierUnavailable,
 )
 from loomserve.kv.tiers.disk import DiskTier
-from loomserve.kv.tiers.host import HostTier
-from loomserve.kv.tiers.keys import KeySpace, fingerprint_for, layout_fingerprint
-from loomserve.kv.tiers.prefetch import SessionPrefetcher, ThinkTimePredictor
-from loomserve.kv.tiers.stats import TierStats, prometheus_collector
-from loomserve.kv.tiers.tiered_store import (
+from loomserve.kv.tiers.handles import (
     LoadResult,
     LookupResult,
     PrefetchResult,
     StoreResult,
-    TieredStore,
     TierHandle,
 )
+from loomserve.kv.tiers.host import HostTier
+from loomserve.kv.tiers.keys import KeySpace, fingerprint_for, layout_fingerprint
+from loomserve.kv.tiers.prefetch import SessionPrefetcher, ThinkTimePredictor
+from loomserve.kv.tiers.stats import TierStats, prometheus_collector
+from loomserve.kv.tiers.tiered_store import TieredStore
 
 
 def __getattr__(name):
