@@ -1,7 +1,9 @@
 """Local disk tier: one file per page under a directory, bounded total size, LRU.
 
-A file is `<root>/<first byte of key, hex>/<key hex>.page`, holding the codec record (32-byte
-header with length, xxh3 checksum and key digest, then the page). Writes go to a temporary file
+A file is `<root>/<last byte of key, hex>/<key hex>.page`, holding the codec record (32-byte
+header with length, xxh3 checksum and key digest, then the page). The last byte shards: every
+key of one model starts with the same layout fingerprint, while its last byte comes from the
+block hash, so the files spread evenly over 256 directories. Writes go to a temporary file
 in the same directory, are fsynced, then renamed over the final name, so a reader sees either
 no file or a whole one. A crash can still leave a short or garbled file (a disk without
 ordered writes, a file edited by hand): every load checks length and checksum, and a file that

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from loomserve.kv.tiers import (
@@ -190,6 +191,16 @@ def test_disk_writes_are_atomic(tmp_path, ks, monkeypatch):
     assert calls["n"] == 2
     assert tier.contains(keys) == [False, False]
     assert not [p for p in (tmp_path / "disk").rglob("*") if p.is_file()]  # no temp left
+
+
+def test_disk_shards_by_the_last_key_byte(tmp_path, ks):
+    """Keys of one layout share their first bytes (the fingerprint); the last byte comes from
+    the block hash, so it is the one that spreads files over the 256 directories."""
+    tier = make("disk", tmp_path, 4)
+    keys = ks.keys(xxhash.xxh3_128_digest(i.to_bytes(4, "little")) for i in range(64))
+    assert len({k[0] for k in keys}) == 1
+    assert all(tier.path_of(k).parent.name == k.hex()[-2:] for k in keys)
+    assert len({tier.path_of(k).parent for k in keys}) > 32
 
 
 def test_host_tier_rejects_bad_pages(ks):
