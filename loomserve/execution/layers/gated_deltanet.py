@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.state import StateBatch, StateSeq
 
 CHUNK = 64
@@ -173,21 +174,6 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.bmm(q, s).view(b, h, dv), state
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's values, then times SiLU(z) (Qwen3-Next: norm before gate)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(z.float())).to(dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next linear attention on flattened rows [tokens, hidden] with a StateBatch.
 
@@ -205,7 +191,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(v_dim, eps)
+        self.norm = RMSNorm(v_dim, eps, gate="after")  # normalize each head's values, then gate
         self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
         # Set by the runner: (conv [num_blocks, conv_dim, kernel-1], recurrent [num_blocks, Hv, Dk, Dv]).
         self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None

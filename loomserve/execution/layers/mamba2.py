@@ -28,6 +28,7 @@ from loomserve.execution.layers.gated_deltanet import (
     segments,
     split_batch,
 )
+from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.state import StateBatch
 
 CHUNK = 64
@@ -77,21 +78,6 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return torch.bmm(s, c.float().reshape(bs * h, n, 1)).view(bs, h, p), state
 
 
-class GroupedGatedRMSNorm(nn.Module):
-    """y * SiLU(z), then RMSNorm over each of `groups` equal slices (gate before norm)."""
-
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
-        g = h.view(*h.shape[:-1], self.groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
-
-
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv + SiLU over xBC; SSD; gated grouped RMSNorm; out_proj.
     Rows are the flattened batch [tokens, hidden]; state moves as the StateBatch says."""
@@ -110,7 +96,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GroupedGatedRMSNorm(self.inner, n_groups, eps)
+        self.norm = RMSNorm(self.inner, eps, gate="before", groups=n_groups)  # gate, then normalize
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=use_bias)
         # HF's prefill clamps dt to [time_step_min, inf); applied in decode too so a token's state
         # does not depend on how the scheduler cut the sequence.

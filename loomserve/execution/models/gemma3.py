@@ -13,12 +13,19 @@ What differs from the Llama family, as transformers' modeling_gemma3 does it:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from loomserve.execution.layers.common import GeluTanhGLU, GemmaRMSNorm, RotaryEmbedding
+from loomserve.execution.layers.mlp import GeluTanhGLU
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.layers.rotary import RotaryEmbedding
 from loomserve.execution.models.arch_config import ArchConfig
 from loomserve.execution.models.llama import Attention, LlamaForCausalLM, LlamaModel
+
+# Weights stored as offsets from 1, scaled in fp32 before the cast back.
+GemmaRMSNorm = partial(RMSNorm, zero_centered=True, scale_in_fp32=True)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loomserve.execution.layers.common import RMSNorm
+from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import ArchConfig
 from loomserve.execution.models.llama import Attention, LlamaForCausalLM, LlamaModel
 

@@ -11,20 +11,22 @@ the fused parameters: fewer kernel launches per layer, which is most of a small 
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
-from loomserve.execution.layers.common import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from loomserve.execution.layers.mlp import SwiGLU
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import ArchConfig
 from loomserve.execution.models.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, norm: type[nn.Module] = RMSNorm, scale: float | None = None,
+    def __init__(self, cfg: ArchConfig, norm: Callable[..., nn.Module] = RMSNorm, scale: float | None = None,
                  o_bias: bool = False, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -74,7 +76,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: type[nn.Module] = DecoderLayer,
-                 norm: type[nn.Module] = RMSNorm) -> None:
+                 norm: Callable[..., nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))

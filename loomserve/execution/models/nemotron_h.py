@@ -25,6 +25,8 @@ from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
 from loomserve.execution.layers.mamba2 import Mamba2Mixer
+from loomserve.execution.layers.mlp import ReluSquaredMLP
+from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import eos_token_ids
 from loomserve.execution.models.qwen3_next import layer_groups, pick
 from loomserve.execution.models.weight_layout import lm_head_logits
@@ -115,21 +117,6 @@ class NemotronHConfig:
         )
 
 
-class RMSNorm(nn.Module):
-    """Nemotron-H's: the weight multiplies in fp32, then the result is cast back."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = x.float()
-        return (self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
 class Attention(nn.Module):
     """GQA attention without RoPE; q/k/v fused into one matmul."""
 
@@ -150,16 +137,6 @@ class Attention(nn.Module):
                             v.view(n, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, meta,
                             self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
-
-
-class ReluSquaredMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
 class Router(nn.Module):
@@ -228,7 +205,7 @@ class Block(nn.Module):
     def __init__(self, cfg: NemotronHConfig, i: int) -> None:
         super().__init__()
         self.kind = cfg.layer_types[i]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, scale_in_fp32=True)
         if self.kind == "linear_attention":
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                                      cfg.n_groups, cfg.conv_kernel, cfg.layer_norm_epsilon,
@@ -255,7 +232,7 @@ class NemotronHModel(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, scale_in_fp32=True)
 
 
 class NemotronHForCausalLM(nn.Module):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Any, Iterable
 
@@ -26,11 +27,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
-from loomserve.execution.layers.common import RotaryEmbedding, SwiGLU, apply_rope
 from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
+from loomserve.execution.layers.mlp import SwiGLU
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import eos_token_ids
 from loomserve.execution.models.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
+
+# Weights stored around 0: the scale is 1 + w, applied in fp32.
+ZeroCenteredRMSNorm = partial(RMSNorm, zero_centered=True, scale_in_fp32=True)
 
 
 @dataclass(frozen=True)
@@ -117,22 +123,6 @@ class Qwen3NextConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_token_ids(d),
         )
-
-
-class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm scaled by (1 + w): checkpoints store w around 0."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.weight.float()
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
 
 
 class GatedAttention(nn.Module):

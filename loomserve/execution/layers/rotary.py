@@ -1,46 +1,13 @@
-"""Building blocks: RMSNorm (plain and Gemma's 1 + w), rotary embedding, gated MLPs."""
+"""Rotary position embedding: per-pair frequencies (with llama3, linear and YaRN scaling), the
+cos/sin tables, and the rotation itself."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 from loomserve.execution.models.arch_config import ArchConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 whatever the model dtype, as the reference does; bf16 variance
-        # alone shifts logits visibly. In fp32 the same six kernels as the reference, bit for
-        # bit; F.rms_norm adds two dtype copies, and on a CPU every small kernel after a
-        # weight-streaming matmul starts cold (~15 us each).
-        if x.dtype == torch.float32:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the scaling happens in
-    fp32 before the cast back (Llama casts first, then scales)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ArchConfig, theta: float | None = None,
@@ -137,25 +104,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int)
     Two products and a sum, each rounded in the model dtype, as the reference does (a fused
     addcmul rounds once and moves bf16 logits by ~0.04)."""
     return x * cos + torch.roll(x, half, dims=-1) * sin
-
-
-class SwiGLU(nn.Module):
-    """gate and up projections fused into one matmul: one kernel launch instead of two."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.intermediate = intermediate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class GeluTanhGLU(SwiGLU):
-    """Gemma's MLP: the gate goes through tanh-approximated GELU instead of SiLU."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

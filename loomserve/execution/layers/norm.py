@@ -1,0 +1,110 @@
+"""RMSNorm, with the variants the supported models use as options of one module.
+
+y = x / rms(x) * w, the statistics always in fp32 (bf16 variance alone shifts logits visibly).
+The variants differ in four ways, each an option; which model uses which:
+
+    model / layer                     zero_centered  scale_in_fp32  gate      groups
+    Llama family, gpt-oss             -              -              -         1
+    Gemma 3, Qwen3-Next (outer)       yes            yes            -         1
+    Nemotron-H (outer)                -              yes            -         1
+    Qwen3-Next Gated DeltaNet         -              -              "after"   1
+    Mamba2 (Nemotron-H)               -              -              "before"  n_groups
+
+zero_centered: the checkpoint stores w - 1 and the scale is 1 + w (kept in fp32: 1 + w in bf16
+    would round w's low bits away). scale_in_fp32: scale the fp32 normalized values, then cast
+    back to the model dtype; otherwise cast back first, then scale in the model dtype (Llama).
+gate: silu(z) multiplies the input before the normalization ("before") or the result after it
+    ("after"); a gated norm is called as norm(x, z, dtype), x being a recurrent core's fp32
+    output and `dtype` the model dtype. groups: normalize each of `groups` equal slices of the
+    last dimension on its own.
+
+The parameter is `weight`, as in every checkpoint. The options are resolved once, here: forward
+is bound to one straight-line function, so no option costs a kernel or a branch per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+GATES = (None, "before", "after")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool = False, scale_in_fp32: bool = False,
+                 gate: str | None = None, groups: int = 1) -> None:
+        super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, not {gate!r}")
+        if groups < 1 or dim % groups:
+            raise ValueError(f"{dim} features do not split into {groups} groups")
+        if zero_centered and not scale_in_fp32:
+            raise ValueError("a zero-centred weight scales in fp32 (1 + w in bf16 drops w's low bits)")
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps, self.groups, self.gate = eps, groups, gate
+        self.zero_centered, self.scale_in_fp32 = zero_centered, scale_in_fp32
+        self._shape = (dim // groups,)
+        self._normalized = self._grouped if groups > 1 else self._whole
+        self._finish = self._scale_then_cast if scale_in_fp32 else self._cast_then_scale
+        self._scale = self._one_plus_weight if zero_centered else self._weight_fp32
+        if gate is not None:
+            self.forward = self._gate_before if gate == "before" else self._gate_after
+        elif groups > 1:
+            self.forward = self._ungated
+        else:
+            self.forward = self._fp32_scaled if scale_in_fp32 else self._reference
+
+    def extra_repr(self) -> str:
+        opts = [f"{self.weight.shape[0]}", f"eps={self.eps}"]
+        opts += [name for name in ("zero_centered", "scale_in_fp32") if getattr(self, name)]
+        opts += [f"gate={self.gate}"] if self.gate else []
+        opts += [f"groups={self.groups}"] if self.groups > 1 else []
+        return ", ".join(opts)
+
+    # --- the forward functions __init__ chooses from --------------------------------------------
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        # Llama's: cast back, then scale. In fp32 the same six kernels as the reference, bit for
+        # bit, and nothing more: on a CPU every small kernel after a weight-streaming matmul
+        # starts cold (~15 us each), and F.rms_norm would add dtype conversions.
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def _fp32_scaled(self, x: torch.Tensor) -> torch.Tensor:
+        # One call: F.rms_norm decomposes on the CPU into the reference's own kernels (pow, mean,
+        # add, rsqrt, mul, mul), so the values are the reference's, with fewer Python round trips.
+        return F.rms_norm(x.float(), self._shape, self._scale(), self.eps).to(x.dtype)
+
+    def _ungated(self, x: torch.Tensor) -> torch.Tensor:
+        return self._finish(self._normalized(x.float()), x.dtype)
+
+    def _gate_before(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._finish(self._normalized(x.float() * F.silu(z.float())), dtype)
+
+    def _gate_after(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (self._finish(self._normalized(x.float()), dtype) * F.silu(z.float())).to(dtype)
+
+    # --- their parts ----------------------------------------------------------------------------
+
+    def _whole(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, self._shape, None, self.eps)
+
+    def _grouped(self, h: torch.Tensor) -> torch.Tensor:
+        g = h.view(*h.shape[:-1], self.groups, -1)
+        return F.rms_norm(g, self._shape, None, self.eps).view(h.shape)
+
+    def _cast_then_scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight * h.to(dtype)
+
+    def _scale_then_cast(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (h * self._scale()).to(dtype)
+
+    def _weight_fp32(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def _one_plus_weight(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
