@@ -133,7 +133,7 @@ class RoundRobinProxy:
         import httpx
         from starlette.applications import Starlette
         from starlette.requests import Request
-        from starlette.responses import Response, StreamingResponse
+        from starlette.responses import StreamingResponse
         from starlette.routing import Route
 
         client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=256))

@@ -62,9 +62,8 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 __all__ = [
     "TraceRequest", "Subagent", "SubagentGroup", "Session", "TraceError",
