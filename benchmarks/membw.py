@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,8 @@ def run_all(gib: float = DEFAULT_GIB, threads: int = DEFAULT_THREADS,
     import numpy as np
     import torch
 
+    # Bound methods and partials, not lambdas: a lambda would close over buffers that are
+    # deleted (to free their memory) right after their measurement.
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: dict[str, Any] = {}
@@ -63,7 +66,7 @@ def run_all(gib: float = DEFAULT_GIB, threads: int = DEFAULT_THREADS,
         n = int(gib * (1 << 30)) // 4
         x = torch.ones(n, dtype=torch.float32)  # ones, not empty: pages must be touched
         nbytes = x.numel() * 4
-        t = _time_it(lambda: x.sum(), repeats)
+        t = _time_it(x.sum, repeats)
         out["torch_sum"] = nbytes / median(t) / 1e9
         out["torch_sum_best"] = nbytes / min(t) / 1e9
         del x
@@ -71,22 +74,22 @@ def run_all(gib: float = DEFAULT_GIB, threads: int = DEFAULT_THREADS,
         half = n // 2
         src = torch.ones(half, dtype=torch.float32)
         dst = torch.zeros(half, dtype=torch.float32)
-        t = _time_it(lambda: dst.copy_(src), repeats)
+        t = _time_it(partial(dst.copy_, src), repeats)
         out["torch_copy"] = 2 * half * 4 / median(t) / 1e9
         del src, dst
 
         small = torch.ones((128 << 20) // 4, dtype=torch.float32)
-        t = _time_it(lambda: small.sum(), max(repeats, 15))
+        t = _time_it(small.sum, max(repeats, 15))
         out["torch_sum_llc"] = small.numel() * 4 / median(t) / 1e9
         del small
 
         if numpy_too:
             a = np.ones(half, dtype=np.float32)
             b = np.zeros(half, dtype=np.float32)
-            t = _time_it(lambda: np.copyto(b, a), repeats)
+            t = _time_it(partial(np.copyto, b, a), repeats)
             out["numpy_copy"] = 2 * a.nbytes / median(t) / 1e9
             del b
-            t = _time_it(lambda: np.add.reduce(a), max(3, repeats // 2))
+            t = _time_it(partial(np.add.reduce, a), max(3, repeats // 2))
             out["numpy_sum"] = a.nbytes / median(t) / 1e9
             del a
     finally:

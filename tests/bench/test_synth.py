@@ -5,7 +5,6 @@ import filecmp
 import json
 import os
 
-
 from loomserve.bench import synth
 from loomserve.bench.stats import StatsAccumulator, compute_stats
 from loomserve.bench.trace import load_traces
