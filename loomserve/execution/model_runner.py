@@ -58,9 +58,9 @@ class ModelRunner:
             raise ValueError(f"max_model_len={mcfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}")
         self.max_model_len = mcfg.max_model_len or limit
-        params = list(self.model.parameters())
-        self.num_params = sum(p.numel() for p in params)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        # Counted by the loader before the CPU weight layout (which hides packed bf16 linears from
+        # parameters()); weight_bytes: the weight bytes a decode step reads (loader.count_weights).
+        self.num_params, self.weight_bytes = loaded.num_params, loaded.weight_bytes
         self.block_size = config.cache.block_size
         self.kv_cache_config = self._kv_cache_config()
         self.kv_buffer = self._allocate_kv()

@@ -27,6 +27,8 @@ class LoadedModel:
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
     layout: str = "default"  # the CPU weight layout chosen (loomserve.execution.models.weight_layout)
+    num_params: int = 0  # counted as loaded, before the layout; see count_weights
+    weight_bytes: int = 0
 
 
 def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
@@ -54,10 +56,32 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         model = model_cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(folder))
+    num_params, weight_bytes = count_weights(model)
     layout = optimize_cpu_layout(model, device, dtype, _tied_embedding(model))
     model.init_rotary(cfg.max_position_embeddings, device, dtype)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, cfg, name, folder, layout)
+    return LoadedModel(model, cfg, name, folder, layout, num_params, weight_bytes)
+
+
+def count_weights(model: nn.Module) -> tuple[int, int]:
+    """(parameters, weight bytes one decode step reads) of a model as the checkpoint filled it.
+
+    Counted before optimize_cpu_layout, which re-lays bf16 linears into packed tensors that are
+    no parameters (counted after it, a bf16 model lost every linear). Parameters: each distinct
+    one once, a tied embedding once, as transformers' num_parameters() does. Bytes: what a decode
+    step streams, every weight matrix once in the dtype it runs in (fp32 routers at 4 bytes; a
+    tied embedding once, read whole as the LM head; the packed copies are the same size), except
+    an untied input embedding, of which a step gathers only its tokens' rows. Every MoE expert
+    counts, so with few streams, where a step reads only the routed ones, this is an upper bound.
+    """
+    params = list(model.parameters())
+    num_params = sum(p.numel() for p in params)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    get = getattr(model, "get_input_embeddings", None)
+    if get is not None and _tied_embedding(model) is None:
+        table = get().weight
+        weight_bytes -= table.numel() * table.element_size()
+    return num_params, weight_bytes
 
 
 def _tied_embedding(model: nn.Module) -> nn.Embedding | None:

@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput
@@ -28,7 +30,42 @@ def test_kv_cache_config_and_packed_views():
     k1 = r.model.model.layers[1].self_attn.k_cache
     assert k1[3].data_ptr() - r.kv_buffer.data_ptr() == 3 * kc.page_bytes + kc.page_bytes // 2
     assert r.model_name == "tiny-llama" and r.max_model_len == 256 and r.vocab_size == 512
-    assert r.num_params > 0 and r.weight_bytes == 4 * r.num_params
+    assert r.num_params > 0
+
+
+class _PackedStandIn(nn.Module):
+    """What the bf16 CPU layout makes of a linear layer (PackedLinear): the weight becomes a plain
+    tensor, no parameter. Stands in where the host has no oneDNN bf16 kernels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.packed, self.bias_t = weight.detach().clone(), None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.packed, self.bias_t)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])  # untied, tied embeddings
+def test_num_params_counts_the_checkpoint_in_every_dtype(name, monkeypatch):
+    """num_params is transformers' num_parameters() whatever the dtype, even where the bf16 layout
+    turns every linear into a packed tensor; weight_bytes is what a decode step reads: every
+    weight once, the input embedding only where it doubles as the LM head."""
+    from transformers import AutoModelForCausalLM
+
+    from loomserve.execution.models import weight_layout
+
+    monkeypatch.setattr(weight_layout, "onednn_bf16_available", lambda: True)
+    monkeypatch.setattr(weight_layout, "_packed", _PackedStandIn)
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32)
+    want, tied = ref.num_parameters(), ref.config.tie_word_embeddings
+    table = ref.get_input_embeddings().weight.numel()
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        r = ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / name), device="cpu", dtype=dtype,
+                                                 kv_cache_memory="1MiB"))
+        assert r.num_params == want, dtype
+        assert r.weight_bytes == size * (want if tied else want - table), dtype
+        if dtype == "bfloat16":  # the layout did hide the linears from parameters()
+            assert sum(p.numel() for p in r.model.parameters()) < want
 
 
 def test_max_model_len_limits():
