@@ -7,8 +7,8 @@ engine loop.
 
 Contract of every tier:
 - `get_into` writes only rows it reports True, and only with bytes that passed the tier's checks
-  (length and checksum outside process memory): a corrupt or torn record is a miss (and is
-  dropped), never data.
+  (an xxh3 checksum in every tier, host memory included; length and key digest too outside
+  process memory): a corrupt or torn record is a miss (and is dropped), never data.
 - A backend that is down or failing raises TierUnavailable; a key that is simply absent, a put
   refused for lack of space, and a corrupt record are per-key False, not exceptions.
 """

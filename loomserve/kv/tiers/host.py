@@ -3,6 +3,11 @@
 The buffer is pinned when CUDA is present (so device<->host copies can run asynchronously and
 at full PCIe/NVLink-C2C speed) and plain memory otherwise. It is allocated once: a put never
 allocates, it takes a free slot or evicts the least recently used key.
+
+Like the other tiers, every page is checksummed (xxh3_64, codec.checksum): put records the sum
+of the slot it wrote, get_into recomputes it before copying the slot out. A page that fails (a
+stray write, a bit flip in memory without ECC) is dropped: a miss and a PagesRemoved "corrupt"
+event, never data.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from loomserve.kv.tiers import codec
 from loomserve.kv.tiers.base import PagesRemoved, PagesStored, Tier, copy_page, rows_list
 
 
@@ -35,6 +41,7 @@ class HostTier(Tier):
                                   pin_memory=self.pinned)
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU order: front is oldest
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._sums = [0] * self.num_slots  # codec.checksum of the page in each used slot
         # Copies happen under the lock: a slot being read must not be evicted and rewritten.
         self._lock = threading.Lock()
 
@@ -58,13 +65,20 @@ class HostTier(Tier):
         t0 = time.perf_counter()
         ok = [False] * len(keys)
         hits = 0
+        bad: list[bytes] = []
         non_blocking = self.pinned and out.device.type == "cuda"
         with self._lock:
             slots = self._slots
             buf = self.buffer
+            sums = self._sums
             for i, k in enumerate(keys):
                 s = slots.get(k)
                 if s is None:
+                    continue
+                if codec.checksum(buf[s].numpy()) != sums[s]:
+                    del slots[k]
+                    self._free.append(s)
+                    bad.append(k)
                     continue
                 slots.move_to_end(k)
                 copy_page(out[rows[i]], buf[s], non_blocking)
@@ -73,8 +87,11 @@ class HostTier(Tier):
             if non_blocking:
                 # Before the lock is released: the slots may be rewritten right after.
                 torch.cuda.current_stream(out.device).synchronize()
-        self.stats.add(hits=hits, misses=len(keys) - hits, bytes_read=hits * self.page_bytes)
+        self.stats.add(hits=hits, misses=len(keys) - hits, corrupt=len(bad),
+                       bytes_read=hits * self.page_bytes)
         self.stats.observe("get", time.perf_counter() - t0)
+        if bad:
+            self._emit(PagesRemoved(self.name, bad, "corrupt"))
         return ok
 
     def put(self, keys, src: torch.Tensor, rows=None) -> list[bool]:
@@ -96,6 +113,7 @@ class HostTier(Tier):
                     old, s = slots.popitem(last=False)
                     evicted.append(old)
                 copy_page(buf[s], src[rows[i]])
+                self._sums[s] = codec.checksum(buf[s].numpy())
                 slots[k] = s
                 stored.append(k)
             if src.device.type == "cuda":

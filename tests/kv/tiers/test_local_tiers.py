@@ -203,6 +203,27 @@ def test_disk_shards_by_the_last_key_byte(tmp_path, ks):
     assert len({tier.path_of(k).parent for k in keys}) > 32
 
 
+def test_host_corrupt_page_is_a_miss_and_dropped(ks):
+    tier = make("host", None, 4)
+    keys = ks.keys(block_hashes(3))
+    src = pages(3, seed=6)
+    tier.put(keys, src)
+    events = []
+    tier.subscribe(events.append)
+    slot = next(s for s in range(tier.num_slots) if torch.equal(tier.buffer[s], src[1]))
+    tier.buffer.numpy()[slot, 123] ^= 0x08  # a bit flips in host memory
+    out = torch.full((3, PAGE), 7, dtype=torch.uint8)
+    assert tier.get_into(keys, out) == [True, False, True]
+    assert torch.equal(out[0], src[0]) and torch.equal(out[2], src[2])
+    assert bool((out[1] == 7).all())  # checked before the copy: not a byte served
+    assert tier.stats.corrupt == 1 and tier.stats.misses == 1
+    assert tier.contains(keys) == [True, False, True] and len(tier) == 2
+    assert events == [PagesRemoved("host", [keys[1]], "corrupt")]
+    # its slot is free again and the page can be stored anew
+    tier.put(keys[1:2], src, [1])
+    assert tier.get_into(keys, out) == [True] * 3 and torch.equal(out, src)
+
+
 def test_host_tier_rejects_bad_pages(ks):
     tier = HostTier(4 * PAGE, PAGE)
     with pytest.raises(ValueError):

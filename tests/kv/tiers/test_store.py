@@ -59,6 +59,21 @@ def test_store_then_load_through_tiers_with_promotion(store, ks):
     assert miss.tiers == [None, None, "host"] and miss.num_prefix == 0
 
 
+def test_corrupt_host_page_is_served_from_disk_and_promoted_again(store, ks):
+    keys = ks.keys(block_hashes(2, tag=9))
+    src = pages(2, seed=9)
+    store.store(keys, src).result(5)
+    assert store.flush()
+    host = store.host
+    slot = next(s for s in range(host.num_slots) if torch.equal(host.buffer[s], src[0]))
+    host.buffer.numpy()[slot, 7] ^= 0xFF
+    dst = torch.zeros((2, PAGE), dtype=torch.uint8)
+    assert store.load(keys, dst).tiers == ["disk", "host"]
+    assert torch.equal(dst, src) and host.stats.corrupt == 1
+    assert store.load(keys, dst).tiers == ["host", "host"]  # promoted back, intact
+    assert torch.equal(dst, src)
+
+
 def test_handles_pending_then_ready_and_requests_wait_only_for_their_own(tmp_path, ks):
     gated = GatedTier(disk(tmp_path))
     s = TieredStore([HostTier(4 * PAGE, PAGE), gated], op_timeout_s=5.0)
