@@ -1,18 +1,15 @@
-"""Start the shared pool's processes: Mooncake Store (master + standalone storage client) or
-Redis, bound to one address (127.0.0.1 by default). Used by `loomserve store` and the tests.
+"""`loomserve store` and the services behind it: the shared KV pool's processes.
 
-Mooncake, as it runs here (CPU only, TCP transport):
+MooncakeService runs a `mooncake_master` (metadata) and one standalone `mooncake_client` that
+owns the pool memory (its global segment), TCP transport, peer-to-peer handshake (no etcd);
+engines connect to the master as pure requesters (MooncakeTier, global_segment_size=0).
+RedisService runs one redis-server without persistence. Both bind one address (127.0.0.1 by
+default). `add_store_parser` registers the subcommand (loomserve/entrypoints/cli.py calls it);
+tests and benchmarks start the services directly. Imports nothing else from loomserve.
 
-    mooncake_master --rpc_address=127.0.0.1 --rpc_port=P --metrics_host=127.0.0.1 \\
-        --metrics_port=M --enable_http_metadata_server=false
-    mooncake_client --host=127.0.0.1 --port=C --master_server_address=127.0.0.1:P \\
-        --metadata_server=P2PHANDSHAKE --global_segment_size=<bytes> --protocol=tcp
-
-The storage client owns the pool memory (its global segment); engines connect to the master as
-pure requesters (MooncakeTier: setup(..., global_segment_size=0, ...)). The transfer engine
-inside the storage client also opens a handshake port and a TCP data port on ephemeral ports;
-those listen on all addresses whatever --host says (MC_TCP_BIND_ADDRESS only picks the address
-it advertises), so firewall the host if that matters.
+The transfer engine inside mooncake_client also opens a handshake port and a TCP data port on
+ephemeral ports, listening on all addresses whatever --host says (MC_TCP_BIND_ADDRESS only picks
+the address it advertises): firewall the host if that matters.
 """
 
 from __future__ import annotations
@@ -241,9 +238,8 @@ def add_store_parser(sub) -> None:
     p.add_argument("--backend", choices=["mooncake", "redis"], default="mooncake",
                    help="(default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=50051,
-                   help="mooncake master RPC port / redis port (default: 50051; 6379 for redis "
-                        "when not given)")
+    p.add_argument("--port", type=int, default=None,
+                   help="mooncake master RPC port / redis port (default: 50051 / 6379)")
     p.add_argument("--client-port", type=int, default=50052,
                    help="mooncake storage client port (default: %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -259,10 +255,9 @@ def run_store(args: argparse.Namespace) -> int:
     size = parse_size(args.segment_size)
     try:
         if args.backend == "redis":
-            port = args.port if args.port != 50051 else 6379
-            svc = RedisService(args.host, port, maxmemory=size)
+            svc = RedisService(args.host, args.port or 6379, maxmemory=size)
         else:
-            svc = MooncakeService(args.host, args.port, args.client_port, size,
+            svc = MooncakeService(args.host, args.port or 50051, args.client_port, size,
                                   args.metrics_port, args.log_dir)
         svc.start()
     except (FileNotFoundError, RuntimeError, TimeoutError) as e:
@@ -275,11 +270,13 @@ def run_store(args: argparse.Namespace) -> int:
         stop["now"] = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = 0
     try:
         procs = ([svc.proc] if isinstance(svc, RedisService) else [svc.master, svc.client])
         while not stop["now"]:
             if any(p.poll() is not None for p in procs):
                 print("loomserve store: a pool process exited; stopping", file=sys.stderr)
+                rc = 1  # a supervisor should see a pool that died as a failure
                 break
             time.sleep(0.2)
     finally:
@@ -287,4 +284,4 @@ def run_store(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     print("loomserve store: stopped", flush=True)
-    return 0
+    return rc

@@ -1,10 +1,10 @@
 """Shared distributed pool on Mooncake Store (TCP), the engine as a pure requester.
 
-Deployment (see loomserve.control.store_launcher and `loomserve store`): a `mooncake_master` process
-keeps the metadata and a standalone `mooncake_client` process owns the pool's memory (its
-global segment). The engine connects with `global_segment_size=0`: it contributes no memory and
-only reads and writes, so an engine restart loses nothing and a pool restart costs the engine
-only misses. The handshake runs peer to peer (metadata server "P2PHANDSHAKE"), no etcd.
+Deployment (see `loomserve store`, loomserve/control/store_launcher.py): a `mooncake_master`
+process keeps the metadata and a standalone `mooncake_client` process owns the pool's memory
+(its global segment). The engine connects with `global_segment_size=0`: it contributes no
+memory and only reads and writes, so an engine restart loses nothing and a pool restart costs
+the engine only misses. The handshake runs peer to peer (metadata server "P2PHANDSHAKE"), no etcd.
 
 Transfers are zero-copy from and into two registered staging buffers owned by the tier (one for
 reads, one for writes). A page is stored as one object: the codec record (header + page), so a
