@@ -65,9 +65,9 @@ class RMSNorm(nn.Module):
     # --- the forward functions __init__ chooses from --------------------------------------------
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        # Llama's: cast back, then scale. In fp32 the same six kernels as the reference, bit for
-        # bit, and nothing more: on a CPU every small kernel after a weight-streaming matmul
-        # starts cold (~15 us each), and F.rms_norm would add dtype conversions.
+        # Llama's: cast back, then scale. In fp32 exactly the reference's six kernels, bit for bit,
+        # and no dtype conversions: on a CPU every small kernel after a weight-streaming matmul
+        # starts cold (~15 us each).
         if x.dtype == torch.float32:
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         h = x.float()
@@ -75,8 +75,8 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
     def _fp32_scaled(self, x: torch.Tensor) -> torch.Tensor:
-        # One call: F.rms_norm decomposes on the CPU into the reference's own kernels (pow, mean,
-        # add, rsqrt, mul, mul), so the values are the reference's, with fewer Python round trips.
+        # One call: on the CPU F.rms_norm decomposes into the reference's own kernels (pow, mean,
+        # add, rsqrt, mul, mul), the same bits with fewer Python round trips; on CUDA it is fused.
         return F.rms_norm(x.float(), self._shape, self._scale(), self.eps).to(x.dtype)
 
     def _ungated(self, x: torch.Tensor) -> torch.Tensor:
