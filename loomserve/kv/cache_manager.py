@@ -22,17 +22,20 @@ is when the copied checkpoint is released and the saved ones become hittable.
 Packed layout: the runner's backing buffer is [num_blocks, page_bytes]; row b is block b's
 page, holding all layers of its group (a state checkpoint is one page too). A block's bytes
 move between tiers as one unit: pages_for_hashes / request_pages list the (group, block id)
-pages to copy. Loading pages back (loomserve.kv.connector): hit_positions(b) says which pages of
-each group a hit of b blocks reads, claim_pages references the device ones and allocates rows
-for the rest, cache_loaded_pages makes the loaded ones hittable in their group's manager, and
-release_pages lets go, after which the scheduler's normal admission hits them.
+pages to copy. The tier connector (loomserve.kv.connector) reaches the pool only through the
+methods of the "packed pages and tiers" section: cached_blocks (which pages are on the device),
+hit_positions (which pages of each group a hit of b blocks reads), claim_pages (reference the
+device ones, allocate rows for the rest), cache_loaded_pages (make loaded pages hittable in
+their group's manager), hold_blocks / release_pages (keep rows from reuse while a tier copies
+them), hit_boundary, num_usable_blocks and the per-group flags token_block_groups /
+prefix_closed_groups.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from loomserve.kv.coordinator import KVCacheCoordinator, KVHit, StaleHitError
 from loomserve.kv.directives import StateDirective
@@ -122,6 +125,11 @@ class KVCacheManager:
         self.stats = KVCacheStats()
         self._empty = self.coordinator.empty_hit
         self.state_groups = [m.group_id for m in self.coordinator.state_managers]
+        managers = self.coordinator.managers
+        # Per group: pages grow with tokens (attention, one page per block) rather than being
+        # state checkpoints; a hit of b blocks reads all of [0, b) (full attention).
+        self.token_block_groups = [m.token_blocks for m in managers]
+        self.prefix_closed_groups = [m.prefix_closed_hits for m in managers]
         self.has_state_groups = bool(self.state_groups)
         self.pins: SessionPins | None = None
         if self.retention.pinning and enable_caching:
@@ -167,16 +175,14 @@ class KVCacheManager:
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
         rid = req.request_id
         coord = self.coordinator
+        if self.pins is not None:
+            self.pins.expire()
         if coord.stepped:
-            if self.pins is not None:
-                self.pins.expire()
             if self.enable_caching and self.has_state_groups:
                 self.hasher.ensure(req, min(total, len(req.all_token_ids)) // bs)
             ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes,
                                 req.num_computed_tokens, req.num_prompt_tokens)
         else:
-            if self.pins is not None:
-                self.pins.expire()
             ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes)
         if not ok:
             return False
@@ -223,7 +229,7 @@ class KVCacheManager:
                 out[mgr.group_id] = d
         return out
 
-    # -- packed pages (for tiers) -----------------------------------------------------------
+    # -- packed pages and tiers ---------------------------------------------------------
     def pages_for_hashes(self, block_hashes: list[bytes]) -> list[tuple[int, int]]:
         """(group, block id) of every cached page keyed by one of block_hashes: a KV block of
         an attention group or a state checkpoint ending at that block. Each page is one row
@@ -274,9 +280,35 @@ class KVCacheManager:
             self.coordinator.cache_loaded(g, [b for _, b in items], [p for p, _ in items],
                                           hashes, req.all_token_ids)
 
-    def release_pages(self, blocks: list[Block]) -> None:
-        """Drop the references claim_pages took, in the given order (pass tail first)."""
+    def release_pages(self, blocks: Iterable[Block]) -> None:
+        """Drop the references claim_pages or hold_blocks took, in the given order (pass tail
+        first: chain heads then live longest)."""
         self.pool.free(blocks)
+
+    def cached_blocks(self, group_id: int, block_hashes: Iterable[bytes]) -> list[Block | None]:
+        """Per hash, the block whose row holds the group's page of it on the device (cached
+        under that hash), else None. Takes no reference: valid until the next allocation."""
+        return list(map(self.pool.cached[group_id].get, block_hashes))
+
+    def hold_blocks(self, blocks: list[Block]) -> None:
+        """One more reference on each block (e.g. while a tier copies its row): a free one
+        leaves the free queue, so its row is not handed out again and it keeps its hash. Drop
+        them with release_pages."""
+        self.pool.touch(blocks)
+
+    def hit_boundary(self, request_id: str) -> int | None:
+        """The longest boundary (blocks) a later request could hit from what the request
+        leaves behind if freed now (its latest state checkpoint with state groups, else its
+        cached blocks); None when it holds no blocks."""
+        coord = self.coordinator
+        if coord.block_ids(request_id) is None:
+            return None
+        return coord.hit_boundary(request_id)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever hold at once (all but the null block)."""
+        return self.pool.num_usable
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """Per-group block ids; the same list objects on every call until free."""

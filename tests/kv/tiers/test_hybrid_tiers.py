@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loomserve import LLM, SamplingParams
-from loomserve.kv import connector as tiering
+from loomserve.kv.connector import loads
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.spec import LinearStateSpec
 from loomserve.kv.tiers import codec
@@ -208,7 +208,7 @@ def test_corrupt_state_page_falls_back_to_an_earlier_checkpoint(tmp_path, state_
 def test_corrupt_state_page_without_another_round_is_recomputed(tmp_path, state_model,
                                                                monkeypatch):
     name, ref = state_model
-    monkeypatch.setattr(tiering, "MAX_ROUNDS", 1)
+    monkeypatch.setattr(loads, "MAX_ROUNDS", 1)
     llm = make(name, POOL[name], disk_cache_dir=str(tmp_path / "kv"), disk_cache_size="8MiB")
     try:
         run_turn(llm, "t1", TURN1)
@@ -267,9 +267,9 @@ def test_device_attention_blocks_plus_tier_checkpoint(tmp_path, state_model, mon
     fresh = make(name, POOL[name], **kw)
     try:
         fork = TURN1 + tokens(10, 5)  # shares turn 1's 10 prompt blocks, then diverges
-        monkeypatch.setattr(tiering, "MAX_ROUNDS", 0)  # computed, not loaded from the disk
+        monkeypatch.setattr(loads, "MAX_ROUNDS", 0)  # computed, not loaded from the disk
         assert fresh.generate(fork, GREEDY)[0].num_cached_tokens == 0
-        monkeypatch.setattr(tiering, "MAX_ROUNDS", 2)
+        monkeypatch.setattr(loads, "MAX_ROUNDS", 2)
         settle(fresh)
         conn = fresh.core.tiers
         loaded = conn.counters["loaded_blocks"]
@@ -370,8 +370,8 @@ def test_tier_boundary_is_the_coordinators_fixed_point(data):
             kv.pool.cache_blocks(g, [b], [hashes[p]])
         cap = num_pos
         n = kv.coordinator.find_longest_hit(hashes, cap).num_blocks
-        b = conn._best_boundary(hashes, n, cap, tier)
-        wanted = set(conn._wanted(hashes, n, cap))
+        b = conn.loads.best_boundary(hashes, n, cap, tier)
+        wanted = set(conn.loads.wanted(hashes, n, cap))
         for g, p in sorted(tier - device):
             (blk,) = kv.pool.allocate(1)
             kv.pool.cache_blocks(g, [blk], [hashes[p]])
