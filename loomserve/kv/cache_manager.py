@@ -29,6 +29,9 @@ device ones, allocate rows for the rest), cache_loaded_pages (make loaded pages 
 their group's manager), hold_blocks / release_pages (keep rows from reuse while a tier copies
 them), hit_boundary, num_usable_blocks and the per-group flags token_block_groups /
 prefix_closed_groups.
+
+Subagents: while a request whose parent_session_id is set is seen here (probed, allocated or
+freed), the parent session counts as active: its session pin's time-to-live starts over.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class KVRequest(Protocol):
     cache_salt: str | None
     session_id: str | None
     block_hashes: list[bytes]  # starts []; only the KV manager appends to it
+    # Optional (read with getattr): parent_session_id, a subagent's parent session.
 
 
 @dataclass
@@ -149,6 +153,8 @@ class KVCacheManager:
         must not count."""
         if not self.enable_caching:
             return self._empty, 0
+        if self.pins is not None:
+            self._parent_active(req)
         n = len(req.all_token_ids)
         bs = self.block_size
         hashes = self.hasher.ensure(req, n // bs)
@@ -176,6 +182,7 @@ class KVCacheManager:
         rid = req.request_id
         coord = self.coordinator
         if self.pins is not None:
+            self._parent_active(req)  # first: a subagent's step keeps its parent's pin
             self.pins.expire()
         if coord.stepped:
             if self.enable_caching and self.has_state_groups:
@@ -202,6 +209,8 @@ class KVCacheManager:
         (checkpoint + prefix blocks) is pinned first."""
         coord = self.coordinator
         rid = req.request_id
+        if self.pins is not None:
+            self._parent_active(req)  # the parent's pin TTL runs from its subagent's end
         if self.enable_caching and (coord.state_managers or self.pins is not None) and \
                 coord.block_ids(rid) is not None:
             hashes = self.hasher.ensure(req)
@@ -214,6 +223,14 @@ class KVCacheManager:
         coord.free(rid)
         if self.enable_caching:
             self.hasher.remember(req)
+
+    def _parent_active(self, req: KVRequest) -> None:
+        """A subagent request is in the engine: its parent session counts as active, so the
+        parent's pin (the prefix its next turn hits) does not expire while its subagents run.
+        Lazy like expiry: refreshed whenever the request is probed, allocated or freed."""
+        parent = getattr(req, "parent_session_id", None)
+        if parent is not None and parent != req.session_id:
+            self.pins.refresh(parent)
 
     def state_directives(self, req: KVRequest) -> dict[int, StateDirective]:
         """Per state group index, what the runner does with req's state in the step just

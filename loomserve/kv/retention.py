@@ -19,6 +19,12 @@ prefix blocks a hit there needs are pinned (one reference each, so not evictable
 session ends, the TTL expires (checked lazily on allocation, with an injectable clock) or the
 byte budget makes room for a newer session's pin (oldest session first). A session holds at most
 one pin set: a new one replaces the old.
+
+Subagents: a session whose subagent requests (parent_session_id = the session) are in the
+engine is active, not paused: each time the KV manager sees such a request its parent's TTL
+starts over (`refresh`), so the parent's prefix survives a subagent run longer than the TTL and
+is released at most one TTL after its last subagent request was seen. Refreshing only extends
+a pin that exists; it never pins anything, and the byte budget still drops the oldest first.
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ class SessionPins:
         self.num_pinned += len(blocks)
         while self.num_pinned > self.budget_blocks:
             self._drop_oldest()
+        return True
+
+    def refresh(self, session_id: str) -> bool:
+        """The session is active (a subagent of it is in the engine): its pin's time-to-live
+        starts over. Keeps the expiry order (a constant TTL from a monotonic clock). False when
+        the session holds no pin."""
+        entry = self._pins.get(session_id)
+        if entry is None:
+            return False
+        self._pins[session_id] = (self.clock() + self.ttl_s, entry[1])
+        self._pins.move_to_end(session_id)
         return True
 
     def release(self, session_id: str) -> None:

@@ -36,7 +36,16 @@ __all__ = ["FULL", "GO", "MAX_ROUNDS", "TIERED_KINDS", "WAIT", "TierConnector",
 
 
 class TierConnector:
-    """The one object the engine talks to; it routes each call to the side that owns it."""
+    """The one object the engine talks to; it routes each call to the side that owns it.
+
+    Subagents (parent_session_id set): the parent session is waiting for its subagent, not
+    back. Its arrival is not the parent's return, so the store is not told the parent resumed
+    (that would drop the prefetch planned for the parent's pause and teach its think-time
+    predictor a gap that is the subagent's start, not the parent's think time). When a
+    subagent request finishes, the parent's planned prefetch is brought forward (started now,
+    if its pages were not fetched yet): the parent's next turn follows its subagents' reports,
+    which no think-time prediction of the parent can foresee. While the subagent is in the
+    engine the KV manager also keeps the parent's session pin alive (kv.retention)."""
 
     def __init__(self, kv, store, kv_buffer: torch.Tensor, model_id: str,
                  max_inflight: int = 8) -> None:
@@ -94,8 +103,13 @@ class TierConnector:
         """Before the KV manager frees req (finished or aborted)."""
         self.loads.on_finish(req)
         self.hits.forget(req.request_id)
-        if not aborted and req.session_id is not None:
+        if aborted:
+            return
+        if req.session_id is not None:
             self.stores.on_session_pause(req)
+        parent = getattr(req, "parent_session_id", None)
+        if parent is not None and parent != req.session_id:
+            self.stores.bring_forward(parent)
 
     # -- engine side --------------------------------------------------------------------------
     def after_execute(self) -> None:

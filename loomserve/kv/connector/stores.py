@@ -167,3 +167,12 @@ class StoreSide:
             if now >= self._next_prefetch:
                 self._next_prefetch = now + PREFETCH_POLL_S
                 self.store.poll_prefetch()
+
+    def bring_forward(self, session_id: str) -> None:
+        """Start the session's prefetch now, if its pause still has pages to fetch (see
+        TierConnector.on_finish: a subagent reported back, its parent returns next)."""
+        if not self.prefetching:
+            return
+        entry = self.store.sessions.paused.get(session_id)
+        if entry is not None and entry[1]:
+            self.store.prefetch(session_id, entry[1])
