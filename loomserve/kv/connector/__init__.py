@@ -28,11 +28,13 @@ from loomserve.kv.connector.factory import (
     tiers_supported,
 )
 from loomserve.kv.connector.hits import HitAccounting
-from loomserve.kv.connector.loads import FULL, GO, MAX_ROUNDS, WAIT, LoadSide
+from loomserve.kv.connector.loads import FULL, GO, WAIT, LoadSide
 from loomserve.kv.connector.stores import StoreSide
 
-__all__ = ["FULL", "GO", "MAX_ROUNDS", "TIERED_KINDS", "WAIT", "TierConnector",
-           "build_tiered_store", "model_identity", "tiers_supported"]
+# Tunables (MAX_ROUNDS, LOAD_CHUNK_BLOCKS, TIERED_KINDS) are read from their own modules:
+# patch them there (loads, factory), not here.
+__all__ = ["FULL", "GO", "TIERED_KINDS", "WAIT", "TierConnector", "build_tiered_store",
+           "model_identity", "tiers_supported"]
 
 
 class TierConnector:
