@@ -2,4 +2,6 @@ import sys
 
 from loomserve.entrypoints.cli import main
 
-sys.exit(main())
+# Guarded: the engine core's process is spawned, and spawn imports the parent's __main__.
+if __name__ == "__main__":
+    sys.exit(main())

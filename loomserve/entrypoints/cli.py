@@ -1,4 +1,4 @@
-"""Command line: `loomserve serve [MODEL] [options]`.
+"""Command line: `loomserve serve [MODEL] [options]`, `loomserve bench ...`, `loomserve store`.
 
 Subcommands keep room for `loomserve bench ...`. Option defaults are read from EngineConfig so
 the numbers live in one place.
@@ -7,7 +7,7 @@ the numbers live in one place.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from loomserve.config import DTYPES, EVICTION_POLICIES, EngineConfig, flat_defaults, flat_fields
@@ -81,10 +81,20 @@ def _add_serve(sub) -> None:
     t.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
                    help="most requests with a tier lookup or load in flight "
                         "(default: %(default)s)")
+    a = p.add_argument_group("admission and access")
+    a.add_argument("--max-waiting-requests", type=int, default=_DEFAULTS["max_waiting_requests"],
+                   help="most requests waiting for admission; more get HTTP 429 with "
+                        "Retry-After (default: one per KV block of the pool)")
+    a.add_argument("--api-key", default=os.environ.get("LOOMSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "
+                        "route but /health and /metrics (default: $LOOMSERVE_API_KEY, else none)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core in a thread of the server's process instead of its "
+                        "own process (one process to debug; the HTTP side then shares its GIL)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: %(default)s)")
-    p.set_defaults(func=serve)
+    p.set_defaults(func=_serve)
 
 
 def _add_store(sub) -> None:
@@ -108,59 +118,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _num_params(engine) -> int | None:
-    runner = getattr(getattr(engine, "core", None), "runner", None)
-    for owner in (engine, runner):
-        n = getattr(owner, "num_params", None)
-        if isinstance(n, int):
-            return n
-    model = getattr(runner, "model", None)
-    if model is not None and hasattr(model, "parameters"):
-        return sum(p.numel() for p in model.parameters())
-    return None
-
-
-def _human(n: float) -> str:
-    for unit in ("", "K", "M", "B"):
-        if abs(n) < 1000:
-            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
-        n /= 1000
-    return f"{n:.1f}T"
-
-
-def startup_line(engine, config: EngineConfig, url: str) -> str:
-    params = _num_params(engine)
-    return (f"loomserve: serving {engine.model_name} "
-            f"(from {config.model.model or 'built-in default'}, {config.model.dtype}, "
-            f"{config.model.torch_device}"
-            f"{f', {_human(params)} params' if params else ''}), "
-            f"context {engine.max_model_len} tokens, KV cache {engine.kv_capacity_tokens} tokens, "
-            f"on {url}")
-
-
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from loomserve.entrypoints.async_llm import AsyncLLM
-    from loomserve.entrypoints.server.app import build_app
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:
-        print(f"loomserve: error: {e}", file=sys.stderr)
-        return 2
-    engine = AsyncLLM(config)
-    try:
-        app = build_app(engine)
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        print(startup_line(engine, config, f"http://{host}:{args.port}"), flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()
-    return 0
+def _serve(args: argparse.Namespace) -> int:
+    from loomserve.entrypoints.serve import serve
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

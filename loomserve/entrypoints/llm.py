@@ -16,14 +16,18 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """`LLM(model=None)` loads the built-in default model; keyword arguments are EngineConfig's."""
+    """`LLM(model=None)` loads the built-in default model; keyword arguments are the flat
+    engine options (EngineConfig.from_kwargs). The core runs in this process, stepped by
+    generate(); it takes the same messages as a served core."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        # An offline batch queues every prompt at once: no admission limit unless asked.
+        kwargs.setdefault("max_waiting_requests", 1 << 62)
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.core = EngineCore(self.config)
-        runner = self.core.runner
-        self.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
-        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, runner.vocab_size)
+        ready = self.core.ready()
+        self.tokenizer = Tokenizer.from_folder(ready.model_folder, tuple(ready.eos_token_ids))
+        self.inputs = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | list[Prompt],
@@ -36,13 +40,17 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        requests = [self.inputs.make_request(str(next(self._ids)), p, sp)
+        requests = [self.inputs.make_core_request(str(next(self._ids)), p, sp)
                     for p, sp in zip(prompts, params)]  # all validated before any is queued
+        room = self.core.max_waiting_requests - len(self.core.scheduler.waiting)
+        if len(requests) > room:
+            raise ValueError(f"{len(requests)} prompts exceed max_waiting_requests "
+                             f"({self.core.max_waiting_requests})")
         states: dict[str, RequestState] = {}
         for req in requests:
             states[req.request_id] = RequestState(req.request_id, req.prompt_token_ids,
                                                   req.sampling, self.tokenizer)
-            self.core.add_request(req)
+            self.core.add(req)
         results: dict[str, RequestOutput] = {}
         while self.core.has_work():
             for out in self.core.step():

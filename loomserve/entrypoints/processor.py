@@ -7,7 +7,7 @@ not grow with detokenization, and a stop string ends a request by aborting it in
 from __future__ import annotations
 
 from loomserve.entrypoints.output import RequestOutput
-from loomserve.execution.core import CoreOutput
+from loomserve.execution.messages import CoreOutput, EngineCoreRequest
 from loomserve.execution.request import Request
 from loomserve.sampling_params import SamplingParams
 
@@ -35,6 +35,11 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      **session) -> Request:
+        """An in-process core's Request (for `LLM` and tests that step a core by hand)."""
+        return Request.from_message(self.make_core_request(request_id, prompt, params, **session))
+
+    def make_core_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          **session) -> EngineCoreRequest:
         """Validate everything the engine would otherwise trip over; ValueError says why."""
         params.validate()
         ids = self.tokenize(prompt)
@@ -51,7 +56,9 @@ class InputProcessor:
         if max_tokens > room:
             raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {len(ids)} tokens"
                              f" and the context length is {self.max_model_len}")
-        return Request(request_id, ids, params, max_tokens, self.tokenizer.eos_token_ids, **session)
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling=params,
+                                 max_tokens=max_tokens,
+                                 eos_token_ids=sorted(self.tokenizer.eos_token_ids), **session)
 
 
 class RequestState:

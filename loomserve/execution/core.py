@@ -1,21 +1,29 @@
 """The engine core: schedule, run, postprocess. Token ids in, token ids out.
 
-It owns the scheduler (control plane), the KV cache manager (data plane) and the model runner
-(execution plane) and is driven by exactly one thread. With KV tiers configured, a TierConnector
-(data plane, loomserve.kv.connector) sits beside the KV manager: the scheduler asks it about
-waiting requests, the step offers freshly computed blocks to it after the forward pass and
-polls it once per step; its I/O runs on the tier store's threads. Text (detokenization, stop strings)
-lives in the front end, off this loop, as in vLLM v1.
+It owns the scheduler, the KV cache manager (data plane) and the executor (the model on every
+rank), and is driven by exactly one thread: the core loop (core_loop.py), in its own process
+or, for debugging and `LLM`, in the caller's. With KV tiers, a TierConnector (loomserve.kv.
+connector) sits beside the KV manager: the scheduler asks it about waiting requests, each step
+offers it the blocks just computed and polls it; its I/O runs on the tier store's threads.
+Invariants: every request added gets exactly one finished CoreOutput (a rejection included);
+at most `max_waiting_requests` requests wait for admission.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
 
 from loomserve.config import EngineConfig
-from loomserve.execution.messages import EngineStats
+from loomserve.execution.executor import Executor, UniProcExecutor
+from loomserve.execution.messages import (
+    REJECTED,
+    CoreOutput,
+    CoreReady,
+    EngineCoreRequest,
+    EngineStats,
+)
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.request import Request, RequestStatus
 from loomserve.execution.scheduler import Scheduler
@@ -33,16 +41,6 @@ from loomserve.kv.spec import LinearStateSpec
 log = logging.getLogger("loomserve.execution")
 
 
-@dataclass
-class CoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    num_tier_cached_tokens: int = 0
-
-
 def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
                         ) -> TierConnector | None:
     """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
@@ -57,7 +55,8 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
                     "(%s)", ", ".join(kinds))
         return None
     store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes)
-    model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
+    model_id = model_identity(runner.model_name, runner.model_folder,
+                              config.model.resolved_cache_dir)
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
     return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier.tier_max_inflight)
 
@@ -81,9 +80,10 @@ def flop_model(runner: ModelRunner) -> FlopModel:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.runner = runner or ModelRunner(config)
+        self.executor = executor or UniProcExecutor(config)
+        self.runner = self.executor.driver_runner
         self.kv = KVCacheManager(self.runner.kv_cache_config,
                                  enable_caching=config.cache.enable_prefix_caching,
                                  retention=retention_config(config), eviction=config.cache.eviction,
@@ -101,15 +101,28 @@ class EngineCore:
                              f"of {capacity} tokens: raise --kv-cache-memory")
         # A request must fit in the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.runner.max_model_len, capacity)
+        # A waiting request holds no block, but more of them than blocks could never all run.
+        self.max_waiting_requests = (sc.max_waiting_requests if sc.max_waiting_requests
+                                     is not None else self.kv.num_blocks)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.num_rejected = 0
         self.last_step_seconds = 0.0
+
+    def add(self, msg: EngineCoreRequest) -> CoreOutput | None:
+        """Queue a front end's request; a finished REJECTED output when the queue is full."""
+        if len(self.scheduler.waiting) >= self.max_waiting_requests:
+            self.num_rejected += 1
+            return CoreOutput(msg.request_id, [], True, REJECTED, 0)
+        self.add_request(Request.from_message(msg))
+        return None
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
         self.prompt_tokens += req.num_prompt_tokens
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """End a request early (client gone, or a stop string the front end matched)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
@@ -129,7 +142,8 @@ class EngineCore:
         if tiers is not None:
             tiers.poll()
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched.model_input).sampled if sched.model_input.seqs else {}
+        inp = sched.model_input
+        sampled = self.executor.execute_model(inp).sampled if inp.seqs else {}
         if tiers is not None:
             tiers.after_execute()
             if not sched.model_input.seqs:
@@ -149,7 +163,8 @@ class EngineCore:
         if self.tiers is not None:
             raise RuntimeError("this engine already has KV tiers")
         runner = self.runner
-        model_id = model_identity(runner.model_name, getattr(runner, "model_folder", None))
+        model_id = model_identity(runner.model_name, runner.model_folder,
+                                  self.config.model.resolved_cache_dir)
         self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
                                    max_inflight or self.config.tier.tier_max_inflight)
         self.scheduler.tiers = self.tiers
@@ -161,6 +176,7 @@ class EngineCore:
             self.tiers.poll()
 
     def close(self) -> None:
+        self.executor.shutdown()
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
@@ -178,8 +194,38 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_rejected=self.num_rejected,
             prefix_hit_tokens_by_source=(
                 self.tiers.hit_tokens_by_source()
                 if self.tiers is not None else {"device": kv.stats.prefix_hit_tokens}),
             tiers=self.tiers.stats() if self.tiers is not None else {},
+            tier_snapshots=self.tier_snapshots(),
         )
+
+    def ready(self) -> CoreReady:
+        """What the front end learns once the model is loaded (see CoreReady)."""
+        r = self.runner
+        kc = r.kv_cache_config
+        return CoreReady(
+            model_name=self.config.model.served_model_name or r.model_name,
+            model_folder=r.model_folder, eos_token_ids=list(r.model_config.eos_token_ids),
+            max_model_len=self.max_model_len, vocab_size=r.vocab_size,
+            block_size=self.config.cache.block_size, kv_capacity_tokens=kc.capacity_tokens,
+            kv_blocks_total=kc.num_blocks, max_waiting_requests=self.max_waiting_requests,
+            num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
+            dtype=self.config.model.dtype,
+            tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
+            pid=os.getpid())
+
+    def tier_snapshots(self) -> list[dict]:
+        """Each tier's counters, health and latency histograms, as plain data."""
+        if self.tiers is None:
+            return []
+        out = []
+        for stats in self.tiers.store.stats():
+            snap = stats.snapshot()
+            snap["latency"] = {op: {"bounds": list(h.bounds), "counts": list(h.counts),
+                                    "total": h.total, "count": h.count}
+                               for op, h in snap["latency"].items()}
+            out.append(snap)
+        return out

@@ -53,6 +53,13 @@ class Request:
             stop_ids |= eos_token_ids
         self.stop_token_ids = frozenset(stop_ids)
 
+    @classmethod
+    def from_message(cls, msg) -> "Request":
+        """The core's request for a front end's EngineCoreRequest (loomserve.execution.messages)."""
+        return cls(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.max_tokens,
+                   frozenset(msg.eos_token_ids), session_id=msg.session_id,
+                   parent_session_id=msg.parent_session_id, cache_salt=msg.cache_salt)
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -18,8 +18,10 @@ logger = logging.getLogger("loomserve.entrypoints.server")
 
 class APIError(Exception):
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status_code = status_code
         self.message = message
         self.type = type
@@ -36,8 +38,28 @@ def model_not_found(name: str) -> APIError:
                     code="model_not_found")
 
 
-def engine_unavailable(exc: Exception) -> APIError:
-    return APIError(503, f"The engine is unavailable: {exc}", type="service_unavailable_error")
+def engine_failed(exc) -> APIError:
+    """500 when the core died under this request, 503 when it was already dead."""
+    if getattr(exc, "in_flight", False):
+        return APIError(500, f"The engine core failed: {exc}", type="internal_server_error",
+                        code="engine_core_failed")
+    return APIError(503, f"The engine is unavailable: {exc}", type="service_unavailable_error",
+                    code="engine_unavailable")
+
+
+# Seconds a client is told to wait after a 429: one scheduler step frees little, a second of
+# decode at the default batch frees many waiting slots; clients back off further themselves.
+RETRY_AFTER_S = 1
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(429, f"{message[0].upper()}{message[1:]}.", type="rate_limit_error",
+                    code="too_many_waiting_requests", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key")
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -46,8 +68,9 @@ def error_body(message: str, type: str, param: str | None = None,
 
 
 def error_response(status_code: int, message: str, type: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status_code)
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status_code,
+                        headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -72,7 +95,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code,
+                              exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

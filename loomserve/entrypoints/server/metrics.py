@@ -1,7 +1,8 @@
 """Prometheus metrics, one registry per app.
 
-Engine-side numbers (queue sizes, KV blocks, cumulative token counters) are read from
-engine.stats() at scrape time by a collector, so the engine loop never touches prometheus.
+Engine-side numbers (queue sizes, KV blocks, cumulative token counters, per-tier snapshots)
+are read at scrape time from the latest stats the core sent (engine.stats()), so the core
+never touches prometheus.
 Latencies are only visible where tokens reach the client, so the server observes them.
 """
 
@@ -68,16 +69,34 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("num_preemptions", "Requests preempted to free KV cache.",
                       s.num_preemptions)
+        yield counter("num_requests_rejected", "Requests refused with HTTP 429 because the "
+                      "waiting queue was full (--max-waiting-requests).", s.num_rejected)
+
+
+class _TierSnapshot:
+    """A tier's snapshot as shipped by the core, shaped like TierStats for the collector."""
+
+    def __init__(self, snap: dict) -> None:
+        from loomserve.kv.tiers.stats import Histogram
+        self._snap = {**snap, "latency": {op: Histogram(tuple(h["bounds"]), list(h["counts"]),
+                                                        h["total"], h["count"])
+                                          for op, h in snap["latency"].items()}}
+
+    def snapshot(self) -> dict:
+        return self._snap
+
+
+def tier_stats(stats) -> list[_TierSnapshot]:
+    return [_TierSnapshot(s) for s in stats.tier_snapshots]
 
 
 class ServerMetrics:
     def __init__(self, engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
-        tiers = getattr(getattr(engine, "core", None), "tiers", None)
-        if tiers is not None:  # per tier: hits, misses, bytes moved, latency, health
+        if engine.ready.tier_names:  # per tier: hits, misses, bytes moved, latency, health
             from loomserve.kv.tiers import prometheus_collector
-            self.registry.register(prometheus_collector(tiers.store.stats,
+            self.registry.register(prometheus_collector(lambda: tier_stats(engine.stats()),
                                                         prefix=f"{PREFIX}_tier"))
         self.model_name = model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)

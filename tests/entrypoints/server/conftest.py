@@ -1,6 +1,7 @@
 """One real engine on the tiny fixture model behind a real uvicorn server, for the whole session.
 
-The server runs in a thread of the test process, so tests can read engine.stats() directly.
+The engine core runs in its own process, as `loomserve serve` runs it; uvicorn runs in a thread
+of the test process, so tests can read engine.stats() (the core's latest snapshot) directly.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(**config):
-    """A real engine (tiny fixture model unless config says otherwise) behind uvicorn."""
+def running_server(*, in_process: bool = False, core_env: dict | None = None,
+                   api_keys: list[str] | None = None, **config):
+    """A real engine (tiny fixture model unless config says otherwise) behind uvicorn.
+    core_env: environment variables the engine core starts with (its debug hooks)."""
     if not os.path.isdir(TINY_LLAMA):
         pytest.skip("tests/fixtures/tiny-llama is missing")
     import uvicorn
@@ -49,12 +52,14 @@ def running_server(**config):
     from loomserve.entrypoints.server.app import build_app
 
     config = {"model": TINY_LLAMA, "kv_cache_memory": "8MiB", "dtype": "float32", **config}
-    engine = AsyncLLM(EngineConfig.from_kwargs(**config))
+    with _environ(core_env or {}):
+        engine = AsyncLLM(EngineConfig.from_kwargs(**config), in_process=in_process)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning", lifespan="off"))
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, api_keys), log_level="warning",
+                                        lifespan="off"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -68,6 +73,20 @@ def running_server(**config):
         thread.join(timeout=10)
         engine.shutdown()
         sock.close()
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

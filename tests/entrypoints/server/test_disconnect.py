@@ -1,26 +1,20 @@
 """A client that goes away mid-request frees its request: no running request, no blocks held."""
 
-import time
-
 import httpx
+import openai
 import pytest
 
+from tests.entrypoints.server.conftest import running_server
 from tests.entrypoints.server.test_metrics import scrape
 
 
-@pytest.fixture
-def slow_engine(server, monkeypatch):
-    """Pace the real engine's steps (15 ms each) so a fast machine cannot finish the whole
-    generation before the client's disconnect is seen. The engine does not wait for its
-    consumer, so slowing the stream alone would not do."""
-    core = server.engine.core
-    step = core.step
-
-    def paced_step():
-        time.sleep(0.015)
-        return step()
-
-    monkeypatch.setattr(core, "step", paced_step)
+@pytest.fixture(scope="module")
+def slow_server():
+    """The real engine with its steps paced (15 ms each, the core's LOOMSERVE_STEP_DELAY_MS
+    hook) so a fast machine cannot finish the whole generation before the client's disconnect
+    is seen. The engine does not wait for its consumer, so slowing the stream would not do."""
+    with running_server(core_env={"LOOMSERVE_STEP_DELAY_MS": "15"}) as srv:
+        yield srv
 
 
 def _long_request(server, prompt="Tell me everything"):
@@ -29,7 +23,10 @@ def _long_request(server, prompt="Tell me everything"):
             "ignore_eos": True}
 
 
-def test_stream_disconnect_aborts_the_request(client, server, slow_engine):
+def test_stream_disconnect_aborts_the_request(slow_server):
+    server = slow_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
     server.wait_idle()
     body = _long_request(server)
     generated_before = scrape(server)["loomserve_generation_tokens_total"]
@@ -46,7 +43,8 @@ def test_stream_disconnect_aborts_the_request(client, server, slow_engine):
     assert generated < body["max_tokens"], "the request ran to the end instead of being aborted"
 
 
-def test_non_streaming_disconnect_aborts_the_request(server, slow_engine):
+def test_non_streaming_disconnect_aborts_the_request(slow_server):
+    server = slow_server
     server.wait_idle()
     body = _long_request(server, "Another long story")
     generated_before = scrape(server)["loomserve_generation_tokens_total"]

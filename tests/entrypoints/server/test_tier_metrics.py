@@ -32,7 +32,7 @@ def test_tier_metrics_and_hits_by_source():
     a = [rng.randrange(3, 400) for _ in range(100)]
     others = [[rng.randrange(3, 400) for _ in range(100)] for _ in range(4)]
     with running_server(kv_cache_memory=str(16 * PAGE), host_cache_memory=str(64 * PAGE)) as srv:
-        assert srv.engine.core.tiers is not None
+        assert srv.engine.ready.tier_names == ["host"]
         first = complete(srv, a)
         for p in others:
             complete(srv, p)

@@ -1,0 +1,87 @@
+"""`loomserve serve`: the engine core in its own process, the HTTP front end in this one.
+
+Supervision: when the core dies (an exception in its loop, or its process killed) every
+in-flight request has already been failed by AsyncLLM; /health and new requests answer 503 for
+DEAD_GRACE_S (so a load balancer sees the instance go), then the server shuts down and the
+process exits with code 1, for systemd or Kubernetes to restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from loomserve.config import EngineConfig
+
+DEAD_GRACE_S = 2.0
+EXIT_CORE_DIED = 1
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+def startup_line(engine, config: EngineConfig, url: str) -> str:
+    ready = engine.ready
+    layout = "engine in-process" if engine.core is not None else f"engine core pid {ready.pid}"
+    return (f"loomserve: serving {engine.model_name} "
+            f"(from {config.model.model or 'built-in default'}, {ready.dtype}, {ready.device}, "
+            f"{_human(ready.num_params)} params), context {engine.max_model_len} tokens, "
+            f"KV cache {engine.kv_capacity_tokens} tokens, {layout}, on {url}")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loomserve.entrypoints.async_llm import AsyncLLM, EngineStartError
+    from loomserve.entrypoints.cli import engine_config_from_args
+    from loomserve.entrypoints.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine = AsyncLLM(config, in_process=args.engine_in_process,
+                          log_level=args.log_level.upper())
+    except EngineStartError as e:
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        app = build_app(engine, api_keys=[args.api_key] if args.api_key else None)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level,
+                                               timeout_graceful_shutdown=5))
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(startup_line(engine, config, f"http://{host}:{args.port}"), flush=True)
+        asyncio.run(_run(server, engine))
+    finally:
+        engine.shutdown()
+    if engine.dead is not None:
+        print(f"loomserve: the engine core died ({engine.dead.error}); exiting",
+              file=sys.stderr, flush=True)
+        return EXIT_CORE_DIED
+    return 0
+
+
+async def _run(server, engine) -> None:
+    loop = asyncio.get_running_loop()
+
+    def stop_later(_dead) -> None:  # on a client thread
+        loop.call_soon_threadsafe(loop.call_later, DEAD_GRACE_S, _stop, server)
+
+    engine.on_dead(stop_later)
+    await server.serve()
+
+
+def _stop(server) -> None:
+    server.should_exit = True

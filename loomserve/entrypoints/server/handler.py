@@ -1,0 +1,217 @@
+"""One request's life in the HTTP server: submit, wait, stream or collect, abort.
+
+A request that loses its client is aborted: streams close the engine iterator in a `finally`,
+non-streaming waits poll for the disconnect. Engine failures map to the API's error shape: a
+full waiting queue is a 429 with Retry-After, a core that died under an in-flight request a
+500, a core already dead a 503; after the headers of a stream, an error is an in-band event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Send
+
+from loomserve.entrypoints.async_llm import EngineDeadError, EngineOverloadedError
+from loomserve.entrypoints.output import RequestOutput
+from loomserve.entrypoints.server.errors import (
+    APIError,
+    bad_request,
+    engine_failed,
+    error_body,
+    model_not_found,
+    overloaded,
+)
+from loomserve.entrypoints.server.metrics import RequestTimer, ServerMetrics
+from loomserve.entrypoints.server.protocol import _SamplingRequest
+
+logger = logging.getLogger("loomserve.entrypoints.server")
+
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    pass
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, however the stream ends.
+
+    Starlette leaves the iterator suspended when the client vanishes between two chunks; closing
+    it here runs the generator's `finally`, which aborts the engine request at once instead of
+    whenever the garbage collector gets to it.
+    """
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+class Handler:
+    def __init__(self, engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def check_model(self, req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise model_not_found(req.model)
+
+    async def start(self, request: Request, prompt: str | list[int], req: _SamplingRequest,
+                    request_id: str):
+        """Submit to the engine and wait for the first output.
+
+        Waiting before any byte is sent lets engine-side validation errors (prompt too long,
+        bad token ids) become a 400 even for streams.
+        """
+        params = req.to_sampling_params()
+        timer = self.metrics.tracker()
+        try:
+            it = self.engine.generate(
+                prompt, params, request_id,
+                session_id=request.headers.get("x-session-id"),
+                parent_session_id=request.headers.get("x-parent-session-id"),
+                cache_salt=req.cache_salt)
+            if inspect.isawaitable(it):
+                it = await it
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_failed(e) from e
+        try:
+            first = await self._until_disconnect(request, it.__anext__())
+        except ValueError as e:
+            await close_iterator(it)
+            raise bad_request(str(e)) from e
+        except EngineOverloadedError as e:
+            await close_iterator(it)
+            raise overloaded(str(e)) from e
+        except EngineDeadError as e:
+            await close_iterator(it)
+            raise engine_failed(e) from e
+        except StopAsyncIteration:
+            raise APIError(500, "The engine ended the request without output.",
+                           type="internal_server_error")
+        except BaseException:
+            await self._abort(it, request_id)
+            raise
+        timer.on_output(len(first.new_token_ids), first.finished, first.finish_reason)
+        return it, first, timer
+
+    async def collect(self, request: Request, it, first: RequestOutput, timer: RequestTimer,
+                      request_id: str) -> RequestOutput:
+        async def drain() -> RequestOutput:
+            out = first
+            while not out.finished:
+                try:
+                    out = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+            return out
+
+        try:
+            out = await self._until_disconnect(request, drain())
+        except EngineDeadError as e:
+            await close_iterator(it)
+            raise engine_failed(e) from e
+        except BaseException:
+            await self._abort(it, request_id)
+            raise
+        await close_iterator(it)
+        return out
+
+    async def _until_disconnect(self, request: Request, awaitable):
+        """Await `awaitable`, cancelling it if the client goes away meanwhile."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    raise ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _abort(self, it, request_id: str) -> None:
+        # Closing the iterator aborts the request (engine contract); the explicit abort covers
+        # a request the iterator had not yet handed to the engine loop.
+        with anyio.CancelScope(shield=True):
+            await close_iterator(it)
+            try:
+                await self.engine.abort(request_id)
+            except Exception:  # already finished or never admitted
+                pass
+
+    # streams -------------------------------------------------------------------------------
+
+    async def stream(self, it, first: RequestOutput, timer: RequestTimer, request_id: str,
+                     chunks) -> AsyncIterator[str]:
+        """Yield SSE lines; `chunks(out)` turns one RequestOutput into payload dicts."""
+        out = first
+        try:
+            for payload in chunks(out, True):
+                yield sse(payload)
+            while not out.finished:
+                try:
+                    out = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except EngineDeadError as e:  # headers are sent: report in-band, as OpenAI does
+                    yield sse(error_body(f"The engine core failed: {e}",
+                                          "internal_server_error", code="engine_core_failed"))
+                    break
+                except Exception as e:
+                    logger.exception("request %s failed mid-stream", request_id)
+                    yield sse(error_body(f"{type(e).__name__}: {e}", "internal_server_error"))
+                    break
+                timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+                for payload in chunks(out, False):
+                    yield sse(payload)
+            yield "data: [DONE]\n\n"
+        finally:
+            if out.finished:
+                with anyio.CancelScope(shield=True):
+                    await close_iterator(it)
+            else:
+                await self._abort(it, request_id)
+
+
+async def close_iterator(it) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:
+            logger.debug("closing the engine iterator failed", exc_info=True)
+
+
+def sse(payload) -> str:
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,91 @@
+"""The engine core's own process: build the core, then run the core loop over ZMQ.
+
+The front end binds two IPC sockets and spawns this process (multiprocessing "spawn": no forked
+torch or OpenMP state), which connects a PULL socket for CoreInput and a PUSH socket for
+CoreEvent, both msgpack. The first event is CoreReady (or CoreFailed, and exit 1). Exit codes:
+0 after a Shutdown or when the front end is gone, 1 after a core failure (CoreDead sent first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from loomserve.config import EngineConfig
+from loomserve.execution import faults
+from loomserve.execution.core_loop import CoreLoop
+from loomserve.execution.messages import CoreFailed, CoreInput, Shutdown, input_decoder
+
+log = logging.getLogger("loomserve.execution")
+
+
+class ZmqTransport:
+    """CoreTransport over a PULL (inputs) and a PUSH (events) socket. A parent that is gone
+    (its pid no longer ours) reads as a Shutdown: the core never outlives its front end."""
+
+    def __init__(self, inputs: zmq.Socket, events: zmq.Socket, parent_pid: int) -> None:
+        self.inputs, self.events = inputs, events
+        self.parent_pid = parent_pid
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = input_decoder()
+
+    def recv(self, timeout: float) -> list[CoreInput]:
+        if os.getppid() != self.parent_pid:
+            return [Shutdown()]
+        if not self.inputs.poll(int(timeout * 1000)):
+            return []
+        out = []
+        while True:
+            try:
+                out.append(self._dec.decode(self.inputs.recv(zmq.NOBLOCK, copy=False).buffer))
+            except zmq.Again:
+                return out
+
+    def send(self, event) -> None:
+        self.events.send(self._enc.encode(event))
+
+
+def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, parent_pid: int,
+                     log_level: str = "INFO") -> None:
+    """Process target: serve the front end at the two addresses until told to stop."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    events = ctx.socket(zmq.PUSH)
+    for sock in (inputs, events):
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+    inputs.connect(input_addr)
+    events.connect(event_addr)
+    transport = ZmqTransport(inputs, events, parent_pid)
+    code = 1
+    try:
+        try:
+            from loomserve.execution.core import EngineCore
+            core = EngineCore(config)
+            faults.install(core)
+        except BaseException as exc:  # noqa: BLE001 - a failed start is reported, then exit 1
+            log.error("the engine core could not start\n%s", traceback.format_exc())
+            transport.send(CoreFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            return
+        try:
+            transport.send(core.ready())
+            code = CoreLoop(core, transport).run()
+        finally:
+            try:
+                core.close()
+            except Exception:  # closing tiers after a failure may fail too: keep the exit code
+                log.exception("closing the engine core failed")
+    finally:
+        events.close(linger=2000)  # deliver the last event (CoreDead) before exiting
+        inputs.close(linger=0)
+        ctx.term()
+        sys.exit(code)

@@ -1,0 +1,51 @@
+"""The executor: how a step's ModelInput reaches the model on every rank.
+
+One worker per rank, each owning a ModelRunner (model weights, its shard of the paged KV
+buffer, the sampler). Today there is one rank in the core's own process (UniProcExecutor); the
+seam is here so that multi-process workers (tensor, data, expert parallelism) plug in behind
+the same three calls without the engine core changing. Invariant: execute_model returns the
+sampled tokens of the driver rank (rank 0), the same on every rank.
+"""
+
+from __future__ import annotations
+
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelInput, ModelOutput
+from loomserve.execution.model_runner import ModelRunner
+
+
+class Worker:
+    """One rank: a device, its ModelRunner."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.rank = rank
+        self.runner = ModelRunner(config)
+
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        return self.runner.execute(model_input)
+
+
+class Executor:
+    """The engine core's only way to the model. `driver_runner` is rank 0's runner: its KV
+    config sizes the KV manager and its KV buffer is what the tiers read and write."""
+
+    driver_runner: ModelRunner
+
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    """One worker, in the calling process (the engine core's)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.world_size != 1:
+            raise ValueError("UniProcExecutor runs one rank")
+        self.worker = Worker(config)
+        self.driver_runner = self.worker.runner
+
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        return self.worker.execute_model(model_input)
