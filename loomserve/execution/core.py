@@ -143,7 +143,9 @@ class EngineCore:
             tiers.poll()
         sched = self.scheduler.schedule()
         inp = sched.model_input
-        sampled = self.executor.execute_model(inp).sampled if inp.seqs else {}
+        # Finished ids go to the workers even in a step without seqs (their per-request state).
+        sampled = (self.executor.execute_model(inp).sampled
+                   if inp.seqs or inp.finished_request_ids else {})
         if tiers is not None:
             tiers.after_execute()
             if not sched.model_input.seqs:
