@@ -5,8 +5,8 @@ The variants differ in four ways, each an option; which model uses which:
 
     model / layer                     zero_centered  scale_in_fp32  gate      groups
     Llama family, gpt-oss             -              -              -         1
-    Gemma 3, Qwen3-Next (outer)       yes            yes            -         1
-    Nemotron-H (outer)                -              yes            -         1
+    Gemma 3, Qwen3-Next (q/k, layer)  yes            yes            -         1
+    Nemotron-H (block, final)         -              yes            -         1
     Qwen3-Next Gated DeltaNet         -              -              "after"   1
     Mamba2 (Nemotron-H)               -              -              "before"  n_groups
 
@@ -18,8 +18,8 @@ gate: silu(z) multiplies the input before the normalization ("before") or the re
     output and `dtype` the model dtype. groups: normalize each of `groups` equal slices of the
     last dimension on its own.
 
-The parameter is `weight`, as in every checkpoint. The options are resolved once, here: forward
-is bound to one straight-line function, so no option costs a kernel or a branch per call.
+The parameter is `weight`, as in every checkpoint. The options are resolved once, in __init__:
+forward is bound to one straight-line function, so no option costs a kernel or a branch per call.
 """
 
 from __future__ import annotations
