@@ -1,26 +1,17 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
-Every request simply has `num_tokens - num_computed_tokens` tokens left to compute: a fresh
-prompt, a preempted request's prompt + outputs, or the one latest token of a decode. Each step:
+Every request has `num_tokens - num_computed_tokens` tokens left to compute (a fresh prompt, a
+preempted request's prompt + outputs, or one decode token). Each step serves running requests
+first, preempting the most recently admitted by recompute when the pool cannot hold them, then
+admits waiting ones, each claiming its longest cached prefix, asking the TierConnector first
+when there is one. The policy: docs/architecture.md, "Scheduling"; the step in detail:
+"Details by module".
 
-1. Running requests first, in admission order. Each gets min(left, long-prefill cap, budget)
-   tokens. When the pool cannot hold them, the most recently admitted running request is
-   preempted (blocks freed, recompute later) until it fits, or the request preempts itself.
-2. Then waiting requests, in order, while the budget, `max_num_seqs` and the pool allow; a new
-   request first claims its longest cached prefix. Nothing waiting is admitted in a step that
-   preempted, so the pool is not churned.
-
-The per-request cap (`long_prefill_threshold`) is what keeps short cached agent turns flowing
-beside a long fresh prefill: the long one advances a chunk per step while the rest still fit
-in the budget.
-
-With KV tiers (a TierConnector, loomserve.kv.connector), a waiting request first asks the
-connector: while its tier lookup or load is in flight it stays waiting and is skipped, and the
-requests behind it are still admitted; once its pages are loaded they are ordinary device hits.
-
-Invariants: a request is in exactly one of `waiting` / `running` or finished; a running
-request's blocks cover its computed tokens; a finished, preempted or waiting request holds no
-block (rows a tier is loading for a waiting request belong to the TierConnector).
+Invariants:
+- A request is in exactly one of `waiting` / `running` or finished.
+- A running request's blocks cover its computed tokens; a finished, preempted or waiting
+  request holds no block (rows a tier is loading for a waiting request belong to the
+  TierConnector).
 """
 
 from __future__ import annotations

@@ -1,37 +1,17 @@
 """KVCacheManager: the facade the scheduler uses (pool + hasher + coordinator + managers).
 
-Call pattern per request (see the engine's scheduler):
-    hit, n_hit = kv.get_computed_blocks(req)          # only while req holds no blocks
-    ok = kv.allocate_slots(req, n_new, hit, n_hit)    # right after; False = pool too small
-    ... the scheduler advances req.num_computed_tokens ...
-    ok = kv.allocate_slots(req, n_new)                # next chunks / decode steps
-    kv.free(req)                                      # finished, aborted or preempted
-Preemption by recompute is free(req) + num_computed_tokens = 0; the request keeps its
-block_hashes, which stay valid and are never recomputed.
+Per request: get_computed_blocks (only while it holds no blocks), allocate_slots right after
+and for each later chunk or decode step (False: the pool is too small, nothing changed), free
+when it finishes, aborts or is preempted. state_directives says what the runner does with a
+hybrid model's recurrent states in the step just allocated; the "packed pages and tiers"
+methods are the tier connector's only way into the pool. The call pattern, the packed layout
+and subagents: docs/architecture.md, "Details by module".
 
-A hit handle is valid until the next allocate_slots/free/reset call: allocate_slots checks it
-(cheaply, via the pool's eviction epoch) and raises StaleHitError if its blocks were reused.
-
-Hybrid models (sliding-window and linear/SSM-state groups in the same pool): after a successful
-allocate_slots, state_directives(req) says per state group where the request's recurrent state
-lives, whether to copy a checkpoint into it or zero it, and which checkpoints to save inside the
-step just allocated. The step allocated by allocate_slots must have run before the request's
-next allocate_slots or free (the engine's schedule -> run -> update loop guarantees it): that
-is when the copied checkpoint is released and the saved ones become hittable.
-
-Packed layout: the runner's backing buffer is [num_blocks, page_bytes]; row b is block b's
-page, holding all layers of its group (a state checkpoint is one page too). A block's bytes
-move between tiers as one unit: pages_for_hashes / request_pages list the (group, block id)
-pages to copy. The tier connector (loomserve.kv.connector) reaches the pool only through the
-methods of the "packed pages and tiers" section: cached_blocks (which pages are on the device),
-hit_positions (which pages of each group a hit of b blocks reads), claim_pages (reference the
-device ones, allocate rows for the rest), cache_loaded_pages (make loaded pages hittable in
-their group's manager), hold_blocks / release_pages (keep rows from reuse while a tier copies
-them), hit_boundary, num_usable_blocks and the per-group flags token_block_groups /
-prefix_closed_groups.
-
-Subagents: while a request whose parent_session_id is set is seen here (probed, allocated or
-freed), the parent session counts as active: its session pin's time-to-live starts over.
+Invariants:
+- A hit handle is valid until the next allocate_slots/free/reset call; allocate_slots raises
+  StaleHitError if its blocks were reused.
+- The step allocated by allocate_slots has run before the request's next allocate_slots or free.
+- A preempted request keeps its block_hashes: they stay valid and are never recomputed.
 """
 
 from __future__ import annotations

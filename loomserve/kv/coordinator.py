@@ -1,21 +1,16 @@
 """Reconciles the KV groups: one hit length for all of them, one allocation transaction.
 
-Hit length is a fixed point: start from the cap (prompt length - 1, in whole blocks), let each
-group find its longest hit no longer than the current length (each may lower it), and repeat
-until a full pass over the groups lowers nothing. Full attention matches leading cached
-blocks, sliding window needs the window before the boundary cached, linear/SSM state needs a
-checkpoint exactly at the boundary. Full attention alone converges in one pass; groups whose
-hits are not prefix-closed (sliding window, state checkpoints) are asked again when another
-group lowers the length. The attention groups' own first answer is kept on the hit
-(`attn_blocks`): where it exceeds the agreed length, a prefix is reused without a checkpoint
-(the Marconi retention signal).
+Each group serves a prefix hit its own way (full attention the leading cached blocks, sliding
+window the window before the boundary, linear/SSM state a checkpoint exactly at it); the
+coordinator iterates them to a fixed point, the longest length every group can serve, and
+allocates every group's blocks together. The fixed point, the Marconi signal (`attn_blocks`)
+and the allocation order: docs/architecture.md, "Details by module".
 
-Allocation is all or nothing: per-step bookkeeping first (sliding windows free blocks that left
-the window; state groups release the checkpoint their previous step copied and hash that
-step's saves; both are owed whatever happens next), then count the free-queue blocks every
-group needs (new blocks, state saves, plus hit blocks that are free, since claiming those takes
-them out of the free queue), compare with the free count, then claim every group's hits, then
-allocate. Pure-attention configs skip the per-step calls entirely.
+Invariants:
+- Allocation is all or nothing: every group's hits are claimed and new blocks allocated, or
+  none are.
+- The per-step bookkeeping before it (window frees, the previous step's checkpoints) runs
+  whatever the outcome; pure-attention configs skip it.
 """
 
 from __future__ import annotations

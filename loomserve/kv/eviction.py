@@ -1,25 +1,15 @@
 """Eviction policy over the pool's one free queue: which hashed free block is reused next.
 
-LRU needs nothing here: it is the free queue's own order (BlockPool with evictor=None).
-
-FLOP-aware (after Marconi, arXiv 2411.19379): a hashed free block's utility is
-    normalized recency + alpha * normalized FLOPs saved per byte held
-and the block with the lowest utility is evicted first. Recency is the pool-wide count of blocks
-freed before it, divided by the number of usable blocks (one full turnover of the pool = 1.0).
-FLOPs saved is what a hit on the block spares (`Block.saved_flops`, set by the managers from a
-`FlopModel` when they cache the block): a KV block spares its own block of tokens at its
-position, a state checkpoint at position p spares recomputing p tokens through every layer,
-attention's quadratic term included. Every block occupies one page of the one pool, so bytes
-held = page_bytes for all groups, and FLOPs per byte is normalized by a reference checkpoint
-(ref_tokens long) per page. Both terms are fixed when the block enters the queue, so utility is
-a static key: a binary heap gives O(log n) push/pop and no rescan.
+LRU needs nothing here: it is the free queue's own order (BlockPool with evictor=None). The
+FLOP-aware policy (after Marconi, arXiv 2411.19379) evicts first the hashed free block of
+lowest utility, normalized recency + alpha * normalized FLOPs saved per byte held. Utility is
+fixed when the block enters the queue, so a binary heap with lazy updates serves it in
+O(log n) without rescans. The formula and the heap's bookkeeping: docs/architecture.md,
+"Details by module".
 
 Invariant: every hashed block in the free queue has exactly one live heap entry (the one whose
-version equals its evict_ver), whose key is <= the block's current utility (equal unless the
-block was touched and freed again since the entry was made: such an entry is moved to the
-block's utility only when it reaches the top). Live entries of blocks in use are dropped when
-they reach the top; superseded entries (version != evict_ver) are skipped. A prefix that every
-turn hits and frees again thus costs no heap operation per turn, only when it nears eviction.
+version equals its evict_ver), whose key is <= the block's current utility. Live entries of
+blocks in use are dropped when they reach the top; superseded entries are skipped.
 """
 
 from __future__ import annotations

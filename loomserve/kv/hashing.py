@@ -1,22 +1,15 @@
 """Chained block hashes, incremental per request and per session.
 
-A block's key is H(parent key, its token ids, extra keys) with xxh3-128, a 16-byte `bytes`
-digest. The parent of block 0 is a fixed 16-byte root, tokens are packed as int32, so every
-field but the trailing extra keys has a fixed length and the encoding is unambiguous. The only
-extra key today is the request's `cache_salt`, mixed into block 0 only: chaining carries it into
-every later key, so requests with different salts (or salt vs. none) never share a block.
+A block's key is H(parent key, its token ids, extra keys) with xxh3-128, a 16-byte digest; the
+only extra key is the request's `cache_salt`, mixed into block 0, so requests with different
+salts never share a block. `BlockHasher` extends `req.block_hashes` only as far as asked, and a
+new turn of a session takes the previous request's chain for the blocks it left unchanged.
+The encoding and the session memo: docs/architecture.md, "Details by module".
 
-`BlockHasher` extends `req.block_hashes` (which only it appends to) up to a number of full
-blocks, hashing only blocks not hashed yet (prompt blocks, then blocks filled by generated
-tokens). It also keeps a bounded LRU memo session_id -> (salt, token list, hash list) of the
-session's latest request: a new turn whose tokens start with the same tokens takes the previous
-chain for the unchanged blocks and hashes only its new suffix. The unchanged prefix is verified
-(list comparison, in C) before reuse, never assumed; on a mismatch only the blocks before the
-first differing block are reused.
-
-The memo holds references to the previous request's `all_token_ids` and `block_hashes`, not
-copies: both lists must be append-only (the KVRequest contract), and reuse reads only the part
-covered by the hashes present at reuse time.
+Invariants:
+- Only BlockHasher appends to req.block_hashes; all_token_ids and block_hashes are
+  append-only (the KVRequest contract), since the memo holds references to them, not copies.
+- A reused prefix is verified token by token before reuse, never assumed.
 """
 
 from __future__ import annotations

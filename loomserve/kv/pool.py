@@ -1,24 +1,17 @@
 """The block pool: uniform blocks, reference counts, one free/evictable queue, the hash map.
 
-Mechanism only: the pool knows nothing of attention types. Group ids appear only as a tag on
-cached hashes (one hash -> block dict per group, equivalent to keying one dict by
-(group, hash)); which blocks a request needs, hits and frees is decided by the managers.
+Mechanism only: the pool knows nothing of attention types; group ids only tag cached hashes
+(one hash -> block dict per group), and which blocks a request needs, hits and frees is
+decided by the managers. Free and evictable are one intrusive queue: freed unhashed blocks go
+to the front (reused first), hashed ones to the back (LRU), unless an evictor
+(loomserve.kv.eviction) ranks the hashed ones. Queue mechanics, eviction and the null block:
+docs/architecture.md, "Details by module".
 
-Free and evictable are one queue, an intrusive doubly linked list through the blocks'
-prev_free/next_free slots with head and tail sentinels: popleft, append, appendleft and
-remove-from-middle are O(1) and allocate nothing. A freed block keeps its hash and stays
-hittable until it is popped for reuse; then its hash is dropped and BlockRemoved emitted.
-Freed blocks without a hash go to the front (reused first), hashed ones to the back (LRU).
-
-Eviction: which evictable (hashed, free) block is reused next is a policy. Without an evictor
-it is the queue order (LRU: the front); with one (loomserve.kv.eviction) the evictor picks among
-the hashed free blocks, while unhashed free blocks are still reused first from the front. The
-queue stays the single source of truth for what is free: the evictor only ranks.
-
-Null block: with reserve_null_block=True, block 0 is set aside as a placeholder (for managers
-that must fill skipped positions, e.g. sliding window); it is never in the free queue, never
-hashed, never counted as free or in use. Full attention does not need it, so it is off by
-default and every block id 0..num_blocks-1 is usable.
+Invariants:
+- A freed block keeps its hash and stays hittable until it is popped for reuse; then its hash
+  is dropped (BlockRemoved) and eviction_epoch is bumped.
+- The queue is the single source of truth for what is free: an evictor only ranks.
+- The null block (reserve_null_block=True: block 0) is never free, hashed or counted.
 """
 
 from __future__ import annotations

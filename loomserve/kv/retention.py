@@ -2,29 +2,16 @@
 (session pinning). Policy only: the state manager asks `RetentionConfig` which boundaries to
 save; `SessionPins` holds references through the pool like any other holder.
 
-Always on (the plain-engine baseline, policy "a"): when a request is freed, the state at the
-last block boundary its computation crossed is kept as a checkpoint.
-On top, combinable:
-- interval: a checkpoint at the end of each turn's prompt, block aligned
-  (floor(prompt_len / block_size) * block_size), plus one every `every_n_tokens` if > 0.
-- marconi: when a request's full-attention hit reaches further than any state checkpoint (a
-  prefix reused without a checkpoint; the hit is lowered to the last checkpoint so the gap is
-  recomputed anyway), keep a checkpoint at the full-attention hit boundary so the next sharer
-  hits there.
-`max_checkpoints_per_path` bounds the checkpoints one request keeps (besides the end one);
-priority: marconi, then prompt end, then the every-n ones (latest first).
+The state at a freed request's last crossed boundary is always kept; `interval` (prompt end,
+every n tokens) and `marconi` (where a full-attention hit outran every checkpoint) add
+checkpoints, at most `max_checkpoints_per_path` per request. Pinning keeps a session's latest
+hit boundary referenced until the session ends, the TTL runs out or the byte budget needs the
+room. The policies in detail: docs/architecture.md, "Details by module".
 
-Pinning (pin_ttl_s > 0): when a request of a session is freed, its latest checkpoint(s) and the
-prefix blocks a hit there needs are pinned (one reference each, so not evictable) until the
-session ends, the TTL expires (checked lazily on allocation, with an injectable clock) or the
-byte budget makes room for a newer session's pin (oldest session first). A session holds at most
-one pin set: a new one replaces the old.
-
-Subagents: a session whose subagent requests (parent_session_id = the session) are in the
-engine is active, not paused: each time the KV manager sees such a request its parent's TTL
-starts over (`refresh`), so the parent's prefix survives a subagent run longer than the TTL and
-is released at most one TTL after its last subagent request was seen. Refreshing only extends
-a pin that exists; it never pins anything, and the byte budget still drops the oldest first.
+Invariants:
+- A session holds at most one pin set: a new one replaces the old.
+- Pins never exceed the byte budget; the oldest session's pin is dropped first.
+- Refreshing (a subagent of the session was seen) only extends a pin that exists.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """TierConnector: the device pool's link to the tiers below it (loomserve.kv.tiers.TieredStore).
 
-The scheduler asks, the data plane answers: `prepare(req)` before admitting a waiting request
-(GO / WAIT / FULL), `on_add` / `on_admit` / `on_finish` around its life; the engine calls
-`after_execute()` after each forward pass and `poll()` once per step and while idle. Tier I/O
-never blocks a step: it runs on the store's threads and is looked at again on a later call.
-A page is one block's row of the packed buffer, keyed per group (layout fingerprint, then the
-block's chained hash). The parts: loads.py (scheduler side: lookup -> load per request),
-stores.py (store side: offers, session write-down, rows held while copied), hits.py (hit
-tokens by source, counters), factory.py (tiers_supported, build_tiered_store, model_identity).
+The scheduler asks (`prepare`: GO / WAIT / FULL; `on_add` / `on_admit` / `on_finish`), the
+engine calls `after_execute()` after each forward pass and `poll()` once per step and while
+idle; each call goes to the part that owns it: loads.py (scheduler side), stores.py (store
+side), hits.py (accounting), factory.py (setup). The contract: docs/architecture.md, "Tiers
+and the connector"; the parts: "Details by module".
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash.
 - A row being loaded or stored is not reused before its handle is done.
-- The connector reaches the pool through the KVCacheManager facade only.
+- Tier I/O never blocks a step; the pool is reached through the KVCacheManager facade only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The scheduler side: per waiting request, lookup -> load -> device hit (GO / WAIT / FULL).
 
-A hit of b blocks needs, per group, the pages the device coordinator would read
-(KVCacheManager.hit_positions). `prepare` probes the device (n blocks hit); if more could hit,
-it looks the missing pages up in the tiers in the background (WAIT). When the lookup is done,
-it picks the largest b whose pages are all on the device or found (`best_boundary`), claims the
-device pages and fresh rows for the rest (all or nothing; FULL if the pool cannot), and loads
-them (WAIT). When the load is done (noticed by `finish_done` from poll, whatever the request's
-place in the queue) the loaded pages the largest complete b reads are cached and every block
-the load held is released: GO, the scheduler's normal admission hits them on the device.
+`prepare` probes the device; if the tiers could extend its hit, it looks the missing pages up
+in the background, then claims rows and loads the pages of the largest boundary every group
+can serve (`best_boundary`); once the load is done it caches what loaded, and the scheduler's
+normal admission hits those pages on the device. The state machine step by step:
+docs/architecture.md, "Details by module".
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash.

@@ -1,12 +1,9 @@
 """The store side: computed pages go down to the tiers, and their rows are kept until copied.
 
-The pool emits BlockStored when pages are cached: attention blocks at allocation, before the
-step that computes them; state checkpoints once the step that saved them has run (at the
-request's next allocation, or when it is freed). StoreSide only collects those events; after
-the step ran (and, for checkpoints hashed by a free between steps, at the next poll) it offers
-the pages to the store. When a request of a session finishes, the pages a hit at its end reads
-go to on_session_pause: written down whatever their seen count, and remembered for a prefetch
-before the session's predicted return.
+StoreSide collects the pool's BlockStored events and offers those pages to the store once the
+step that computed them has run; when a request of a session finishes, it writes down the
+pages a hit at its end reads and registers them for a prefetch before the session returns.
+When each offer happens and the session write-down: docs/architecture.md, "Details by module".
 
 Invariants:
 - A row being stored is not reused before the store's handle is done: one reference per block

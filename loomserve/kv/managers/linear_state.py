@@ -1,33 +1,17 @@
 """The linear-attention / SSM-state manager: one recurrent state per request in pool pages.
 
-Per request and state group:
-- `running`: the page holding the live state, updated in place by the runner; it is the one
-  entry of the group's block table (req_block_ids[rid] == [running.block_id]).
-- `init`: a kept checkpoint claimed by a prefix hit; the directive copies it into `running`
-  before the step. Its reference is held until the request's next allocation or free, so no
-  other allocation of the same schedule() can evict it before the copy ran.
-- saves: checkpoints to take inside the step, at block boundaries the chunk crosses, chosen by
-  the retention policy (RetentionConfig). Their pages are allocated in the same all-or-nothing
-  transaction and get their hash (the hash of the block ending at the checkpoint, in this
-  group's hash map) when the step has run, i.e. at the request's next allocation or free:
-  the runner copies `init_from` pages before the forward pass and writes saves during it, so a
-  checkpoint hashed at allocation could be handed to another request of the same step as an
-  `init_from` before it holds the state. Deferring the hash makes that impossible.
-- `tail`: the baseline "state at sequence end" retention. Each step that crosses a boundary
-  and keeps no checkpoint there saves the state at the last crossed boundary into one reused,
-  unhashed tail page; when the request is freed, the tail is hashed as the checkpoint at that
-  boundary (unless one is cached there already).
+A request's live state sits in one `running` page (the group's only block-table entry),
+updated in place by the runner. A prefix hit claims a kept checkpoint (`init`) that the step's
+directive copies into `running`; the retention policy picks checkpoints to save inside a step,
+and a reused `tail` page keeps the state at the last crossed boundary, hashed as a checkpoint
+when the request is freed. A hit needs a checkpoint exactly at its boundary, so hits are not
+prefix-closed. Pages, deferred hashing and hits in detail: docs/architecture.md.
 
-A checkpoint loaded from a KV tier (loomserve.kv.connector) is cached by cache_loaded once its
-page holds the checked state, like a save whose step has run; it belongs to no request.
-
-Hits: a checkpoint exactly at the boundary, so the longest hit is the largest checkpointed
-boundary <= the length asked for (hit granularity = block_size, whatever the page size). The
-hit list has the checkpoint last and None before it. Hits are not prefix-closed.
-
-Invariants: a request holds one reference on each of running, init, tail and each pending
-save page, and nothing else in this group; a hashed checkpoint page holds the state after
-exactly (its position) tokens of the chain whose last block hash it carries.
+Invariants:
+- A request holds one reference on each of running, init, tail and each pending save page,
+  and nothing else in this group.
+- A hashed checkpoint page holds the state after exactly (its position) tokens of the chain
+  whose last block hash it carries; a save is hashed only once its step has run.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Shared distributed pool on Mooncake Store (TCP), the engine as a pure requester.
 
-Deployment (see `loomserve store`, loomserve/control/store_launcher.py): a `mooncake_master`
-process keeps the metadata and a standalone `mooncake_client` process owns the pool's memory
-(its global segment). The engine connects with `global_segment_size=0`: it contributes no
-memory and only reads and writes, so an engine restart loses nothing and a pool restart costs
-the engine only misses. The handshake runs peer to peer (metadata server "P2PHANDSHAKE"), no etcd.
+A `mooncake_master` keeps the metadata and a standalone `mooncake_client` owns the pool's
+memory (see `loomserve store`); the engine connects with `global_segment_size=0`, so it only
+reads and writes, and an engine restart loses nothing. Pages move zero-copy through two
+registered staging buffers (reads, writes), one codec record (header + page) per object.
+Deployment, staging and Mooncake's return codes: docs/architecture.md, "Details by module".
 
-Transfers are zero-copy from and into two registered staging buffers owned by the tier (one for
-reads, one for writes). A page is stored as one object: the codec record (header + page), so a
-load checks length and checksum in staging before a byte reaches the caller's buffer. A failed
-transfer may still write into its staging buffer after the call returns, so after one the
-buffer is retired (kept alive, never reused) and a fresh one registered.
-
-Return codes (Mooncake's ErrorCode): -704 object not found, -703 replica not ready and -707
-lease expired are misses; -200 (no space) and -1700 (quota) are refused puts (misses, not
-faults); -705 (already exists) is a successful put; anything else is a fault. A call where every
-key faults raises TierUnavailable (the store then backs off).
+Invariants:
+- A loaded record's length and checksum are checked in staging before a byte reaches the
+  caller's buffer.
+- A staging buffer a failed transfer may still write into is retired, never reused.
+- Misses and refused puts are not faults; a call where every key faults raises TierUnavailable.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """TieredStore: the tiers below the device pool, top-down (host -> disk -> remote), in the
-background. The facade the connector talks to; its parts live beside it:
+background. The facade the connector talks to; its parts (handles.py, write_path.py, guard.py,
+prefetch.py) live beside it.
 
-- handles.py: TierHandle (pending -> ready | failed) and the results it carries.
-- write_path.py: the bounded ingest and per-tier writer queues behind `store`.
-- guard.py: every lower-tier call on that tier's own thread, bounded by `op_timeout_s`; a tier
-  that raises or times out is skipped (misses, dropped stores) until its backoff expires.
-- prefetch.py: think-time prediction of when a paused session returns.
+Stores are queued; lookups, loads and prefetches run on a small pool of I/O threads and return
+a TierHandle at once. Reads walk the tiers top-down, and a page found in a lower tier is also
+put into the host tier. The parts, the read path and the write policy: docs/architecture.md,
+"Details by module".
 
-Nothing here blocks the engine loop: stores are queued, lookups, loads and prefetches run on a
-small pool of I/O threads and return a TierHandle at once; a request waits only for its own.
-Lower tiers load into per-call staging, copied to the destination only when the call finished
-in time and the pages passed their checks. Loads promote: a page found in a lower tier is also
-put into the host tier.
-
-Write policy: `offer()` stores a block once it has been offered `write_after_seen` times (default
-1: the first time); `on_session_pause()` stores a session's blocks regardless. Keys recently
-written to a tier are not written again (a key names its content).
+Invariants:
+- Nothing here blocks the engine loop: a request waits only for its own handle.
+- A lower tier's pages reach the destination only through per-call staging, once the call
+  finished in time and the pages passed their checks.
+- Keys recently written to a tier are not written again (a key names its content).
 """
 
 from __future__ import annotations
