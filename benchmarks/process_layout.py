@@ -21,8 +21,15 @@ import statistics
 import sys
 import time
 
-from common import (ServerProcess, default_gguf_path, format_table, free_port, host_info,
-                    run_concurrent_streams, write_json)
+from common import (
+    ServerProcess,
+    default_gguf_path,
+    format_table,
+    free_port,
+    host_info,
+    run_concurrent_streams,
+    write_json,
+)
 from decode.prompts import load_tokenizer, make_prompts
 from decode.served import ServedSystem, completion_body, loomserve_argv
 

@@ -99,8 +99,8 @@ class AsyncLLM:
         with self._lock:
             self._check_alive()
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self.client.submit(msg)
         try:
+            self.client.submit(msg)
             while not state.finished:
                 outs = [await stream.get()]
                 while not stream.empty():

@@ -120,7 +120,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     from loomserve.entrypoints.serve import serve
-    return serve(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(args, config)
 
 
 def main(argv: list[str] | None = None) -> int:

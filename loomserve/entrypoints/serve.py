@@ -36,20 +36,15 @@ def startup_line(engine, config: EngineConfig, url: str) -> str:
             f"KV cache {engine.kv_capacity_tokens} tokens, {layout}, on {url}")
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Run the server for the parsed `loomserve serve` arguments; the process's exit code."""
     import uvicorn
 
     from loomserve.entrypoints.async_llm import AsyncLLM, EngineStartError
-    from loomserve.entrypoints.cli import engine_config_from_args
     from loomserve.entrypoints.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:
-        print(f"loomserve: error: {e}", file=sys.stderr)
-        return 2
     try:
         engine = AsyncLLM(config, in_process=args.engine_in_process,
                           log_level=args.log_level.upper())

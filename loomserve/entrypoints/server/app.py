@@ -13,9 +13,15 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from loomserve.entrypoints.async_llm import EngineDeadError
 from loomserve.entrypoints.output import RequestOutput
 from loomserve.entrypoints.server.auth import APIKeyMiddleware
-from loomserve.entrypoints.server.errors import bad_request, install_error_handlers, model_not_found
+from loomserve.entrypoints.server.errors import (
+    bad_request,
+    engine_failed,
+    install_error_handlers,
+    model_not_found,
+)
 from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, new_id
 from loomserve.entrypoints.server.metrics import ServerMetrics
 from loomserve.entrypoints.server.protocol import (
@@ -76,7 +82,10 @@ def build_app(engine, api_keys: list[str] | None = None) -> FastAPI:
     async def end_session(session_id: str) -> dict:
         """An agent session is over (or should no longer be kept warm): unpin its blocks and
         drop its prefix-hash memo. Idempotent; its cached blocks stay hittable until evicted."""
-        await engine.end_session(session_id)
+        try:
+            await engine.end_session(session_id)
+        except EngineDeadError as e:
+            raise engine_failed(e) from e
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.post("/v1/chat/completions")
