@@ -8,7 +8,7 @@ start may
 convert the GGUF into the weight cache; the following starts are the warm figure (median).
 Targets: ready in < 15 s with cached weights; RSS < 2 GB at default settings.
 
-    python benchmarks/server_startup.py [--repeats 3] [--dtype float32] [--json]
+    python benchmarks/server_startup.py [--repeats 3] [--dtype float32] [--engine-in-process] [--json]
 """
 
 from __future__ import annotations
@@ -90,8 +90,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--engine-in-process", action="store_true",
+                    help="time the one-process layout (the engine core in a thread)")
     args = ap.parse_args()
     extra = ["--dtype", args.dtype] if args.dtype else []
+    if args.engine_in_process:
+        extra.append("--engine-in-process")
     first = start_once(extra)
     warm = [start_once(extra) for _ in range(args.repeats)]
     result = {

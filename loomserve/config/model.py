@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names, not torch dtypes: the front end reads the config without importing torch.
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -27,11 +26,13 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -69,7 +69,8 @@ class AsyncLLM:
             self.client = ThreadCoreClient(config, self._on_event)
         else:
             self.client = ProcCoreClient(config, self._on_event, log_level)
-        ready = self.ready = self.client.ready
+            Tokenizer.preload()  # seconds of imports, while the core loads the model
+        ready = self.ready = self.client.wait_ready()
         self._stats.kv_blocks_total = ready.kv_blocks_total
         self.tokenizer = Tokenizer.from_folder(ready.model_folder, tuple(ready.eos_token_ids))
         self.model_name = ready.model_name

@@ -2,8 +2,8 @@
 
 Both run the same CoreLoop; they differ only in transport. A client is built with an
 `on_event(CoreEvent)` callback, called from a background thread of the front end for every
-event after CoreReady; its constructor returns once the core is ready (or raises
-EngineStartError). Invariant: after a CoreDead (sent by the core, or made up by the client when
+event after CoreReady; `ready` is the CoreReady once wait_ready() returned (EngineStartError
+if the core could not start). Invariant: after a CoreDead (sent by the core, or made up by the client when
 the core process vanished), on_event is never called again.
 """
 
@@ -62,6 +62,9 @@ class ThreadCoreClient:
             raise EngineStartError(first.error)
         self.ready: CoreReady = first
 
+    def wait_ready(self) -> CoreReady:
+        return self.ready
+
     def _main(self, config: EngineConfig) -> None:
         from loomserve.execution import faults
         from loomserve.execution.core import EngineCore
@@ -109,7 +112,8 @@ class ThreadCoreClient:
 
 class ProcCoreClient:
     """The core in its own process, over two IPC sockets (see loomserve.execution.core_proc).
-    A receiver thread decodes events and notices a dead core process within DEATH_POLL_S."""
+    The constructor starts the process; wait_ready() waits for the model. A receiver thread
+    then decodes events and notices a dead core process within DEATH_POLL_S."""
 
     def __init__(self, config: EngineConfig, on_event: Callable[[CoreEvent], None],
                  log_level: str = "INFO") -> None:
@@ -128,6 +132,10 @@ class ProcCoreClient:
             args=(config, f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/events", os.getpid(),
                   log_level))
         self.proc.start()
+
+    def wait_ready(self) -> CoreReady:
+        """Block until the core has loaded the model (the front end may do its own start-up
+        work meanwhile); EngineStartError if it could not."""
         first = self._wait_first()
         if not isinstance(first, CoreReady):
             self._close(kill=True)
@@ -137,6 +145,7 @@ class ProcCoreClient:
         self._thread = threading.Thread(target=self._receive, name="loomserve-core-events",
                                         daemon=True)
         self._thread.start()
+        return first
 
     def _socket(self, kind: int, addr: str) -> zmq.Socket:
         sock = self._ctx.socket(kind)

@@ -32,6 +32,12 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
 
+    @staticmethod
+    def preload() -> None:
+        """Import what from_folder needs (transformers' tokenizer classes take seconds to
+        import; the package itself imports them lazily, so name them)."""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
     @classmethod
     def from_folder(cls, folder: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
         from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -32,8 +32,11 @@ def long_body(model: str, stream: bool, max_tokens: int = 200) -> dict:
 
 
 def stream_until_error(url: str, body: dict, started: threading.Event) -> dict:
-    """Read an SSE completion stream; the in-band error event it ends with (or {} if none)."""
+    """Read an SSE completion stream; the error it ends with: an in-band error event, or the
+    500 body when the core died before the stream's headers went out ({} if none)."""
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=ANSWER_S * 4) as r:
+        if r.status_code == 500:
+            return json.loads(r.read())
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
