@@ -93,10 +93,8 @@ class ThreadCoreClient:
         except queue.Empty:
             return out
 
-    def send_event(self, event: CoreEvent) -> None:
+    def send(self, event: CoreEvent) -> None:
         self._on_event(event)
-
-    send = send_event  # the loop's name for it
 
     # front end side
     def submit(self, msg: CoreInput) -> None:

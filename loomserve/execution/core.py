@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+
+import msgspec
 
 from loomserve.config import EngineConfig
 from loomserve.execution.executor import Executor, UniProcExecutor
@@ -107,7 +108,6 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_rejected = 0
-        self.last_step_seconds = 0.0
 
     def add(self, msg: EngineCoreRequest) -> CoreOutput | None:
         """Queue a front end's request; a finished REJECTED output when the queue is full."""
@@ -137,7 +137,6 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[CoreOutput]:
-        t0 = time.perf_counter()
         tiers = self.tiers
         if tiers is not None:
             tiers.poll()
@@ -157,7 +156,6 @@ class EngineCore:
             outputs.append(CoreOutput(req.request_id, tokens, done,
                                       req.status.value if done else None, req.num_cached_tokens,
                                       req.num_tier_cached_tokens))
-        self.last_step_seconds = time.perf_counter() - t0
         return outputs
 
     def attach_tiers(self, store, max_inflight: int | None = None) -> TierConnector:
@@ -223,11 +221,5 @@ class EngineCore:
         """Each tier's counters, health and latency histograms, as plain data."""
         if self.tiers is None:
             return []
-        out = []
-        for stats in self.tiers.store.stats():
-            snap = stats.snapshot()
-            snap["latency"] = {op: {"bounds": list(h.bounds), "counts": list(h.counts),
-                                    "total": h.total, "count": h.count}
-                               for op, h in snap["latency"].items()}
-            out.append(snap)
-        return out
+        # to_builtins: the same plain data whether the snapshot crosses a socket or not
+        return [msgspec.to_builtins(s.snapshot()) for s in self.tiers.store.stats()]

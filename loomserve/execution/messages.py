@@ -131,10 +131,6 @@ class CoreDead(msgspec.Struct, tag="dead"):
 CoreEvent = Union[CoreReady, CoreFailed, CoreOutputs, CoreDead]
 
 
-def input_encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
-
-
 def input_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(CoreInput)
 
