@@ -6,6 +6,42 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class CallFormat:
+    """How one tool call is written in a model family's format: `begin`, then a JSON value
+    following `schema` (JSON Schema text), then `end`. E.g. Hermes:
+    begin='<tool_call>\n{"name": "get_weather", "arguments": ', schema=<params>, end='}\n</tool_call>'."""
+
+    begin: str
+    schema: str
+    end: str
+
+
+@dataclass
+class ToolCallGrammar:
+    """Tool calls the output must contain. required=True (tool_choice required / named): the
+    output is one or more calls (each one of `calls`), joined by `separator`, and nothing else.
+    required=False (auto with strict tools): free text, but once the text reaches a `trigger`,
+    what follows must complete one of `calls` whose begin starts with that trigger."""
+
+    calls: list[CallFormat]
+    required: bool = True
+    separator: str = "\n"
+    triggers: list[str] = field(default_factory=list)
+    parallel: bool = True  # more than one call allowed
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the generated text, enforced by grammar-constrained decoding in the
+    engine's sampler. Exactly one field is set."""
+
+    json_schema: str | None = None  # JSON Schema text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    tool_calls: ToolCallGrammar | None = None
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
@@ -22,6 +58,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Features the API layers pass through (issue 10); the sampler honours each.
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob + k top ones
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

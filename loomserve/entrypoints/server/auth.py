@@ -2,7 +2,7 @@
 
 Accepted as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic
 clients); compared in constant time. A pure ASGI middleware, so streaming bodies pass through
-untouched; a refusal is a 401 in the OpenAI error shape.
+untouched; a refusal is a 401 in the error shape of the API asked.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class APIKeyMiddleware:
             return
         err = unauthorized()
         response = error_response(err.status_code, err.message, err.type, code=err.code,
-                                  headers={"WWW-Authenticate": "Bearer"})
+                                  headers={"WWW-Authenticate": "Bearer"}, path=scope["path"])
         await response(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:

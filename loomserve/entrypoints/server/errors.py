@@ -1,7 +1,9 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+"""Error bodies in each API's own shape.
 
-Every failure the server reports goes through here, so clients built for the OpenAI API see the
-shape and status codes they expect, and FastAPI's own 422 / HTML shapes never leak out.
+OpenAI routes: {"error": {"message", "type", "param", "code"}}. Anthropic routes (/v1/messages
+and below): {"type": "error", "error": {"type", "message"}} with Anthropic's type names. Every
+failure the server reports goes through here, so clients see the shape and status codes they
+expect, and FastAPI's own 422 / HTML shapes never leak out.
 """
 
 from __future__ import annotations
@@ -67,10 +69,28 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Anthropic's error type for each status code (docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(status_code: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status_code, "api_error"),
+                                       "message": message}}
+
+
 def error_response(status_code: int, message: str, type: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status_code,
-                        headers=headers)
+                   code: str | None = None, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    """The error in the shape of the API `path` belongs to (OpenAI's unless Anthropic's)."""
+    if path.startswith(ANTHROPIC_PATH):
+        body = anthropic_error_body(status_code, message)
+    else:
+        body = error_body(message, type, param, code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -96,12 +116,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code,
-                              exc.headers)
+                              exc.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param,
+                              path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -109,10 +130,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"Unknown route: {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, "invalid_request_error", None, code)
+        return error_response(exc.status_code, message, "invalid_request_error", None, code,
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                              "internal_server_error")
+                              "internal_server_error", path=request.url.path)

@@ -31,7 +31,7 @@ from loomserve.entrypoints.server.errors import (
     overloaded,
 )
 from loomserve.entrypoints.server.metrics import RequestTimer, ServerMetrics
-from loomserve.entrypoints.server.protocol import _SamplingRequest
+from loomserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("loomserve.entrypoints.server")
 
@@ -71,25 +71,26 @@ class Handler:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def check_model(self, req: _SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise model_not_found(req.model)
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
 
-    async def start(self, request: Request, prompt: str | list[int], req: _SamplingRequest,
-                    request_id: str):
+    async def start(self, request: Request, prompt: str | list[int], params: SamplingParams,
+                    request_id: str, *, session_id: str | None = None,
+                    cache_salt: str | None = None):
         """Submit to the engine and wait for the first output.
 
         Waiting before any byte is sent lets engine-side validation errors (prompt too long,
-        bad token ids) become a 400 even for streams.
+        bad token ids) become a 400 even for streams. session_id: what the API's body names
+        (Anthropic metadata.user_id, Responses prompt_cache_key), resolved by `session_of`.
         """
-        params = req.to_sampling_params()
         timer = self.metrics.tracker()
         try:
             it = self.engine.generate(
                 prompt, params, request_id,
-                session_id=request.headers.get("x-session-id"),
+                session_id=session_of(request, session_id),
                 parent_session_id=request.headers.get("x-parent-session-id"),
-                cache_salt=req.cache_salt)
+                cache_salt=cache_salt)
             if inspect.isawaitable(it):
                 it = await it
         except ValueError as e:
@@ -205,6 +206,27 @@ async def close_iterator(it) -> None:
             await aclose()
         except Exception:
             logger.debug("closing the engine iterator failed", exc_info=True)
+
+
+# Headers agent clients send that name their conversation, in order of precedence after
+# X-Session-ID and the API body's own field: Claude Code's, then Codex's.
+SESSION_HEADERS = ("x-session-id",)
+FALLBACK_SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id")
+
+
+def session_of(request: Request, body_session: str | None = None) -> str | None:
+    """The session a request belongs to (prefix retention and pinning key on it): the
+    X-Session-ID header, else the API body's field, else a client's own session header, else
+    None (the request still runs, without session retention)."""
+    for name in SESSION_HEADERS:
+        if value := request.headers.get(name):
+            return value
+    if body_session:
+        return body_session
+    for name in FALLBACK_SESSION_HEADERS:
+        if value := request.headers.get(name):
+            return value
+    return None
 
 
 def sse(payload) -> str:
