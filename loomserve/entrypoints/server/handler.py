@@ -168,29 +168,36 @@ class Handler:
     # streams -------------------------------------------------------------------------------
 
     async def stream(self, it, first: RequestOutput, timer: RequestTimer, request_id: str,
-                     chunks) -> AsyncIterator[str]:
-        """Yield SSE lines; `chunks(out)` turns one RequestOutput into payload dicts."""
+                     chunks, *, encode=None, done: str | None = "data: [DONE]\n\n",
+                     error=None) -> AsyncIterator[str]:
+        """Yield SSE lines. `chunks(out, is_first)` turns one RequestOutput into payloads,
+        `encode(payload)` one payload into SSE text (default: a `data:` line), `done` ends a
+        stream that finished, `error(message, type, code)` is the in-band error event's text
+        (default: OpenAI's error body as a `data:` line)."""
+        encode = encode or sse
+        error = error or (lambda message, type, code: sse(error_body(message, type, code=code)))
         out = first
         try:
             for payload in chunks(out, True):
-                yield sse(payload)
+                yield encode(payload)
             while not out.finished:
                 try:
                     out = await it.__anext__()
                 except StopAsyncIteration:
                     break
                 except EngineDeadError as e:  # headers are sent: report in-band, as OpenAI does
-                    yield sse(error_body(f"The engine core failed: {e}",
-                                          "internal_server_error", code="engine_core_failed"))
+                    yield error(f"The engine core failed: {e}", "internal_server_error",
+                                "engine_core_failed")
                     break
                 except Exception as e:
                     logger.exception("request %s failed mid-stream", request_id)
-                    yield sse(error_body(f"{type(e).__name__}: {e}", "internal_server_error"))
+                    yield error(f"{type(e).__name__}: {e}", "internal_server_error", None)
                     break
                 timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
                 for payload in chunks(out, False):
-                    yield sse(payload)
-            yield "data: [DONE]\n\n"
+                    yield encode(payload)
+            if done:
+                yield done
         finally:
             if out.finished:
                 with anyio.CancelScope(shield=True):
@@ -231,8 +238,14 @@ def session_of(request: Request, body_session: str | None = None) -> str | None:
 
 def sse(payload) -> str:
     if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json()}\n\n"
+        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def sse_event(event: str, payload) -> str:
+    """A named SSE event (Anthropic Messages, OpenAI Responses): `event:` then `data:`."""
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"event: {event}\ndata: {data}\n\n"
 
 
 def new_id(prefix: str) -> str:
