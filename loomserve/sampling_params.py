@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
 
 @dataclass
 class CallFormat:
@@ -81,6 +83,32 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        self._validate_features()
+
+    def _validate_features(self) -> None:
+        # OpenAI's ranges: top_logprobs <= 20, penalties in [-2, 2], logit_bias in [-100, 100].
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

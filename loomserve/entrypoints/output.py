@@ -17,3 +17,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (device + tiers)
     num_tier_cached_tokens: int = 0  # of those, loaded from a KV tier below the device
+    # Aligned with new_token_ids when SamplingParams.logprobs is set (else None): per token,
+    # (its logprob, [(token_id, logprob) of the top-k]), the model's raw log-softmax.
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

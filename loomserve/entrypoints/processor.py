@@ -9,6 +9,7 @@ from __future__ import annotations
 from loomserve.entrypoints.output import RequestOutput
 from loomserve.execution.messages import CoreOutput, EngineCoreRequest
 from loomserve.execution.request import Request
+from loomserve.execution.structured import validate_structured
 from loomserve.sampling_params import SamplingParams
 
 # Prompt tokens kept as left context so the first output token decodes with its leading space
@@ -38,10 +39,19 @@ class InputProcessor:
         """An in-process core's Request (for `LLM` and tests that step a core by hand)."""
         return Request.from_message(self.make_core_request(request_id, prompt, params, **session))
 
+    def _validate_features(self, params: SamplingParams) -> None:
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size "
+                             f"{self.vocab_size}, got {bad[0]}")
+        if params.structured is not None:
+            validate_structured(params.structured)
+
     def make_core_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           **session) -> EngineCoreRequest:
         """Validate everything the engine would otherwise trip over; ValueError says why."""
         params.validate()
+        self._validate_features(params)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -80,19 +90,32 @@ class RequestState:
         self.finished = False
         self.finish_reason: str | None = None
         self.stopped_by_string = False  # the core must be told to abort this request
+        # Tokens whose text never shows when they end the request (tool parsers keep special
+        # tokens, but the closing <|im_end|> is not content).
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= set(getattr(tokenizer, "eos_token_ids", ()))
 
     def process(self, outs: list[CoreOutput]) -> RequestOutput:
         """Fold one or more core outputs into a RequestOutput with the deltas since the last."""
         new_ids: list[int] = []
+        new_lps: list | None = [] if self.params.logprobs is not None else None
         cached = tier_cached = 0
         for out in outs:
             cached = out.num_cached_tokens
             tier_cached = getattr(out, "num_tier_cached_tokens", 0)
             if self.finished:
                 break
-            for tok in out.new_token_ids:
+            lps = getattr(out, "logprobs", None)
+            last = len(out.new_token_ids) - 1
+            for k, tok in enumerate(out.new_token_ids):
                 new_ids.append(tok)
                 self.token_ids.append(tok)
+                if new_lps is not None and lps is not None:
+                    lp, ids, vals = lps[k]
+                    new_lps.append((lp, list(zip(ids, vals))))
+                if k == last and out.finished and tok in self._stop_ids:
+                    break  # the finishing stop token: in token_ids, not in the text
                 delta = self._detokenize(tok)
                 self.text += delta
                 if self._check_stop_strings(len(delta)):
@@ -105,7 +128,7 @@ class RequestState:
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                              new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
-                             tier_cached)
+                             tier_cached, new_lps)
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)

@@ -7,6 +7,7 @@ turns that into forward passes and sampled tokens. Nothing else crosses the boun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loomserve.kv.directives import StateDirective
 from loomserve.sampling_params import SamplingParams
@@ -36,6 +37,14 @@ class ScheduledSeq:
     num_output_tokens: int = 0
     # Linear/SSM-state groups only: group index -> what to do with the request's state.
     states: dict[int, StateDirective] = field(default_factory=dict)
+    # Logits processing, set only for seqs whose sampling needs it (plain seqs pay nothing):
+    # history is the request's prompt + output ids (the scheduler's own list) for penalties;
+    # suppress are token ids masked this step (stop tokens before min_tokens); bitmask_row is
+    # this seq's row in ModelInput.token_bitmask (grammar-constrained decoding).
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
+    suppress: list[int] | None = None
+    bitmask_row: int | None = None
 
 
 @dataclass
@@ -43,6 +52,9 @@ class ModelInput:
     seqs: list[ScheduledSeq]
     # Requests that ended since the last step, so the runner can drop per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Allowed-token bitmask (int32 [rows, ceil(vocab / 32)], CPU) of the seqs with a grammar,
+    # filled by the core after scheduling; None when no scheduled seq has one.
+    token_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,3 +65,5 @@ class ModelInput:
 class ModelOutput:
     # request_id -> sampled token id, only for seqs with sample=True.
     sampled: dict[str, int]
+    # request_id -> (sampled token's logprob, top-k ids, their logprobs), for seqs asking.
+    logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)

@@ -17,6 +17,7 @@ import os
 import msgspec
 
 from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelOutput
 from loomserve.execution.executor import Executor, UniProcExecutor
 from loomserve.execution.messages import (
     REJECTED,
@@ -28,6 +29,7 @@ from loomserve.execution.messages import (
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.request import Request, RequestStatus
 from loomserve.execution.scheduler import Scheduler
+from loomserve.execution.structured import StructuredManager
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.connector import (
     TierConnector,
@@ -108,14 +110,26 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_rejected = 0
+        self.structured: StructuredManager | None = None
 
     def add(self, msg: EngineCoreRequest) -> CoreOutput | None:
         """Queue a front end's request; a finished REJECTED output when the queue is full."""
         if len(self.scheduler.waiting) >= self.max_waiting_requests:
             self.num_rejected += 1
             return CoreOutput(msg.request_id, [], True, REJECTED, 0)
-        self.add_request(Request.from_message(msg))
+        req = Request.from_message(msg)
+        if req.sampling.structured is not None:
+            self.structured_manager().attach(req)
+        self.add_request(req)
         return None
+
+    def structured_manager(self) -> StructuredManager:
+        """Made at the first structured request (it loads the tokenizer's vocabulary)."""
+        if self.structured is None:
+            r = self.runner
+            self.structured = StructuredManager(r.model_folder, r.vocab_size,
+                                                list(r.model_config.eos_token_ids))
+        return self.structured
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -140,22 +154,38 @@ class EngineCore:
         tiers = self.tiers
         if tiers is not None:
             tiers.poll()
+        outputs = self._grammar_failures() if self.structured is not None else []
         sched = self.scheduler.schedule()
         inp = sched.model_input
+        if self.structured is not None:
+            self.structured.fill_bitmask(inp, self.scheduler.requests)
         # Finished ids go to the workers even in a step without seqs (their per-request state).
-        sampled = (self.executor.execute_model(inp).sampled
-                   if inp.seqs or inp.finished_request_ids else {})
+        result = (self.executor.execute_model(inp)
+                  if inp.seqs or inp.finished_request_ids else ModelOutput({}))
         if tiers is not None:
             tiers.after_execute()
             if not sched.model_input.seqs:
                 tiers.wait_io(0.005)  # only tier I/O is pending: do not spin
-        outputs = []
-        for req, tokens in self.scheduler.update(sched, sampled):
+        if not inp.seqs and self.structured is not None:
+            self.structured.wait(0.005)  # only grammars are compiling: do not spin
+        logprobs = result.logprobs
+        for req, tokens in self.scheduler.update(sched, result.sampled):
             self.generation_tokens += len(tokens)
             done = req.status.finished
+            lp = logprobs.get(req.request_id)
             outputs.append(CoreOutput(req.request_id, tokens, done,
                                       req.status.value if done else None, req.num_cached_tokens,
-                                      req.num_tier_cached_tokens))
+                                      req.num_tier_cached_tokens, None if lp is None else [lp]))
+        return outputs
+
+    def _grammar_failures(self) -> list[CoreOutput]:
+        """End the requests whose grammar failed to compile (the front end validated the spec,
+        so this is rare: e.g. a schema feature xgrammar only rejects when compiling)."""
+        outputs = []
+        for req, error in self.structured.poll():
+            log.warning("request %s: grammar failed to compile: %s", req.request_id, error)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(CoreOutput(req.request_id, [], True, req.status.value, 0))
         return outputs
 
     def attach_tiers(self, store, max_inflight: int | None = None) -> TierConnector:
@@ -177,6 +207,8 @@ class EngineCore:
 
     def close(self) -> None:
         self.executor.shutdown()
+        if self.structured is not None:
+            self.structured.close()
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

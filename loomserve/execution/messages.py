@@ -35,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     session_id: str | None = None
     parent_session_id: str | None = None
     cache_salt: str | None = None
+    sibling_of: str | None = None  # n > 1: prefill after this request, reusing its prompt KV
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -63,6 +64,9 @@ class CoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None
     num_cached_tokens: int
     num_tier_cached_tokens: int = 0
+    # Per new token, when the request asked for logprobs: (sampled token's logprob, top-k ids,
+    # their logprobs), the model's raw log-softmax.
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

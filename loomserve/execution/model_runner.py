@@ -121,8 +121,9 @@ class ModelRunner:
         due, logits = self.compute_logits(inp)
         if not due:
             return ModelOutput(sampled={})
-        tokens = self.sampler(logits, [s.sampling for s in due], [s.num_output_tokens for s in due])
-        return ModelOutput(sampled={s.request_id: t for s, t in zip(due, tokens)})
+        out = self.sampler.sample(logits, due, inp.token_bitmask)
+        return ModelOutput(sampled={s.request_id: t for s, t in zip(due, out.tokens)},
+                           logprobs={due[i].request_id: lp for i, lp in out.logprobs.items()})
 
     @torch.inference_mode()
     def compute_logits(self, inp: ModelInput) -> tuple[list[ScheduledSeq], torch.Tensor]:

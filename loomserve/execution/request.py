@@ -32,7 +32,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  max_tokens: int, eos_token_ids: frozenset[int] = frozenset(), *,
                  session_id: str | None = None, parent_session_id: str | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, sibling_of: str | None = None) -> None:
         self.request_id = request_id
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -52,13 +52,19 @@ class Request:
         if not sampling.ignore_eos:
             stop_ids |= eos_token_ids
         self.stop_token_ids = frozenset(stop_ids)
+        # n > 1: this sample waits for request `sibling_of` to prefill the shared prompt.
+        self.sibling_of = sibling_of
+        # Grammar-constrained decoding (loomserve.execution.structured.RequestGrammar); the
+        # core sets it at add, the scheduler drops it when the request finishes.
+        self.grammar = None
 
     @classmethod
     def from_message(cls, msg) -> "Request":
         """The core's request for a front end's EngineCoreRequest (loomserve.execution.messages)."""
         return cls(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.max_tokens,
                    frozenset(msg.eos_token_ids), session_id=msg.session_id,
-                   parent_session_id=msg.parent_session_id, cache_salt=msg.cache_salt)
+                   parent_session_id=msg.parent_session_id, cache_salt=msg.cache_salt,
+                   sibling_of=msg.sibling_of)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +86,10 @@ class Request:
         """Record a sampled token; return the finished status if it ends the request."""
         self.all_token_ids.append(token_id)
         if token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        # Each sampled token is accepted exactly once (a recompute after preemption samples
+        # only new tokens); the grammar ending (a stop token it accepted) ends the request.
+        if self.grammar is not None and not self.grammar.accept(token_id):
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -1,9 +1,14 @@
-"""Token sampling: greedy, temperature, top-k, top-p; per-request seeds independent of batching."""
+"""Token sampling: logits processing (logits_processors.py), greedy, temperature, top-k, top-p,
+logprobs; per-request seeds independent of batching."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from loomserve.execution.batch import ScheduledSeq
+from loomserve.execution.logits_processors import apply_logits_processors
 from loomserve.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
@@ -14,11 +19,47 @@ def request_seed(seed: int, num_output_tokens: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + num_output_tokens * 0xBF58476D1CE4E5B9 + 1) & _SEED_MASK
 
 
+@dataclass
+class SamplerOutput:
+    tokens: list[int]
+    # row -> (sampled token's logprob, top-k ids, their logprobs), rows that asked only
+    logprobs: dict[int, tuple[float, list[int], list[float]]]
+
+
+def _needs_processing(s: ScheduledSeq) -> bool:
+    return (s.bitmask_row is not None or bool(s.suppress) or bool(s.sampling.logit_bias)
+            or s.history is not None)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
+               token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [len(seqs), vocab] fp32, one row per seq due a token; modified in place.
+
+        Logprobs are the model's raw log-softmax (vLLM's default "raw_logprobs"): before the
+        grammar mask, logit_bias, penalties and temperature, so they say what the model thought."""
+        params = [s.sampling for s in seqs]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = torch.log_softmax(logits[want], dim=-1) if want else None
+        if any(_needs_processing(s) for s in seqs):
+            apply_logits_processors(logits, seqs, token_bitmask)
+        tokens = self(logits, params, [s.num_output_tokens for s in seqs])
+        logprobs = {}
+        if raw is not None:
+            chosen = torch.tensor([tokens[i] for i in want], device=raw.device).unsqueeze(1)
+            picked = raw.gather(1, chosen).view(-1).tolist()
+            k = max(params[i].logprobs for i in want)
+            top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                logprobs[i] = (picked[j], top_ids[j][:n], top_lp[j][:n])
+        return SamplerOutput(tokens, logprobs)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  num_output_tokens: list[int]) -> list[int]:

@@ -63,6 +63,7 @@ class Scheduler:
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
+        req.grammar = None  # frees its matcher
         if self.tiers is not None:
             self.tiers.on_finish(req, aborted=status == RequestStatus.FINISHED_ABORTED)
         self.kv.free(req)
@@ -101,6 +102,9 @@ class Scheduler:
         i = 0  # requests before i wait for their tier I/O
         while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting[i]
+            if self._held(req):
+                i += 1
+                continue
             if tiers is not None:
                 verdict = tiers.prepare(req)
                 if verdict == "wait":
@@ -133,6 +137,21 @@ class Scheduler:
             self._add_to_batch(out, req, n)
             budget -= n
 
+    def _held(self, req: Request) -> bool:
+        """A waiting request sits out while its grammar compiles, or while the request whose
+        prompt it shares (n > 1) has not prefilled it yet, so it then hits those blocks."""
+        if req.grammar is not None and not req.grammar.ready:
+            return True
+        if req.sibling_of is None:
+            return False
+        first = self.requests.get(req.sibling_of)
+        if first is None or first.status != RequestStatus.RUNNING:
+            # gone, or still waiting itself (it may be held too: then neither waits forever,
+            # since a grammar always becomes ready and a sibling is never held by a sibling)
+            return first is not None and first.status in (RequestStatus.WAITING,
+                                                          RequestStatus.PREEMPTED)
+        return first.num_computed_tokens < first.num_prompt_tokens
+
     def _chunk(self, req: Request, left: int, budget: int) -> int:
         if self.long_prefill_threshold and left > self.long_prefill_threshold:
             left = self.long_prefill_threshold
@@ -152,6 +171,11 @@ class Scheduler:
         )
         if self._states is not None:
             seq.states = self._states(req)
+        sp = req.sampling
+        if sp.uses_penalties:
+            seq.history, seq.num_prompt_tokens = req.all_token_ids, req.num_prompt_tokens
+        if req.num_output_tokens < sp.min_tokens:
+            seq.suppress = sorted(req.stop_token_ids)
         out.model_input.seqs.append(seq)
 
     def _preempt(self, req: Request) -> None:

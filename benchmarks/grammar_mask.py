@@ -1,0 +1,195 @@
+"""Grammar-constrained decoding cost: xgrammar vs llguidance on the default model's tokenizer.
+
+Per library, for a realistic JSON schema and a tool-call grammar (two tools, Hermes format):
+compile time, per-token mask fill for 1 and 32 concurrent matchers (the library's batched fill
+where it has one), and applying the mask to [N, vocab] fp32 logits. The matchers walk a valid
+output token by token (fill, then accept), so the masks are those of a real generation.
+
+    .venv/bin/python benchmarks/grammar_mask.py [--step-ms 350] [--tokens 64]
+
+--step-ms: the decode step at 32 streams to compare against (default 350 ms: the default model
+fp32 on the 2-core AMD EPYC decodes 85-100 tok/s at 32 streams, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "vip"]},
+                 "maxItems": 5},
+        "address": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30}, "zip": {"type": "string"}},
+            "required": ["city", "zip"]},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "email", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+VALUE = {"name": "Ada Lovelace", "age": 36, "email": "ada@math.com", "tags": ["vip", "a"],
+         "address": {"city": "London", "zip": "W1"}, "active": True}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [("get_weather", WEATHER), ("lookup_user", SCHEMA)]
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": '
+        + json.dumps({"city": "Paris", "unit": "c"}) + '}\n</tool_call>')
+
+
+def tokenizer():
+    from loomserve.config import EngineConfig
+    from loomserve.entrypoints.tokenizer import Tokenizer
+    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.gguf_loader import cached_conversion
+
+    cfg = EngineConfig.from_kwargs(model=None)
+    folder = cached_conversion(default_model_path(), cfg.model.resolved_cache_dir)
+    return Tokenizer.from_folder(folder).hf
+
+
+def timed(fn, repeat=1):
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t) / repeat * 1e3
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf, vocab):
+        import xgrammar as xgr
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self.vocab = vocab
+
+    def compile(self, kind):
+        if kind == "json":
+            return self.compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+        tags = [{"type": "tag", "begin": f'<tool_call>\n{{"name": "{n}", "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": s}, "end": "}\n</tool_call>"}
+                for n, s in TOOLS]
+        st = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
+                                                   "separator": "\n", "at_least_one": True}}
+        return self.compiler.compile_structural_tag(json.dumps(st))
+
+    def matchers(self, grammar, n):
+        return [self.xgr.GrammarMatcher(grammar) for _ in range(n)]
+
+    def bitmask(self, n):
+        return self.xgr.allocate_token_bitmask(n, self.vocab)
+
+    def fill(self, ms, bitmask):
+        if len(ms) == 1:
+            ms[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            self.batch.batch_fill_next_token_bitmask(ms, bitmask)
+
+    def accept(self, ms, tok):
+        for m in ms:
+            assert m.accept_token(tok)
+
+    def apply(self, logits, bitmask):
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask)
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, hf, vocab):
+        import llguidance as llg
+        import llguidance.hf
+        import llguidance.torch
+        self.llg, self.lt = llg, llguidance.torch
+        self.tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+        self.executor = llg.LLExecutor(num_threads=2)
+        self.vocab = vocab
+
+    def compile(self, kind):
+        llg = self.llg
+        if kind == "json":
+            g = llg.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA),
+                                                       defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        else:
+            alts = " | ".join(f'"<tool_call>\\n{{\\"name\\": \\"{n}\\", \\"arguments\\": " '
+                              f'%json{json.dumps(s)} "}}\\n</tool_call>"' for n, s in TOOLS)
+            g = llg.LLMatcher.grammar_from_lark(f'start: call ("\\n" call)*\ncall: {alts}\n')
+        m = llg.LLMatcher(self.tok, g)  # compiling happens when the matcher is built
+        assert not m.is_error(), m.get_error()
+        return g
+
+    def matchers(self, grammar, n):
+        return [self.llg.LLMatcher(self.tok, grammar) for _ in range(n)]
+
+    def bitmask(self, n):
+        return self.lt.allocate_token_bitmask(n, self.vocab)
+
+    def fill(self, ms, bitmask):
+        if len(ms) == 1:
+            self.lt.fill_next_token_bitmask(ms[0], bitmask, 0)
+        else:
+            self.lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)],
+                                               bitmask)
+
+    def accept(self, ms, tok):
+        for m in ms:
+            assert m.consume_token(tok), m.get_error()
+
+    def apply(self, logits, bitmask):
+        self.lt.apply_token_bitmask_inplace(logits, bitmask)
+
+
+def walk(lib, grammar, tokens, n):
+    """Mean ms per decode step of (fill for n matchers, accept one token each), and apply."""
+    ms = lib.matchers(grammar, n)
+    bitmask = lib.bitmask(n)
+    logits = torch.randn(n, lib.vocab)
+    fills, accepts, applies = [], [], []
+    for tok in tokens:
+        fills.append(timed(lambda: lib.fill(ms, bitmask)))
+        applies.append(timed(lambda: lib.apply(logits, bitmask)))
+        accepts.append(timed(lambda: lib.accept(ms, tok)))
+    return statistics.mean(fills), statistics.mean(accepts), statistics.mean(applies)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--step-ms", type=float, default=350.0)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    hf = tokenizer()
+    vocab = 49152
+    texts = {"json": json.dumps(VALUE, separators=(", ", ": ")), "tool call": CALL}
+    print(f"CPU: {os.cpu_count()} cores; vocab {vocab}; decode step at 32 streams "
+          f"{args.step_ms:.0f} ms (given)")
+    for cls in (XGrammar, LLGuidance):
+        t = time.perf_counter()
+        lib = cls(hf, vocab)
+        print(f"\n{lib.name}: tokenizer setup {(time.perf_counter() - t) * 1e3:.0f} ms")
+        for kind in ("json", "tool call"):
+            compile_ms = timed(lambda: lib.compile(kind))
+            grammar = lib.compile(kind)
+            tokens = hf.encode(texts[kind], add_special_tokens=False)[:args.tokens]
+            for n in (1, 32):
+                fill, accept, apply = walk(lib, grammar, tokens, n)
+                total = fill + accept + apply
+                print(f"  {kind:9s} compile {compile_ms:7.1f} ms | {n:2d} streams: fill {fill:6.2f}"
+                      f" accept {accept:5.2f} apply {apply:5.2f} ms/step = {total:6.2f} ms "
+                      f"({total / args.step_ms * 100:4.1f}% of a step)")
+
+
+if __name__ == "__main__":
+    main()
