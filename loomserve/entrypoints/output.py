@@ -20,3 +20,4 @@ class RequestOutput:
     # Aligned with new_token_ids when SamplingParams.logprobs is set (else None): per token,
     # (its logprob, [(token_id, logprob) of the top-k]), the model's raw log-softmax.
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # all so far

@@ -81,6 +81,7 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.text = ""
         self._ids = list(prompt_token_ids[-_DETOK_CONTEXT:])
         self._prefix_offset = 0
@@ -114,6 +115,7 @@ class RequestState:
                 if new_lps is not None and lps is not None:
                     lp, ids, vals = lps[k]
                     new_lps.append((lp, list(zip(ids, vals))))
+                    self.logprobs.append(new_lps[-1])
                 if k == last and out.finished and tok in self._stop_ids:
                     break  # the finishing stop token: in token_ids, not in the text
                 delta = self._detokenize(tok)
@@ -128,7 +130,7 @@ class RequestState:
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                              new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
-                             tier_cached, new_lps)
+                             tier_cached, new_lps, self.logprobs)
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)
