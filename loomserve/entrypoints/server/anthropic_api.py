@@ -1,11 +1,274 @@
-"""Anthropic Messages API: POST /v1/messages, POST /v1/messages/count_tokens (to build: issue 10)."""
+"""Anthropic Messages API: POST /v1/messages, POST /v1/messages/count_tokens.
+
+A request converts to the neutral chat request (anthropic_protocol.py), the chat front end
+renders it and builds its grammar, and the output parser's events become content blocks:
+thinking, text and tool_use, in the order the model wrote them, one block open at a time
+(streaming and non-streaming fold the same events, so both give the same content).
+Thinking blocks carry a stable `signature` (a digest of their text): clients require the
+field; the server never checks it on input.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
+import hashlib
+import json
+import logging
+import uuid
 
-from loomserve.entrypoints.server.handler import Handler
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loomserve.entrypoints.chat.events import (
+    ChatEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallStart,
+)
+from loomserve.entrypoints.chat.frontend import ChatInputError
+from loomserve.entrypoints.output import RequestOutput
+from loomserve.entrypoints.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    Usage,
+)
+from loomserve.entrypoints.server.errors import anthropic_error_body, bad_request
+from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, sse_event
+
+logger = logging.getLogger("loomserve.entrypoints.server")
 
 
 def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
-    pass
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        h.check_model(body.model)
+        req, ignored = body.to_chat_request()
+        prepared = await _prepare(h, req)
+        params = prepared.apply(body.to_sampling_params())
+        request_id = f"msg_{uuid.uuid4().hex[:24]}"
+        session = body.metadata.user_id if body.metadata else None
+        headers = _warning_headers(ignored)
+        try:
+            it, first, timer = await h.start(request, prepared.prompt_token_ids, params,
+                                            request_id, session_id=session)
+        except ClientGone:
+            return Response(status_code=499)
+        turn = _Turn(h, body, prepared.output_parser(), request_id, params)
+        if body.stream:
+            return SSEResponse(
+                h.stream(it, first, timer, request_id, turn.stream_events,
+                         encode=lambda e: sse_event(e["type"], e), done=None,
+                         error=_stream_error),
+                headers=headers)
+        try:
+            out = await h.collect(request, it, first, timer, request_id)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(turn.message(out).model_dump(), headers=headers)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        h.check_model(body.model)
+        req, _ = body.to_chat_request()
+        try:
+            n = await asyncio.to_thread(h.chat.count_tokens, req)
+        except (ChatInputError, ValueError) as e:
+            raise _input_error(e) from e
+        return {"input_tokens": n}
+
+
+async def _prepare(h: Handler, req):
+    try:
+        return await asyncio.to_thread(h.chat.prepare, req)
+    except (ChatInputError, ValueError) as e:
+        raise _input_error(e) from e
+
+
+def _input_error(e: ValueError):
+    message = getattr(e, "message", None) or str(e)
+    param = getattr(e, "param", None)
+    # The front end names neutral fields; Anthropic's error body has no param, so say it here.
+    return bad_request(f"{param}: {message}" if param and param not in message else message)
+
+
+def _warning_headers(ignored: list[str]) -> dict[str, str] | None:
+    if not ignored:
+        return None
+    return {"Warning": f'299 loomserve "server tools are not supported and were ignored: '
+                       f'{", ".join(ignored)}"'}
+
+
+def _stream_error(message: str, type: str, code: str | None) -> str:
+    status = 503 if code == "engine_unavailable" else 500
+    return sse_event("error", anthropic_error_body(status, message))
+
+
+class _Turn:
+    """One assistant turn: the output parser's events -> content blocks and stream events."""
+
+    def __init__(self, h: Handler, body: MessagesRequest, parser, request_id: str,
+                 params) -> None:
+        self.h, self.body, self.parser = h, body, parser
+        self.request_id, self.params = request_id, params
+        self.blocks = BlockAssembler(max_calls=None if body.parallel_tool_calls else 1)
+
+    def message(self, out: RequestOutput) -> MessageResponse:
+        self.blocks.feed(self.parser.feed(out.text) + self.parser.finish())
+        self.blocks.close()
+        reason, seq = self._stop(out)
+        return MessageResponse(id=self.request_id, model=self.body.model,
+                               content=self.blocks.blocks, stop_reason=reason,
+                               stop_sequence=seq, usage=_usage(out))
+
+    def stream_events(self, out: RequestOutput, is_first: bool):
+        if is_first:
+            start = MessageResponse(id=self.request_id, model=self.body.model, content=[],
+                                    usage=_usage(out, output_tokens=0))
+            yield {"type": "message_start", "message": start.model_dump()}
+            yield {"type": "ping"}
+        events = self.parser.feed(out.new_text) if out.new_text else []
+        if out.finished:
+            events += self.parser.finish()
+        yield from self.blocks.feed(events)
+        if out.finished:
+            yield from self.blocks.close()
+            reason, seq = self._stop(out)
+            yield {"type": "message_delta",
+                   "delta": {"stop_reason": reason, "stop_sequence": seq},
+                   "usage": _usage(out).model_dump()}
+            yield {"type": "message_stop"}
+
+    def _stop(self, out: RequestOutput) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence)."""
+        if out.finish_reason == "length":
+            return "max_tokens", None
+        if self.blocks.has_tool_use:
+            return "tool_use", None
+        seq = _matched_stop(self.h, out, self.params)
+        if seq is not None:
+            return "stop_sequence", seq
+        return "end_turn", None
+
+
+def _usage(out: RequestOutput, output_tokens: int | None = None) -> Usage:
+    n = len(out.token_ids) if output_tokens is None else output_tokens
+    return Usage.of(len(out.prompt_token_ids), out.num_cached_tokens, n)
+
+
+def _matched_stop(h: Handler, out: RequestOutput, params) -> str | None:
+    """The stop sequence that ended the output, if one did. The engine cuts the text at the
+    first match of any stop string, so decoding every generated token again shows it there."""
+    if out.finish_reason != "stop" or not params.stop:
+        return None
+    reported = getattr(out, "stop_reason", None)
+    if isinstance(reported, str):
+        return reported
+    full = h.engine.tokenizer.decode(out.token_ids, skip_special_tokens=params.skip_special_tokens)
+    hits = [(i, s) for s in params.stop if (i := full.find(s)) >= 0]
+    return min(hits, key=lambda hit: (hit[0], -len(hit[1])))[1] if hits else None
+
+
+class BlockAssembler:
+    """Chat events -> Anthropic content blocks and the stream events that build them.
+
+    Invariants: one block is open at a time; a block's deltas come between its
+    content_block_start and content_block_stop; `blocks` ends equal to what the stream
+    events build. Whitespace that would open a text or thinking block is held until real
+    text follows, so a turn of only tool calls has no stray text block. With max_calls, tool
+    calls past that many are dropped (disable_parallel_tool_use without a grammar).
+    """
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.blocks: list[dict] = []
+        self.max_calls = max_calls
+        self._open: int | None = None  # index of the open block
+        self._held = ("", "")  # (kind, whitespace) not yet in a block
+        self._calls: dict[int, int] = {}  # tool call index -> block index
+        self._args: dict[int, list[str]] = {}  # block index -> argument text so far
+
+    @property
+    def has_tool_use(self) -> bool:
+        return bool(self._calls)
+
+    def feed(self, events: list[ChatEvent]) -> list[dict]:
+        out: list[dict] = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                self._delta("text", ev.text, out)
+            elif isinstance(ev, ReasoningDelta):
+                self._delta("thinking", ev.text, out)
+            elif isinstance(ev, ToolCallStart):
+                self._start_call(ev, out)
+            elif isinstance(ev, ToolCallArgs) and ev.index in self._calls:
+                i = self._calls[ev.index]
+                self._args[i].append(ev.text)
+                out.append(_delta_event(i, {"type": "input_json_delta", "partial_json": ev.text}))
+        return out
+
+    def close(self) -> list[dict]:
+        """Close the open block (at the end of the turn)."""
+        out: list[dict] = []
+        self._close(out)
+        return out
+
+    def _delta(self, kind: str, text: str, out: list[dict]) -> None:
+        if self._open is not None and self.blocks[self._open]["type"] == kind:
+            self.blocks[self._open][kind] += text
+            out.append(_delta_event(self._open, {"type": f"{kind}_delta", kind: text}))
+            return
+        held = self._held[1] if self._held[0] == kind else ""
+        if not (held + text).strip():
+            self._held = (kind, held + text)
+            return
+        self._held = ("", "")
+        block = {"type": "text", "text": ""} if kind == "text" else \
+            {"type": "thinking", "thinking": "", "signature": ""}
+        self._open_block(block, out)
+        self._delta(kind, held + text, out)
+
+    def _start_call(self, ev: ToolCallStart, out: list[dict]) -> None:
+        if self.max_calls is not None and len(self._calls) >= self.max_calls:
+            return
+        self._open_block({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                          "name": ev.name, "input": {}}, out)
+        self._calls[ev.index] = self._open
+        self._args[self._open] = []
+
+    def _open_block(self, block: dict, out: list[dict]) -> None:
+        self._close(out)
+        self._held = ("", "")
+        self.blocks.append(block)
+        self._open = len(self.blocks) - 1
+        out.append({"type": "content_block_start", "index": self._open,
+                    "content_block": dict(block)})
+
+    def _close(self, out: list[dict]) -> None:
+        i = self._open
+        if i is None:
+            return
+        block = self.blocks[i]
+        if block["type"] == "thinking":
+            block["signature"] = hashlib.sha256(block["thinking"].encode()).hexdigest()
+            out.append(_delta_event(i, {"type": "signature_delta",
+                                        "signature": block["signature"]}))
+        elif block["type"] == "tool_use":
+            block["input"] = _arguments(self._args[i])
+        out.append({"type": "content_block_stop", "index": i})
+        self._open = None
+
+
+def _delta_event(index: int, delta: dict) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _arguments(parts: list[str]) -> dict:
+    text = "".join(parts)
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        # Only a call cut off by max_tokens ends unparsable (the parser's invariant).
+        logger.debug("tool call arguments are not complete JSON: %.200s", text)
+        return {}
+    return value if isinstance(value, dict) else {}
