@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from functools import cached_property
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # End-of-turn markers of common chat formats. A chat model ends its turn with one of these, not
@@ -64,17 +67,48 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        # The environment HF chat templates are written for: trimmed blocks, loop controls, and a
-        # raise_exception() the template calls on bad input (surfaced as ValueError).
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        return compile_chat_template(self.chat_template)
 
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
 
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
-        return env.from_string(self.chat_template)
+class _GenerationTags(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (HF's assistant-mask tags): render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF's tojson: keys in the given order, non-ASCII kept, no HTML escaping (unlike jinja's).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment HF chat templates are written for: trimmed blocks, loop controls,
+    HF's tojson, raise_exception() (surfaced as ValueError) and strftime_now()."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationTags])
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def compile_chat_template(text: str) -> jinja2.Template:
+    return template_environment().from_string(text)
 
 
 def _read_chat_template(folder: str) -> str | None:

@@ -9,12 +9,16 @@ process (or thread); handlers only await its async iterators, so the event loop 
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from loomserve.entrypoints.async_llm import EngineDeadError
+from loomserve.entrypoints.chat.frontend import ChatFrontend
 from loomserve.entrypoints.server.anthropic_api import register_anthropic_routes
 from loomserve.entrypoints.server.auth import APIKeyMiddleware
 from loomserve.entrypoints.server.errors import (
@@ -28,19 +32,36 @@ from loomserve.entrypoints.server.openai_api import register_openai_routes
 from loomserve.entrypoints.server.protocol import ModelCard, ModelList
 from loomserve.entrypoints.server.responses_api import register_responses_routes
 
+log = logging.getLogger("loomserve.entrypoints.server")
 
-def build_app(engine, api_keys: list[str] | None = None) -> FastAPI:
+
+def build_app(engine, api_keys: list[str] | None = None, *,
+              served_model_names: list[str] | None = None, chat_template: str | None = None,
+              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
     """The app over an AsyncLLM-like engine; with api_keys, every route but /health and
-    /metrics needs one of them."""
+    /metrics needs one of them. served_model_names: the names requests may use (default: the
+    engine's); chat_template: a template's text overriding the model's; the parser names as
+    the serve flags take them (auto, none, or a name). ValueError for an unknown parser."""
     app = FastAPI(title="loomserve", docs_url=None, redoc_url=None)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=list(api_keys))
     install_error_handlers(app)
-    metrics = ServerMetrics(engine, engine.model_name)
-    h = Handler(engine, metrics)
+    names = list(served_model_names or [engine.model_name])
+    metrics = ServerMetrics(engine, names[0])
+    chat = ChatFrontend(engine.tokenizer, tool_call_parser, reasoning_parser,
+                        model_type=model_type_of(engine), chat_template=chat_template)
+    log.info("chat: tool-call parser %s, reasoning parser %s%s", chat.tool_parser_name,
+             chat.reasoning_parser_name,
+             "" if chat.renderer is None or chat.renderer.supports_tools
+             else " (the chat template has no tools: Hermes fallback)")
+    h = Handler(engine, metrics, chat, names)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.handler = h
     started = int(time.time())
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=started, max_model_len=engine.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:
@@ -57,14 +78,13 @@ def build_app(engine, api_keys: list[str] | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=engine.model_name, created=started,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[card(name) for name in names])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
-        if model != engine.model_name:
+        if model not in names:
             raise model_not_found(model)
-        return ModelCard(id=engine.model_name, created=started, max_model_len=engine.max_model_len)
+        return card(model)
 
     @app.delete("/v1/sessions/{session_id}")
     async def end_session(session_id: str) -> dict:
@@ -80,3 +100,14 @@ def build_app(engine, api_keys: list[str] | None = None) -> FastAPI:
     register_anthropic_routes(app, h)
     register_responses_routes(app, h)
     return app
+
+
+def model_type_of(engine) -> str | None:
+    """The HF config's model_type of the served model (parser detection reads it)."""
+    ready = getattr(engine, "ready", None)
+    folder = getattr(ready, "model_folder", None)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, TypeError, ValueError):
+        return None

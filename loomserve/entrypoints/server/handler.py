@@ -63,34 +63,47 @@ class SSEResponse(StreamingResponse):
 
 
 class Handler:
-    def __init__(self, engine, metrics: ServerMetrics) -> None:
+    """Shared by every API: the engine, its metrics, the chat front end (ChatFrontend) and the
+    names the model is served under (the first is the one responses report)."""
+
+    def __init__(self, engine, metrics: ServerMetrics, chat=None,
+                 served_model_names: list[str] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.chat = chat
+        self.served_model_names = list(served_model_names or [engine.model_name])
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """404 (model_not_found) unless `model` is None or one of the served names."""
+        if model is not None and model not in self.served_model_names:
             raise model_not_found(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The name a response reports: the one the request used, else the first served."""
+        return model if model in self.served_model_names else self.model_name
 
     async def start(self, request: Request, prompt: str | list[int], params: SamplingParams,
                     request_id: str, *, session_id: str | None = None,
-                    cache_salt: str | None = None):
+                    cache_salt: str | None = None, sibling_of: str | None = None):
         """Submit to the engine and wait for the first output.
 
         Waiting before any byte is sent lets engine-side validation errors (prompt too long,
         bad token ids) become a 400 even for streams. session_id: what the API's body names
         (Anthropic metadata.user_id, Responses prompt_cache_key), resolved by `session_of`.
+        sibling_of: another sample of the same prompt (n > 1), whose prompt KV this one reuses.
         """
         timer = self.metrics.tracker()
+        extra = {"sibling_of": sibling_of} if sibling_of is not None else {}
         try:
             it = self.engine.generate(
                 prompt, params, request_id,
                 session_id=session_of(request, session_id),
                 parent_session_id=request.headers.get("x-parent-session-id"),
-                cache_salt=cache_salt)
+                cache_salt=cache_salt, **extra)
             if inspect.isawaitable(it):
                 it = await it
         except ValueError as e:
