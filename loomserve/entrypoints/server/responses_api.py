@@ -180,7 +180,8 @@ class ResponsesService:
         req = ChatRequest(messages=to_messages(items, body.instructions), tools=tools,
                           tool_choice=convert_tool_choice(body.tool_choice),
                           response_format=convert_text_format(body.text),
-                          template_kwargs=body.template_kwargs())
+                          template_kwargs=body.template_kwargs(),
+                          parallel_tool_calls=body.parallel_tool_calls)
         try:
             prepared = await asyncio.to_thread(self.h.chat.prepare, req)
         except ChatInputError as e:
@@ -189,9 +190,6 @@ class ResponsesService:
                 param = "input"
             raise bad_request(e.message, param=param) from e
         params = prepared.apply(body.to_sampling_params())
-        grammar = params.structured.tool_calls if params.structured else None
-        if grammar is not None and not body.parallel_tool_calls:
-            grammar.parallel = False
         warning = (f"ignored tools of unsupported types: {', '.join(ignored)}"
                    if ignored else None)
         return Turn(body, _id("resp"), int(time.time()), items,
@@ -205,7 +203,8 @@ class ResponsesService:
         reasoning = b.reasoning.model_dump() if b.reasoning else {"effort": None, "summary": None}
         return {
             "id": turn.response_id, "object": "response", "created_at": turn.created_at,
-            "status": status, "model": self.h.model_name, "output": output, "error": None,
+            "status": status, "model": self.h.response_model(b.model), "output": output,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "metadata": b.metadata or {}, "parallel_tool_calls": b.parallel_tool_calls,

@@ -64,6 +64,7 @@ class ResponsesRequest(_Lenient):
     # Extensions (not in OpenAI's API), as on the other routes.
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = None
+    ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     def input_items(self) -> list[dict]:
@@ -76,7 +77,7 @@ class ResponsesRequest(_Lenient):
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(self.top_k or 0, 0), seed=self.seed,
+                top_k=max(self.top_k or 0, 0), seed=self.seed, ignore_eos=self.ignore_eos,
                 # None lets the engine generate up to the context limit, as OpenAI does.
                 max_tokens=self.max_output_tokens)
         except ValueError as e:
@@ -246,7 +247,8 @@ def _text_of(content, where: str) -> str:
             kind = "text"
         if kind not in TEXT_PART_TYPES:
             raise bad_request(f"{where}[{j}].type {kind!r} is not supported; only text parts "
-                              f"({', '.join(TEXT_PART_TYPES[:2])}) are.", param=f"{where}[{j}].type")
+                              f"({', '.join(TEXT_PART_TYPES[:2])}) are.",
+                              param=f"{where}[{j}].type")
         value = part.get("text", part.get("refusal"))
         if not isinstance(value, str):
             raise bad_request(f"{where}[{j}].text must be a string.", param=f"{where}[{j}].text")

@@ -1,5 +1,5 @@
 """OpenAI Responses API: the store, the input conversion, the output builder, and the official
-`openai` client against a real engine on the tool-capable tiny fixture (tests/fixtures/tiny-agent)."""
+`openai` client against a real engine on the tool-capable tiny fixture (tiny-agent)."""
 
 import json
 import os
@@ -13,7 +13,6 @@ from loomserve.entrypoints.server.response_store import ResponseStore, StoredRes
 from loomserve.entrypoints.server.responses_api import OutputBuilder
 from loomserve.entrypoints.server.responses_protocol import convert_tools, to_messages
 from loomserve.entrypoints.tool_parsers import get_tool_parser
-
 from tests.entrypoints.server.conftest import running_server
 
 TINY_AGENT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures",
@@ -67,14 +66,16 @@ def test_store_entries_expire():
 # input conversion ----------------------------------------------------------------------------
 
 CODEX_INPUT = [
-    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+    {"type": "message", "role": "developer",
+     "content": [{"type": "input_text", "text": "Be brief."}]},
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
     {"type": "reasoning", "id": "rs_1", "summary": [],
      "content": [{"type": "reasoning_text", "text": "Call the tool."}], "encrypted_content": None},
     {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
      "arguments": "{\"city\": \"Paris\", \"days\": 1}"},
     {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-    {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}]},
+    {"role": "assistant",
+     "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}]},
 ]
 
 
@@ -149,8 +150,8 @@ def test_builder_items_do_not_depend_on_chunking():
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == [0, 1, 2, 3]
-    args = "".join(e["delta"] for e in events
-                   if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == 3)
+    args = "".join(e["delta"] for e in events if e["output_index"] == 3
+                   and e["type"] == "response.function_call_arguments.delta")
     assert args == by_char[3]["arguments"]
 
 
@@ -158,3 +159,152 @@ def test_builder_drops_whitespace_messages_and_extra_calls_when_not_parallel():
     items, _ = _build([TURN.replace("Let me check.", "")], parallel=False)
     assert [i["type"] for i in items] == ["reasoning", "function_call"]
     assert json.loads(items[1]["arguments"])["city"] == "Paris"
+
+
+# the official client against a real engine ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def agent():
+    if not os.path.isdir(TINY_AGENT):
+        pytest.skip("tests/fixtures/tiny-agent is missing")
+    import openai
+    with running_server(model=TINY_AGENT) as srv:
+        yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                                 timeout=120)
+
+
+def create(agent, **kw):
+    srv, client = agent
+    kw.setdefault("temperature", 0)
+    return client.responses.create(model=srv.model, **kw)
+
+
+def _calls(resp) -> list[tuple[str, dict]]:
+    return [(o.name, json.loads(o.arguments)) for o in resp.output if o.type == "function_call"]
+
+
+def _items(resp) -> list[dict]:
+    return _strip_ids([o.model_dump(exclude_none=True) for o in resp.output])
+
+
+def test_tool_round_trip_stateless_and_stored(agent):
+    first = create(agent, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                   max_output_tokens=64, instructions="Use tools.")
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status == "completed" and first.output[-1].type == "function_call"
+    (name, args), = _calls(first)  # the fixture's greedy call is a single one
+    assert name == "get_weather" and set(args) == {"city", "days"}
+    call = first.output[-1]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    u = first.usage
+    assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens > 0
+    # Stateless: the whole conversation again; stored: only the new item.
+    replay = [{"role": "user", "content": "Weather in Paris?"}] + [
+        o.model_dump(exclude_none=True) for o in first.output] + [result]
+    follow = dict(tools=[WEATHER], tool_choice="none", max_output_tokens=12,
+                  instructions="Use tools.", extra_body={"ignore_eos": True})
+    stateless = create(agent, input=replay, **follow)
+    stored = create(agent, input=[result], previous_response_id=first.id, **follow)
+    assert stored.previous_response_id == first.id
+    assert stored.usage.input_tokens == stateless.usage.input_tokens > u.input_tokens
+    assert stored.output_text == stateless.output_text
+    assert _calls(stored) == _calls(stateless) == []
+    # The chain continues from the follow-up, which kept the whole conversation.
+    third = create(agent, input="Thanks.", previous_response_id=stored.id, max_output_tokens=4)
+    assert third.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
+
+
+def test_stream_and_non_stream_give_the_same_output(agent):
+    srv, client = agent
+    kw = dict(model=srv.model, input="Weather in Rome?", tools=[WEATHER],
+              tool_choice="required", max_output_tokens=64, temperature=0)
+    full = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed"
+    streamed = events[-1].response
+    assert _items(streamed) == _items(full) and _calls(full)
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == [o.type for o in full.output]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(o.arguments for o in full.output if o.type == "function_call")
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert _items(final) == _items(full) and final.status == "completed"
+
+
+def test_tool_choice_required_gives_schema_valid_arguments(agent):
+    for seed in range(6):
+        r = create(agent, input="Weather?", tools=[WEATHER], tool_choice="required",
+                   temperature=1.0, max_output_tokens=200, extra_body={"seed": seed})
+        calls = _calls(r)
+        assert calls and r.status == "completed"
+        for name, args in calls:
+            assert name == "get_weather" and set(args) == {"city", "days"}
+            assert isinstance(args["city"], str) and type(args["days"]) is int
+
+
+def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent):
+    srv, client = agent
+    raw = client.responses.with_raw_response.create(
+        model=srv.model, instructions="You are Codex.", input=CODEX_INPUT[:2],
+        tools=[WEATHER, {"type": "web_search"}, {"type": "local_shell"}],
+        tool_choice="auto", parallel_tool_calls=False, reasoning={"effort": "low"},
+        store=False, include=["reasoning.encrypted_content"], prompt_cache_key="codex-1",
+        max_output_tokens=8, temperature=0)
+    warning = raw.headers.get("x-loomserve-warning")
+    assert warning is not None and "web_search" in warning and "local_shell" in warning
+    r = raw.parse()
+    assert r.status in ("completed", "incomplete") and r.prompt_cache_key == "codex-1"
+    assert [t.type for t in r.tools] == ["function"] and r.parallel_tool_calls is False
+    import openai
+    with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
+        client.responses.retrieve(r.id)
+
+
+def test_stored_responses_can_be_read_and_deleted(agent):
+    srv, client = agent
+    r = create(agent, input="Hello", max_output_tokens=3, metadata={"k": "v"})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"k": "v"}
+    client.responses.delete(r.id)
+    import openai
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_unknown_previous_response_id_is_not_found(agent):
+    import openai
+    with pytest.raises(openai.NotFoundError) as e:
+        create(agent, input="hi", previous_response_id="resp_nope", max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["code"] == "previous_response_not_found"
+
+
+BAD = [
+    (dict(input=[{"role": "robot", "content": "hi"}]), "input[0].role"),
+    (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]),
+     "input[0].call_id"),
+    (dict(input="hi", tools=[{"type": "function", "name": "f", "parameters": "nope"}]),
+     "tools[0].parameters"),
+    (dict(input="hi", tools=[{"type": "function", "name": "f",
+                              "parameters": {"type": "objekt"}}]), None),
+    (dict(input="hi", text={"format": {"type": "json_schema", "name": "x",
+                                       "schema": {"type": "object", "minProperties": "two"}}}),
+     None),
+    (dict(input="hi", tool_choice="sometimes"), "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("kw, param", BAD)
+def test_bad_requests_are_400_and_the_server_keeps_serving(agent, kw, param):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        create(agent, max_output_tokens=2, **kw)
+    body = e.value.body
+    assert body["type"] == "invalid_request_error" and body["message"]
+    if param is not None:
+        assert body["param"] == param
+    assert create(agent, input="ok", max_output_tokens=2).status == "incomplete"
