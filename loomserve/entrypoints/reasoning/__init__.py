@@ -9,17 +9,13 @@ harmony parser itself and keeps its reasoning and content (tool calls dropped).
 from __future__ import annotations
 
 from loomserve.entrypoints.reasoning.base import ReasoningParser
+from loomserve.entrypoints.reasoning.gpt_oss import GptOssReasoningParser
 from loomserve.entrypoints.reasoning.think import DeepSeekR1ReasoningParser, ThinkReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (ThinkReasoningParser, DeepSeekR1ReasoningParser)
+    cls.name: cls
+    for cls in (ThinkReasoningParser, DeepSeekR1ReasoningParser, GptOssReasoningParser)
 }
-try:  # harmony lands with the tool parsers
-    from loomserve.entrypoints.reasoning.gpt_oss import GptOssReasoningParser
-
-    REASONING_PARSERS[GptOssReasoningParser.name] = GptOssReasoningParser
-except ImportError:  # pragma: no cover
-    pass
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -8,12 +8,26 @@ keeps the invariants of base.py and chat/events.py whatever the chunking of its 
 from __future__ import annotations
 
 from loomserve.entrypoints.tool_parsers.base import ToolParser
+from loomserve.entrypoints.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from loomserve.entrypoints.tool_parsers.glm45 import Glm45ToolParser
+from loomserve.entrypoints.tool_parsers.harmony import HarmonyToolParser
 from loomserve.entrypoints.tool_parsers.hermes import HermesToolParser
+from loomserve.entrypoints.tool_parsers.kimi_k2 import KimiK2ToolParser
+from loomserve.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
+from loomserve.entrypoints.tool_parsers.mistral import MistralToolParser
+from loomserve.entrypoints.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls
     for cls in (
         HermesToolParser,
+        Qwen3CoderToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        DeepSeekV3ToolParser,
+        KimiK2ToolParser,
+        Glm45ToolParser,
+        HarmonyToolParser,
     )
 }
 

@@ -55,6 +55,7 @@ class ArgsStream:
     def __init__(self, name: str | None = None):
         self.scanner = JsonScanner(require_object=True)
         self.name = name
+        self.call_started = False  # its ToolCallStart was sent
 
     def feed(self, text: str) -> int:
         return self.scanner.feed(text)
@@ -234,30 +235,59 @@ class ToolParser:
         self._buf = buf[len(buf) - keep:]
         return None
 
+    def _take_until(self, markers: tuple[str, ...]) -> tuple[str, str] | None:
+        """(text before the first marker, marker), both consumed; None while none came."""
+        pos, marker = find_first(self._buf, markers)
+        if pos == -1:
+            return None
+        text = self._buf[:pos]
+        self._raw += text + marker
+        self._buf = self._buf[pos + len(marker):]
+        return text, marker
+
+    def _skip_past(self, close: str, reopen: str, final: bool) -> bool:
+        """After a call: drop text through `close` (or up to `reopen`, the next call's start),
+        then back to content; False while neither came."""
+        buf = self._buf
+        end, start = buf.find(close), buf.find(reopen)
+        if end != -1 and (start == -1 or end < start):
+            self._buf = buf[end + len(close):]
+        elif start != -1:
+            self._buf = buf[start:]
+        else:
+            keep = 0 if final else partial_marker_len(buf, [close, reopen])
+            self._buf = buf[len(buf) - keep:]
+            return False
+        self._after_call, self._raw = True, ""
+        return True
+
     def _skip_ws(self) -> bool:
-        """Drop leading whitespace of the buffer; True when something else follows."""
-        self._buf = self._buf.lstrip()
-        return bool(self._buf)
+        """Consume leading whitespace of the buffer (kept in the call's raw text, for the
+        content fallback); True when something else follows."""
+        rest = self._buf.lstrip()
+        self._raw += self._buf[: len(self._buf) - len(rest)]
+        self._buf = rest
+        return bool(rest)
 
     def _pump(self, stream: ArgsStream, final: bool, call_id: str | None = None) -> str | None:
         """Feed the buffer to a call's arguments stream; emit its start (once its name is known)
         and its arguments. Returns None while the call goes on, 'done' when complete, 'failed'
         when it failed or was cut off (then it is closed, or turned into content if it had not
         started), consuming what the stream read."""
-        started = stream.name is not None
         n = stream.feed(self._buf)
         self._raw += self._buf[:n]
         self._buf = self._buf[n:]
-        if stream.name is not None and not started:
+        if stream.name is not None and not stream.call_started:
+            stream.call_started = True
             self._start(stream.name, call_id)
-        if stream.name is not None and not stream.failed:
+        if stream.call_started and not stream.failed:
             self._args_upto(stream.visible())
         if stream.done and not stream.failed:
             self._args_upto(stream.final())
             self._raw = ""
             return "done"
         if stream.failed or final:
-            if stream.name is None:  # never started: the text was not a call
+            if not stream.call_started:  # the text was not a call
                 self._text(self._raw)
             else:
                 self._args_upto(stream.final())

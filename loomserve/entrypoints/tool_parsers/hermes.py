@@ -59,7 +59,7 @@ class HermesToolParser(ToolParser):
                 outcome = self._pump(self._stream, final)
                 if outcome is None:
                     return
-                started = self._stream.name is not None
+                started = self._stream.call_started
                 if outcome == "done":
                     self._state = "list" if self._in_list else "skip"
                 else:
@@ -73,8 +73,9 @@ class HermesToolParser(ToolParser):
                 if c != "," and c != "]":
                     self._buf = c + self._buf
             else:  # skip: drop up to the end of the block (or the next block's start)
-                if not self._skip_to_close(final):
+                if not self._skip_past(CLOSE, OPEN, final):
                     return
+                self._state = "text"
 
     def _cut_off(self, final: bool) -> None:
         """Whitespace only so far; at the end, a block with no call is content."""
@@ -82,17 +83,3 @@ class HermesToolParser(ToolParser):
             self._text(self._raw)
             self._raw = ""
             self._state = "text"
-
-    def _skip_to_close(self, final: bool) -> bool:
-        buf = self._buf
-        end, start = buf.find(CLOSE), buf.find(OPEN)
-        if end != -1 and (start == -1 or end < start):
-            self._buf = buf[end + len(CLOSE):]
-        elif start != -1:
-            self._buf = buf[start:]
-        else:
-            keep = 0 if final else min(len(buf), len(CLOSE) - 1)
-            self._buf = buf[len(buf) - keep:]
-            return False
-        self._state, self._after_call, self._raw = "text", True, ""
-        return True

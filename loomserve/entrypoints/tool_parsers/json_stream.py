@@ -87,6 +87,7 @@ class JsonScanner:
                     break
                 continue  # re-read c after the scalar
             if not self._structural(c):
+                self.failed = True
                 break
             i += 1
         self.out += "".join(parts)
