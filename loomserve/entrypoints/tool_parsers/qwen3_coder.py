@@ -54,7 +54,7 @@ class Qwen3CoderToolParser(ToolParser):
             self._raw = marker
             self._state = "open" if marker == OPEN else "name"
         elif state == "open":  # after <tool_call>: <function=
-            self._buf = self._buf.lstrip()
+            self._skip_ws()
             if len(self._buf) < len(FUNC) and FUNC.startswith(self._buf):
                 return False
             if not self._buf.startswith(FUNC):

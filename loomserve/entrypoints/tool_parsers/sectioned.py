@@ -50,20 +50,24 @@ class SectionedToolParser(ToolParser):
             self._raw, self._calls_in_section = marker, 0
             self._state = "head" if marker == self.call_begin else "calls"
         elif state == "calls":  # inside the section, between calls
-            self._buf = self._buf.lstrip()
+            rest = self._buf.lstrip()
             for marker in (self.call_begin,) + self.section_end:
-                if self._buf.startswith(marker):
-                    self._buf = self._buf[len(marker):]
-                    self._raw += marker
+                if rest.startswith(marker):
+                    self._raw += self._buf[: len(self._buf) - len(rest)] + marker
+                    self._buf = rest[len(marker):]
                     self._state = "head" if marker == self.call_begin else "text"
                     if marker != self.call_begin:
                         self._section_closed()
                     return True
             pending = (self.call_begin,) + self.section_end
-            if not self._buf or any(m.startswith(self._buf) for m in pending):
+            if not rest or any(m.startswith(rest) for m in pending):
                 return False
-            self._section_closed()  # no more calls: the rest is content
-            self._state = "text"
+            if self._calls_in_section:  # no more calls: the rest is content
+                self._buf = rest
+                self._section_closed()
+                self._state = "text"
+            else:
+                self._not_a_call()
         elif state == "head":
             got = self._take_until((self.head_end,))
             if got is None:
