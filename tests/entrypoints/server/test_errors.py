@@ -24,7 +24,9 @@ def _cases(server):
         ("image content part", chat, {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
         ("unknown model", chat, {"model": "no-such-model", "messages": MSG}, 404, "model"),
-        ("n=2", chat, {"messages": MSG, "n": 2}, 400, "n"),
+        ("n=0", chat, {"messages": MSG, "n": 0}, 400, "n"),
+        ("legacy functions", chat, {"messages": MSG, "functions": [{"name": "f"}]}, 400,
+         "functions"),
         ("temperature > 2", chat, {"messages": MSG, "temperature": 2.5}, 400, "temperature"),
         ("temperature < 0", chat, {"messages": MSG, "temperature": -0.1}, 400, "temperature"),
         ("top_p = 0", chat, {"messages": MSG, "top_p": 0}, 400, "top_p"),
