@@ -23,8 +23,10 @@ def _add_serve(sub) -> None:
                    help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    p.add_argument("--served-model-name", default=_DEFAULTS["served_model_name"],
-                   help="model name clients send and /v1/models lists (default: from the model)")
+    p.add_argument("--served-model-name", dest="served_model_names", nargs="+", metavar="NAME",
+                   default=None,
+                   help="names clients may send as `model` (one or more; the first is the one "
+                        "responses report and /v1/models lists first) (default: from the model)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
                    help="context length (default: the model's own, capped at the KV capacity)")
     p.add_argument("--kv-cache-memory", default=_DEFAULTS["kv_cache_memory"],
@@ -88,6 +90,16 @@ def _add_serve(sub) -> None:
     a.add_argument("--api-key", default=os.environ.get("LOOMSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "
                         "route but /health and /metrics (default: $LOOMSERVE_API_KEY, else none)")
+    c = p.add_argument_group("chat", "how chat requests are rendered and their output parsed")
+    c.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file used instead of the model's")
+    c.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="tool-call format: auto (from the chat template and model type), none, "
+                        "or one of hermes, qwen3_coder, llama3_json, mistral, deepseek_v3, "
+                        "kimi_k2, glm45, harmony (default: %(default)s)")
+    c.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   help="reasoning format: auto, none, or one of qwen3, deepseek_r1, gpt_oss "
+                        "(default: %(default)s)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core in a thread of the server's process instead of its "
                         "own process (one process to debug; the HTTP side then shares its GIL)")
@@ -115,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = flat_fields()
-    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+    kwargs = {k: v for k, v in vars(args).items() if k in names}
+    served = getattr(args, "served_model_names", None)
+    if served:  # the engine reports the first; the server accepts them all
+        kwargs["served_model_name"] = served[0]
+    return EngineConfig.from_kwargs(**kwargs)
 
 
 def _serve(args: argparse.Namespace) -> int:

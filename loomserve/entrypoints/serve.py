@@ -46,13 +46,18 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        options = chat_options(args)  # before the model loads: a typo fails fast
+    except ValueError as e:
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 2
+    try:
         engine = AsyncLLM(config, in_process=args.engine_in_process,
                           log_level=args.log_level.upper())
     except EngineStartError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 1
     try:
-        app = build_app(engine, api_keys=[args.api_key] if args.api_key else None)
+        app = build_app(engine, api_keys=[args.api_key] if args.api_key else None, **options)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level=args.log_level,
                                                timeout_graceful_shutdown=5))
@@ -66,6 +71,33 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
               file=sys.stderr, flush=True)
         return EXIT_CORE_DIED
     return 0
+
+
+def chat_options(args: argparse.Namespace) -> dict:
+    """build_app's chat options from the serve flags; ValueError for an unreadable template
+    or an unknown parser name."""
+    from loomserve.entrypoints.reasoning import get_reasoning_parser
+    from loomserve.entrypoints.tool_parsers import get_tool_parser
+
+    for flag, get in (("tool_call_parser", get_tool_parser),
+                      ("reasoning_parser", get_reasoning_parser)):
+        name = getattr(args, flag, "auto")
+        if name not in ("auto", "none"):
+            try:
+                get(name)
+            except ValueError as e:
+                raise ValueError(f"--{flag.replace('_', '-')}: {e}") from None
+    template = None
+    if getattr(args, "chat_template", None):
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template: cannot read {args.chat_template}: {e}") from e
+    return {"served_model_names": getattr(args, "served_model_names", None),
+            "chat_template": template,
+            "tool_call_parser": getattr(args, "tool_call_parser", "auto"),
+            "reasoning_parser": getattr(args, "reasoning_parser", "auto")}
 
 
 async def _run(server, engine) -> None:

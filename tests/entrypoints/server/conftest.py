@@ -17,6 +17,9 @@ import pytest
 
 TINY_LLAMA = os.environ.get("LOOMSERVE_TEST_MODEL") or os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-llama"))
+# tiny-llama's weights with a Hermes tool-calling template and a 4096-token context
+TINY_AGENT = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiny-agent"))
 
 
 @dataclass
@@ -40,9 +43,11 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(*, in_process: bool = False, core_env: dict | None = None,
-                   api_keys: list[str] | None = None, **config):
+                   api_keys: list[str] | None = None, app_options: dict | None = None,
+                   **config):
     """A real engine (tiny fixture model unless config says otherwise) behind uvicorn.
-    core_env: environment variables the engine core starts with (its debug hooks)."""
+    core_env: environment variables the engine core starts with (its debug hooks);
+    app_options: build_app's keyword options (served_model_names, chat_template, parsers)."""
     if not os.path.isdir(TINY_LLAMA):
         pytest.skip("tests/fixtures/tiny-llama is missing")
     import uvicorn
@@ -58,8 +63,8 @@ def running_server(*, in_process: bool = False, core_env: dict | None = None,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, api_keys), log_level="warning",
-                                        lifespan="off"))
+    app = build_app(engine, api_keys, **(app_options or {}))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -93,6 +98,22 @@ def _environ(values: dict):
 def server():
     with running_server() as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def agent_server():
+    """The tool-calling fixture (tiny-agent) behind a server, for the whole session."""
+    if not os.path.isdir(TINY_AGENT):
+        pytest.skip("tests/fixtures/tiny-agent is missing")
+    with running_server(model=TINY_AGENT, kv_cache_memory="16MiB") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def agent_client(agent_server):
+    import openai
+    return openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
 
 
 @pytest.fixture(scope="session")
