@@ -16,6 +16,7 @@ A ToolParser reads a turn's generated text in chunks (`feed`) and reports events
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import ClassVar
 
@@ -29,13 +30,25 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+_FIRST_CHARS: dict[tuple[str, ...], tuple[re.Pattern, int]] = {}
+
+
 def partial_marker_len(text: str, markers: list[str] | tuple[str, ...]) -> int:
     """Length of the longest suffix of text that is a proper prefix of one of markers."""
-    longest = max((len(m) for m in markers), default=1) - 1
-    for k in range(min(longest, len(text)), 0, -1):
-        tail = text[-k:]
-        if any(m.startswith(tail) for m in markers):
-            return k
+    key = tuple(markers)
+    info = _FIRST_CHARS.get(key)
+    if info is None:  # a marker's start can only begin at one of its first characters
+        firsts = "".join(sorted({m[0] for m in key if m}))
+        info = _FIRST_CHARS[key] = (re.compile("[" + re.escape(firsts) + "]"),
+                                    max((len(m) for m in key), default=1) - 1)
+    first, longest = info
+    n = len(text)
+    m = first.search(text, max(0, n - longest))
+    while m is not None:
+        tail = text[m.start():]
+        if any(len(mk) > len(tail) and mk.startswith(tail) for mk in key):
+            return len(tail)
+        m = first.search(text, m.start() + 1)
     return 0
 
 

@@ -19,7 +19,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 objects = st.dictionaries(st.text(max_size=6), values, max_size=5)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(obj=objects, indent=st.sampled_from([None, 2]), ascii_=st.booleans(),
        cuts=st.lists(st.integers(0, 400), max_size=10), tail=st.sampled_from(["", " x", "}"]))
 def test_any_object_any_split(obj, indent, ascii_, cuts, tail):
