@@ -16,6 +16,8 @@ ReasoningEvent = Union[ReasoningDelta, TextDelta]
 
 class ReasoningParser:
     name: ClassVar[str] = ""
+    # markers are special tokens: detokenize with skip_special_tokens=False (as ToolParser's)
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, starts_in_reasoning: bool = False):
         self.starts_in_reasoning = starts_in_reasoning

@@ -15,6 +15,7 @@ from loomserve.entrypoints.tool_parsers.harmony import HarmonyToolParser
 
 class GptOssReasoningParser(ReasoningParser):
     name = "gpt_oss"
+    needs_special_tokens = True  # harmony's markers are special tokens
 
     def __init__(self, starts_in_reasoning: bool = False):
         super().__init__(starts_in_reasoning)  # harmony headers say it: the flag is unused

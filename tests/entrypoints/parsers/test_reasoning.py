@@ -86,5 +86,8 @@ def test_detect_reasoning_parser():
     assert detect_reasoning_parser("<|start|>{{ m }}<|channel|>", None) == "gpt_oss"
     assert detect_reasoning_parser("{{ messages }}", "llama") is None
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "gpt_oss"}
+    # <think> is an ordinary added token; harmony's markup is special tokens
+    assert [REASONING_PARSERS[n].needs_special_tokens for n in ("qwen3", "deepseek_r1",
+                                                                "gpt_oss")] == [False, False, True]
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("nope")
