@@ -54,8 +54,8 @@ def structural_tag(tc: ToolCallGrammar) -> dict:
     if not tc.calls:
         raise ValueError("a tool-call grammar needs at least one call format")
     tags = [{"type": "tag", "begin": c.begin, "end": c.end,
-             "content": {"type": "json_schema",
-                         "json_schema": _schema(c.schema, f"the schema of tool call {i}")}}
+             "content": {"type": "json_schema", "json_schema": _bounded_strings(
+                 _schema(c.schema, f"the schema of tool call {i}"))}}
             for i, c in enumerate(tc.calls)]
     if tc.required:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": tc.separator,
@@ -92,11 +92,32 @@ def validate_structured(spec: StructuredOutputs) -> None:
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(e)}") from None
 
 
+def _bounded_strings(node):
+    """xgrammar 0.2.9 writes a string with minLength / maxLength as {m,n} of any character but
+    quote, backslash, CR, LF: other control characters get through (invalid JSON). Its regex
+    path does exclude them, so such a string becomes the equivalent pattern ^.{m,n}$
+    (without escapes: a bounded string is generated with plain characters only)."""
+    if isinstance(node, list):
+        return [_bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _bounded_strings(v) for k, v in node.items()}
+    if (node.get("type") == "string" and ("maxLength" in node or "minLength" in node)
+            and not {"pattern", "format", "enum", "const"} & node.keys()):
+        lo, hi = node.pop("minLength", 0), node.pop("maxLength", "")
+        node["pattern"] = f"^.{{{lo},{hi}}}$"
+    return node
+
+
+def _patched(schema_text: str) -> str:
+    return json.dumps(_bounded_strings(json.loads(schema_text)))
+
+
 def compile_spec(compiler, spec: StructuredOutputs):
     """The CompiledGrammar for `spec` (compiler: an xgrammar GrammarCompiler)."""
     kind = _kind(spec)
     if kind == "json_schema":
-        return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+        return compiler.compile_json_schema(_patched(spec.json_schema), any_whitespace=False)
     if kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
