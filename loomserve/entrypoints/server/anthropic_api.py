@@ -96,8 +96,9 @@ def _input_error(e: ValueError):
 def _warning_headers(ignored: list[str]) -> dict[str, str] | None:
     if not ignored:
         return None
-    return {"Warning": f'299 loomserve "server tools are not supported and were ignored: '
-                       f'{", ".join(ignored)}"'}
+    # The same header as the Responses API's for the tools it drops.
+    return {"x-loomserve-warning": "server tools are not supported and were ignored: "
+                                   + ", ".join(ignored)}
 
 
 def _stream_error(message: str, type: str, code: str | None) -> str:
@@ -111,6 +112,7 @@ class _Turn:
     def __init__(self, h: Handler, body: MessagesRequest, parser, request_id: str,
                  params) -> None:
         self.h, self.body, self.parser = h, body, parser
+        self.model = h.response_model(body.model)
         self.request_id, self.params = request_id, params
         self.blocks = BlockAssembler(max_calls=None if body.parallel_tool_calls else 1)
 
@@ -118,13 +120,13 @@ class _Turn:
         self.blocks.feed(self.parser.feed(out.text) + self.parser.finish())
         self.blocks.close()
         reason, seq = self._stop(out)
-        return MessageResponse(id=self.request_id, model=self.body.model,
+        return MessageResponse(id=self.request_id, model=self.model,
                                content=self.blocks.blocks, stop_reason=reason,
                                stop_sequence=seq, usage=_usage(out))
 
     def stream_events(self, out: RequestOutput, is_first: bool):
         if is_first:
-            start = MessageResponse(id=self.request_id, model=self.body.model, content=[],
+            start = MessageResponse(id=self.request_id, model=self.model, content=[],
                                     usage=_usage(out, output_tokens=0))
             yield {"type": "message_start", "message": start.model_dump()}
             yield {"type": "ping"}

@@ -3,8 +3,9 @@ neutral chat request (loomserve.entrypoints.chat).
 
 Invariants: every input the server cannot honour is a 400 whose message names the field
 (`messages.2.content.0: ...`), except server tools (a `type` other than `custom`), which are
-dropped and reported in `ignored` (the route sends them back in a `Warning` header) so that
-agents which offer them (web search) keep working. Unknown top-level fields are ignored.
+dropped and reported in `ignored` (the route names them in an `x-loomserve-warning` header,
+as the Responses API does) so that agents which offer them (web search) keep working.
+Unknown top-level fields and cache_control are ignored (prefix caching is automatic).
 """
 
 from __future__ import annotations
