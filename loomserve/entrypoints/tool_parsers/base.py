@@ -81,10 +81,10 @@ class ArgsStream:
     def failed(self) -> bool:
         return self.scanner.failed
 
-    def visible(self) -> str:
-        """Arguments text certainly part of the final arguments."""
-        s = self.scanner
-        return s.out[: s.safe_len]
+    def visible_span(self) -> tuple[int, int]:
+        """(start, end) in scanner.out of the arguments text certainly part of the final
+        arguments (a span, not a copy: arguments may be long and this runs every token)."""
+        return 0, self.scanner.safe_len
 
     def final(self) -> str:
         """The complete arguments text; closed at the safe point when cut off or invalid."""
@@ -133,12 +133,12 @@ class CallObjectStream(ArgsStream):
                 return start, s.safe_len, False
         return None
 
-    def visible(self) -> str:
+    def visible_span(self) -> tuple[int, int]:
         span = self._args_span()
         if span is None:
-            return ""
+            return 0, 0
         start, end, _ = span
-        return self.scanner.out[start:max(start, end)]
+        return start, max(start, end)
 
     def final(self) -> str:
         s = self.scanner
@@ -288,13 +288,18 @@ class ToolParser:
         when it failed or was cut off (then it is closed, or turned into content if it had not
         started), consuming what the stream read."""
         n = stream.feed(self._buf)
-        self._raw += self._buf[:n]
+        if not stream.call_started:  # the raw text matters only until the call starts
+            self._raw += self._buf[:n]
         self._buf = self._buf[n:]
         if stream.name is not None and not stream.call_started:
             stream.call_started = True
             self._start(stream.name, call_id)
         if stream.call_started and not stream.failed:
-            self._args_upto(stream.visible())
+            start, end = stream.visible_span()
+            if end - start > self._sent_args:
+                text = stream.scanner.out[start + self._sent_args:end]
+                self._events.append(ToolCallArgs(self._index, text))
+                self._sent_args = end - start
         if stream.done and not stream.failed:
             self._args_upto(stream.final())
             self._raw = ""

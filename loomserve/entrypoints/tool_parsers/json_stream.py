@@ -90,7 +90,9 @@ class JsonScanner:
                 self.failed = True
                 break
             i += 1
-        self.out += "".join(parts)
+        out, self.out = self.out, ""
+        out += "".join(parts)  # a sole reference: CPython grows it in place (no O(n) copy)
+        self.out = out
         return i
 
     def finish_scalar(self) -> None:
