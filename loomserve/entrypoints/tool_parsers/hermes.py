@@ -78,8 +78,10 @@ class HermesToolParser(ToolParser):
                 self._state = "text"
 
     def _cut_off(self, final: bool) -> None:
-        """Whitespace only so far; at the end, a block with no call is content."""
+        """Whitespace only so far; at the end, a block with no call is content (whitespace
+        after a list's comma is not: the block had calls)."""
         if final and self._state == "open" and self._raw:
-            self._text(self._raw)
+            if self._raw.strip():
+                self._text(self._raw)
             self._raw = ""
             self._state = "text"

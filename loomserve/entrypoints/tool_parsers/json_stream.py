@@ -95,11 +95,6 @@ class JsonScanner:
         self.out = out
         return i
 
-    def finish_scalar(self) -> None:
-        """At the end of all input: a top-level scalar has no delimiter to end it."""
-        if self._scalar and not self._closers:
-            self._end_scalar()
-
     # -- internals -------------------------------------------------------------------------
 
     def _put(self, s: str) -> None:

@@ -89,12 +89,18 @@ SAMPLES = [
      "<|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>{\"query\": \"q\"}"
      "<|tool_call_end|><|tool_calls_section_end|>", "On it.",
      [PARIS, ("search", {"query": "q"})]),
+    ("kimi_k2", "<|tool_calls_section_begin|> <|tool_call_begin|> functions.search:3 "
+     '<|tool_call_argument_begin|> {"query": "q"} <|tool_call_end|> <|tool_calls_section_end|>',
+     "", [("search", {"query": "q"})]),
     # -- glm45 -------------------------------------------------------------------------------
     ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
      "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n"
      "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>" + CODE + "</arg_value>\n"
      "</tool_call>", "Checking.\n", [PARIS, ("search", {"query": CODE})]),
     ("glm45", "<tool_call>search</tool_call>", "", [("search", {})]),
+    # GLM-4.7 writes no newlines between the name and the pairs
+    ("glm45", "Look: <tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+     "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call> then", "Look: then", [PARIS]),
     # -- harmony (gpt-oss) -------------------------------------------------------------------
     ("harmony", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
