@@ -77,3 +77,15 @@ def test_every_format_after_reasoning(sample, cuts):
     assert calls_of(result) == calls
     assert result.content == content
     assert result.reasoning == ("plan" if reasoning else result.reasoning)
+
+
+def test_forced_call_after_a_prompt_that_opened_reasoning():
+    """tool_choice required with a prompt ending in <think>: the grammar makes the output the
+    call alone, and the open reasoning block must not swallow it."""
+    fmt = get_tool_parser("hermes").call_format("search", {})
+    text = fmt.begin + '{"query": "q"}' + fmt.end
+    for pieces in ([text], list(text)):
+        parser = ChatOutputParser(get_tool_parser("hermes")(TOOLS),
+                                  get_reasoning_parser("qwen3")(starts_in_reasoning=True))
+        result = fold(run(parser, pieces))
+        assert (result.reasoning, result.content, calls_of(result)) == ("", "", Q)
