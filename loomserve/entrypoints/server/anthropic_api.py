@@ -47,6 +47,7 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
         req, ignored = body.to_chat_request()
         prepared = await _prepare(h, req)
         params = prepared.apply(body.to_sampling_params())
+        capped = _fit_context(h, params, len(prepared.prompt_token_ids))
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         session = body.metadata.user_id if body.metadata else None
         headers = _warning_headers(ignored)
@@ -55,7 +56,7 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
                                             request_id, session_id=session)
         except ClientGone:
             return Response(status_code=499)
-        turn = _Turn(h, body, prepared.output_parser(), request_id, params)
+        turn = _Turn(h, body, prepared.output_parser(), request_id, params, capped)
         if body.stream:
             return SSEResponse(
                 h.stream(it, first, timer, request_id, turn.stream_events,
@@ -93,6 +94,20 @@ def _input_error(e: ValueError):
     return bad_request(f"{param}: {message}" if param and param not in message else message)
 
 
+def _fit_context(h: Handler, params, prompt_len: int) -> bool:
+    """Cap max_tokens at the room the context leaves, as Anthropic does for models that stop
+    with model_context_window_exceeded: agents ask for more output than a local model's context
+    holds (Claude Code: 32000). True if capped; a prompt with no room is a 400."""
+    room = h.engine.max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(f"prompt is too long: {prompt_len} tokens > "
+                          f"{h.engine.max_model_len - 1} maximum")
+    if params.max_tokens is not None and params.max_tokens <= room:
+        return False
+    params.max_tokens = room
+    return True
+
+
 def _warning_headers(ignored: list[str]) -> dict[str, str] | None:
     if not ignored:
         return None
@@ -110,8 +125,8 @@ class _Turn:
     """One assistant turn: the output parser's events -> content blocks and stream events."""
 
     def __init__(self, h: Handler, body: MessagesRequest, parser, request_id: str,
-                 params) -> None:
-        self.h, self.body, self.parser = h, body, parser
+                 params, capped: bool) -> None:
+        self.h, self.body, self.parser, self.capped = h, body, parser, capped
         self.model = h.response_model(body.model)
         self.request_id, self.params = request_id, params
         self.blocks = BlockAssembler(max_calls=None if body.parallel_tool_calls else 1)
@@ -145,7 +160,7 @@ class _Turn:
     def _stop(self, out: RequestOutput) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         if out.finish_reason == "length":
-            return "max_tokens", None
+            return ("model_context_window_exceeded" if self.capped else "max_tokens"), None
         if self.blocks.has_tool_use:
             return "tool_use", None
         seq = _matched_stop(self.h, out, self.params)

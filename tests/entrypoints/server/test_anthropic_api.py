@@ -228,6 +228,25 @@ def test_max_tokens_cuts_a_forced_call(client, agent):
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
 
 
+def test_max_tokens_past_the_context_is_capped(client, agent):
+    """Agents ask for more output than a small context holds (Claude Code: 32000): the
+    request runs to the context's end and says so, instead of failing."""
+    base = client.messages.count_tokens(model=agent.model, messages=ASK, tools=[WEATHER],
+                                        tool_choice={"type": "any"}).input_tokens
+    filler = "x " * ((agent.engine.max_model_len - base - 6) // 2)
+    messages = [{"role": "user", "content": filler + ASK[0]["content"]}]
+    counted = client.messages.count_tokens(model=agent.model, messages=messages,
+                                           tools=[WEATHER]).input_tokens
+    room = agent.engine.max_model_len - counted
+    assert 0 < room < 20, room
+    msg = create(client, agent, max_tokens=32000, messages=messages, tools=[WEATHER],
+                 tool_choice={"type": "any"})
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.output_tokens == room
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        create(client, agent, messages=[{"role": "user", "content": filler * 2}])
+
+
 def test_server_tools_are_ignored_with_a_warning(client, agent):
     raw = client.messages.with_raw_response.create(
         model=agent.model, max_tokens=4, messages=ASK,
