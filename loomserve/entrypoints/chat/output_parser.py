@@ -31,7 +31,7 @@ class ChatOutputParser:
             reasoning_parser = None
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
-        self._triggers = list(tool_parser.triggers) if tool_parser and reasoning_parser else []
+        self._triggers = tuple(tool_parser.triggers) if tool_parser and reasoning_parser else ()
         self._held = ""  # reasoning text that may be the start of a trigger
         self._reasoning_ended = False  # by a trigger inside the reasoning
         self._content: list[str] = []

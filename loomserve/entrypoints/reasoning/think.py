@@ -101,7 +101,7 @@ class ThinkReasoningParser(ReasoningParser):
             self._buf = buf[pos + len(marker):]
             self._state = next_state
             return True
-        keep = 0 if final else partial_marker_len(buf, [marker])
+        keep = 0 if final else partial_marker_len(buf, (marker,))
         append_event(self._events, cls, buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False

@@ -35,7 +35,7 @@ _FIRST_CHARS: dict[tuple[str, ...], tuple[re.Pattern, int]] = {}
 
 def partial_marker_len(text: str, markers: list[str] | tuple[str, ...]) -> int:
     """Length of the longest suffix of text that is a proper prefix of one of markers."""
-    key = tuple(markers)
+    key = markers if isinstance(markers, tuple) else tuple(markers)
     info = _FIRST_CHARS.get(key)
     if info is None:  # a marker's start can only begin at one of its first characters
         firsts = "".join(sorted({m[0] for m in key if m}))
@@ -268,7 +268,7 @@ class ToolParser:
         elif start != -1:
             self._buf = buf[start:]
         else:
-            keep = 0 if final else partial_marker_len(buf, [close, reopen])
+            keep = 0 if final else partial_marker_len(buf, (close, reopen))
             self._buf = buf[len(buf) - keep:]
             return False
         self._after_call, self._raw = True, ""

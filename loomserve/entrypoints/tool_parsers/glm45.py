@@ -46,7 +46,7 @@ class Glm45ToolParser(ToolParser):
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            if self._scan_text([OPEN], final) is None:
+            if self._scan_text((OPEN,), final) is None:
                 return False
             self._raw, self._state = OPEN, "name"
         elif state == "name":

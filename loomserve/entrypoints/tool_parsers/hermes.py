@@ -41,7 +41,7 @@ class HermesToolParser(ToolParser):
         while True:
             state = self._state
             if state == "text":
-                if self._scan_text([OPEN], final) is None:
+                if self._scan_text((OPEN,), final) is None:
                     return
                 self._raw = OPEN
                 self._state, self._in_list = "open", False

@@ -74,7 +74,7 @@ class Llama3JsonToolParser(ToolParser):
                 self._text(self._raw)
                 self._raw, self._state = "", "text"
         elif state == "text":
-            marker = self._scan_text([PYTHON_TAG, NAME_OPEN], final)
+            marker = self._scan_text((PYTHON_TAG, NAME_OPEN), final)
             if marker is None:
                 return False
             if marker == NAME_OPEN:

@@ -51,7 +51,7 @@ class MistralToolParser(ToolParser):
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            if self._scan_text([TOOL_CALLS], final) is None:
+            if self._scan_text((TOOL_CALLS,), final) is None:
                 return False
             self._raw, self._state = TOOL_CALLS, "head"
         elif state == "head":  # after [TOOL_CALLS]: a list, one object, or NAME[ARGS]

@@ -48,7 +48,7 @@ class Qwen3CoderToolParser(ToolParser):
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            marker = self._scan_text([OPEN, FUNC], final)
+            marker = self._scan_text((OPEN, FUNC), final)
             if marker is None:
                 return False
             self._raw = marker

@@ -26,6 +26,7 @@ class SectionedToolParser(ToolParser):
         self._stream: ArgsStream | None = None
         self._call_id: str | None = None
         self._calls_in_section = 0
+        self._openers = self.section_begin + (self.call_begin,)
 
     def parse_head(self, head: str) -> tuple[str, str | None] | None:
         """(name, id or None for a generated one) of a call's head; None: not a call."""
@@ -44,7 +45,7 @@ class SectionedToolParser(ToolParser):
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            marker = self._scan_text(self.section_begin + (self.call_begin,), final)
+            marker = self._scan_text(self._openers, final)
             if marker is None:
                 return False
             self._raw, self._calls_in_section = marker, 0
