@@ -48,6 +48,12 @@ class Sampler:
         raw = torch.log_softmax(logits[want], dim=-1) if want else None
         if any(_needs_processing(s) for s in seqs):
             apply_logits_processors(logits, seqs, token_bitmask)
+            # A row with nothing allowed (min_tokens over a tiny vocabulary, a grammar dead
+            # end) must not reach multinomial as NaN, which would end every request: it
+            # samples uniformly, and a grammar then rejects the token and ends the request.
+            dead = torch.isinf(logits).all(dim=-1)
+            if dead.any():
+                logits[dead] = 0.0
         tokens = self(logits, params, [s.num_output_tokens for s in seqs])
         logprobs = {}
         if raw is not None:

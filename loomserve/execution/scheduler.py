@@ -174,7 +174,7 @@ class Scheduler:
         sp = req.sampling
         if sp.uses_penalties:
             seq.history, seq.num_prompt_tokens = req.all_token_ids, req.num_prompt_tokens
-        if req.num_output_tokens < sp.min_tokens:
+        if req.num_output_tokens < sp.min_tokens and req.grammar is None:  # a grammar decides
             seq.suppress = sorted(req.stop_token_ids)
         out.model_input.seqs.append(seq)
 

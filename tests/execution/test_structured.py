@@ -205,3 +205,27 @@ def test_abort_frees_the_matcher(llm):
     assert req.grammar is None and "abort-me" not in core.scheduler.requests
     while core.has_work():
         core.step()
+
+
+def test_grammar_that_fails_to_compile_ends_its_request(llm):
+    # Past the front end's validation (a message built by hand): the core aborts it, twice
+    # (the second time from the cached failure), and keeps serving.
+    from loomserve.execution.messages import EngineCoreRequest
+    bad = SamplingParams(max_tokens=5, structured=StructuredOutputs(regex="a(b"))
+    finished = {}
+    for rid in ("bad-1", "bad-2"):
+        llm.core.add(EngineCoreRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=bad,
+                                       max_tokens=5, eos_token_ids=[2]))
+        while llm.core.has_work():
+            for out in llm.core.step():
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason
+    assert finished == {"bad-1": "abort", "bad-2": "abort"}
+    assert llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3))[0].finished
+
+
+def test_min_tokens_yields_to_a_complete_grammar(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=60, min_tokens=50,
+                            structured=StructuredOutputs(regex="ab"))
+    out = llm.generate(PROMPT, params)[0]
+    assert out.text == "ab" and out.finish_reason == "stop"

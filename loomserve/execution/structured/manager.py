@@ -76,8 +76,7 @@ class StructuredManager:
         else:
             self._cache.move_to_end(key)
         req.grammar = RequestGrammar(fut, sorted(req.stop_token_ids) or self.eos_token_ids)
-        if not fut.done():
-            self.pending.append(req)
+        self.pending.append(req)  # even when done: poll() reports a cached failure
 
     def poll(self) -> list[tuple[object, str]]:
         """Requests whose grammar failed to compile, with the error; drops finished ones."""
