@@ -112,3 +112,28 @@ def test_call_format_is_parsed_back(name):
 def test_get_tool_parser_names_the_choices():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("name", sorted(set(TOOL_PARSERS) - {"qwen3_coder", "glm45"}))
+@pytest.mark.parametrize("required", [True, False])
+def test_the_grammar_of_a_call_format_accepts_what_the_parser_reads(name, required):
+    """The engine's structural tag (tool_choice required: calls joined by the separator; auto:
+    free text, then a trigger opens a call) accepts the text, and the parser reads the calls."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from loomserve.execution.structured.grammar import structural_tag
+    from loomserve.sampling_params import ToolCallGrammar
+
+    cls = get_tool_parser(name)
+    fmt = cls.call_format("get_weather", TOOLS[0]["function"]["parameters"])
+    grammar = ToolCallGrammar(calls=[fmt], required=required, separator=cls.call_separator,
+                              triggers=list(cls.triggers))
+    compiled = xgr.Grammar.from_structural_tag(json.dumps(structural_tag(grammar)))
+    one = fmt.begin + json.dumps({"city": "Paris", "days": 3}) + fmt.end
+    text = one + cls.call_separator + one if required else "Sure. " + one
+    assert _is_grammar_accept_string(compiled, text)
+    result = parse(name, list(text))
+    assert calls_of(result) == [("get_weather", {"city": "Paris", "days": 3})] * (
+        2 if required else 1)
+    assert result.content == ("" if required else "Sure. ")
