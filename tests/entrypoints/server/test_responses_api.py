@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from openai.types.responses import Response
 
 from loomserve.entrypoints.chat.output_parser import ChatOutputParser
 from loomserve.entrypoints.reasoning import get_reasoning_parser
@@ -21,8 +22,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
            "strict": True,
            "parameters": {"type": "object", "additionalProperties": False,
                           "required": ["city", "days"],
-                          "properties": {"city": {"type": "string"},
-                                         "days": {"type": "integer"}}}}
+                          # Bounded, so a random tiny model's call ends well within limits.
+                          "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 14}}}}
 
 
 # the store -------------------------------------------------------------------------------------
@@ -132,6 +135,18 @@ def _build(chunks: list[str], parallel: bool = True) -> tuple[list[dict], list[d
     return builder.items, events
 
 
+def _validate_events(events: list[dict]) -> None:
+    """Each event validates (strictly: every required field, right types) as the openai
+    package's own type for it."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for n, ev in enumerate(events):
+        typed = adapter.validate_python({**ev, "sequence_number": n})
+        assert typed.type == ev["type"], ev
+
+
 def _strip_ids(items: list[dict]) -> list[dict]:
     return [{k: v for k, v in i.items() if k != "id" and k != "call_id"} for i in items]
 
@@ -139,6 +154,7 @@ def _strip_ids(items: list[dict]) -> list[dict]:
 def test_builder_items_do_not_depend_on_chunking():
     whole, _ = _build([TURN])
     by_char, events = _build(list(TURN))
+    _validate_events(events)
     assert _strip_ids(whole) == _strip_ids(by_char)
     assert [i["type"] for i in whole] == ["reasoning", "message", "function_call", "function_call"]
     assert whole[0]["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
@@ -184,15 +200,17 @@ def _calls(resp) -> list[tuple[str, dict]]:
 
 
 def _items(resp) -> list[dict]:
-    return _strip_ids([o.model_dump(exclude_none=True) for o in resp.output])
+    # parsed_arguments: what client.responses.stream adds on its side.
+    return _strip_ids([o.model_dump(exclude_none=True, exclude={"parsed_arguments"})
+                       for o in resp.output])
 
 
 def test_tool_round_trip_stateless_and_stored(agent):
     first = create(agent, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
-                   max_output_tokens=64, instructions="Use tools.")
+                   parallel_tool_calls=False, max_output_tokens=200, instructions="Use tools.")
     assert first.object == "response" and first.id.startswith("resp_")
     assert first.status == "completed" and first.output[-1].type == "function_call"
-    (name, args), = _calls(first)  # the fixture's greedy call is a single one
+    (name, args), = _calls(first)
     assert name == "get_weather" and set(args) == {"city", "days"}
     call = first.output[-1]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
@@ -210,16 +228,19 @@ def test_tool_round_trip_stateless_and_stored(agent):
     assert stored.output_text == stateless.output_text
     assert _calls(stored) == _calls(stateless) == []
     # The chain continues from the follow-up, which kept the whole conversation.
-    third = create(agent, input="Thanks.", previous_response_id=stored.id, max_output_tokens=4)
+    third = create(agent, input="Thanks.", previous_response_id=stored.id, **follow)
     assert third.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
 
 
 def test_stream_and_non_stream_give_the_same_output(agent):
     srv, client = agent
     kw = dict(model=srv.model, input="Weather in Rome?", tools=[WEATHER],
-              tool_choice="required", max_output_tokens=64, temperature=0)
+              tool_choice="required", parallel_tool_calls=False, max_output_tokens=200,
+              temperature=0)
     full = client.responses.create(**kw)
     events = list(client.responses.create(stream=True, **kw))
+    _validate_events([e.to_dict() for e in events])
+    Response.model_validate(full.to_dict())
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1].type == "response.completed"
@@ -237,12 +258,14 @@ def test_stream_and_non_stream_give_the_same_output(agent):
 def test_tool_choice_required_gives_schema_valid_arguments(agent):
     for seed in range(6):
         r = create(agent, input="Weather?", tools=[WEATHER], tool_choice="required",
-                   temperature=1.0, max_output_tokens=200, extra_body={"seed": seed})
+                   parallel_tool_calls=False, temperature=1.0, max_output_tokens=200,
+                   extra_body={"seed": seed})
         calls = _calls(r)
         assert calls and r.status == "completed"
         for name, args in calls:
             assert name == "get_weather" and set(args) == {"city", "days"}
-            assert isinstance(args["city"], str) and type(args["days"]) is int
+            assert isinstance(args["city"], str) and len(args["city"]) <= 12
+            assert type(args["days"]) is int and 1 <= args["days"] <= 14
 
 
 def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent):
