@@ -81,9 +81,11 @@ def test_any_text_keeps_the_invariants(name, data):
 def test_any_text_through_reasoning_and_tools(name, data):
     text = data.draw(texts(name))
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    starts = data.draw(st.booleans())  # the prompt opened the reasoning block, or not
 
     def parse(pieces):
-        parser = ChatOutputParser(get_tool_parser(name)(TOOLS), get_reasoning_parser("qwen3")())
+        parser = ChatOutputParser(get_tool_parser(name)(TOOLS),
+                                  get_reasoning_parser("qwen3")(starts_in_reasoning=starts))
         result = fold(run(parser, pieces))
         assert parser.result() == result
         return shape(result)
