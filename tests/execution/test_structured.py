@@ -229,3 +229,18 @@ def test_min_tokens_yields_to_a_complete_grammar(llm):
                             structured=StructuredOutputs(regex="ab"))
     out = llm.generate(PROMPT, params)[0]
     assert out.text == "ab" and out.finish_reason == "stop"
+
+
+def test_bitmask_cpu_kernel_and_torch_path_agree():
+    from loomserve.execution.logits_processors import apply_bitmask_torch
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 100, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, bitmask, [0, 2, 4], [2, 0, 1])
+    apply_bitmask_torch(b, bitmask, [0, 2, 4], [2, 0, 1], 100)
+    assert torch.equal(a, b)
+    assert torch.equal(a[[1, 3]], logits[[1, 3]])
+    for row, brow in ((0, 2), (2, 0), (4, 1)):
+        bits = [(int(bitmask[brow, t // 32]) >> (t % 32)) & 1 for t in range(100)]
+        assert [not torch.isinf(a[row, t]).item() for t in range(100)] == [bool(x) for x in bits]
