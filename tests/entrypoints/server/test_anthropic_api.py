@@ -30,6 +30,7 @@ CLOCK = {"name": "get_time", "input_schema": {
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
+CLAUDE = "claude-sonnet-4-5-20250929"  # an alias, as Claude Code's model id
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def agent():
     if not os.path.isdir(TINY_AGENT):
         pytest.skip("tests/fixtures/tiny-agent is missing")
     with running_server(model=TINY_AGENT, kv_cache_memory="64MiB", session_pin_ttl=300,
-                        session_pin_budget="4MiB") as srv:
+                        session_pin_budget="4MiB",
+                        app_options={"served_model_names": ["tiny-agent", CLAUDE]}) as srv:
         yield srv
 
 
@@ -144,7 +146,7 @@ def check_event_order(events: list[dict]) -> None:
 
 def test_stream_event_order(agent):
     body = {"model": agent.model, "max_tokens": 200, "temperature": 0, "stream": True,
-            "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+            "messages": ASK, "tools": [WEATHER], "tool_choice": ONE_CALL}
     events = sse_events(agent, body)
     check_event_order(events)
     assert events[1]["type"] == "ping"
@@ -299,6 +301,13 @@ def test_bad_input_is_a_400_in_anthropic_shape(client, agent, case):
     if case.startswith("image"):
         assert "image" in body["error"]["message"] and "messages." in body["error"]["message"]
     assert create(client, agent, max_tokens=2).type == "message"  # still serving
+
+
+def test_claude_model_id_served_as_an_alias(client, agent):
+    msg = create(client, agent, model=CLAUDE, max_tokens=2)
+    assert msg.model == CLAUDE
+    assert create(client, agent, max_tokens=2).model == "tiny-agent"
+    assert client.messages.count_tokens(model=CLAUDE, messages=ASK).input_tokens > 0
 
 
 def test_missing_max_tokens_and_unknown_model(agent):
