@@ -392,3 +392,45 @@ def test_parallel_cap_drops_later_calls():
     events += blocks.close()
     assert [b["type"] for b in blocks.blocks] == ["tool_use"]
     assert {e["index"] for e in events} == {0}
+
+
+def test_conversion_to_the_neutral_chat_request():
+    from loomserve.entrypoints.server.anthropic_protocol import MessagesRequest
+
+    def convert(**kw):
+        body = {"model": "m", "max_tokens": 8, "messages": ASK, **kw}
+        return MessagesRequest.model_validate(body).to_chat_request()
+
+    req, ignored = convert(
+        system=[{"type": "text", "text": "A."}, {"type": "text", "text": "B."}],
+        tools=[WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        messages=ASK + [
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "redacted_thinking", "data": "x"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Rome", "metric": True}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                 "content": [{"type": "text", "text": "timeout"}]},
+                {"type": "text", "text": "Retry."}]}])
+    assert ignored == ["web_search (web_search_20250305)"]
+    assert req.messages == [
+        {"role": "system", "content": "A.\nB."}, ASK[0],
+        {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Rome", "metric": true}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather",
+         "content": "Error: timeout"},
+        {"role": "user", "content": "Retry."}]
+    assert [t["function"]["name"] for t in req.tools] == ["get_weather"]
+    assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert req.parallel_tool_calls is False and req.template_kwargs == {}
+    assert convert(tools=[WEATHER], tool_choice={"type": "any"})[0].tool_choice == "required"
+    for kind, flag in (("enabled", True), ("adaptive", True), ("disabled", False)):
+        thinking = {"type": kind, "budget_tokens": 2048}
+        assert convert(thinking=thinking)[0].template_kwargs == {"enable_thinking": flag}
+    fmt = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    assert convert(output_config=fmt)[0].response_format["json_schema"]["schema"] == \
+        {"type": "object"}
