@@ -334,3 +334,18 @@ def test_api_key_is_checked():
         bearer = anthropic.Anthropic(base_url=srv.url, auth_token="sekrit", max_retries=0)
         assert bearer.messages.count_tokens(model=srv.model, messages=ASK).input_tokens > 0
 
+
+def test_core_failure_mid_stream_is_an_in_band_error_event():
+    env = {"LOOMSERVE_FAULT_INJECT": "step:12", "LOOMSERVE_STEP_DELAY_MS": "20"}
+    with running_server(core_env=env) as srv:
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with client.messages.stream(**args(srv, {"max_tokens": 100})) as stream:
+                for event in stream:
+                    seen.append(event.type)
+        assert seen[0] == "message_start" and "message_stop" not in seen
+        body = e.value.body
+        assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        assert "injected fault" in body["error"]["message"]
+

@@ -11,7 +11,6 @@ from tests.entrypoints.server.test_anthropic_api import ASK, WEATHER
 pytest.importorskip("anthropic")
 
 
-
 def test_thinking_text_and_calls_stream_into_the_same_message():
     """The block assembly over a real output parser (Hermes calls, <think> reasoning): the
     client's own stream accumulator builds exactly the non-streaming content, whatever the
