@@ -220,9 +220,13 @@ def test_stop_sequence_is_reported(client, agent):
     text = free.content[0].text
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop.strip(), text
-    msg = create(client, agent, max_tokens=40, stop_sequences=["never-there", stop])
-    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
-    assert msg.content[0].text == text[:text.index(stop)]
+    kw = {"max_tokens": 40, "stop_sequences": ["never-there", stop]}
+    msg = create(client, agent, **kw)
+    with client.messages.stream(**args(agent, kw)) as stream:
+        streamed = stream.get_final_message()
+    for m in (msg, streamed):
+        assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+        assert m.content[0].text == text[:text.index(stop)]
 
 
 def test_max_tokens_cuts_a_forced_call(client, agent):
