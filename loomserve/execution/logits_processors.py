@@ -63,9 +63,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
     width = min(logits.shape[-1], bitmask.shape[-1] * 32)
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         import xgrammar as xgr
-        full = torch.full((logits.shape[0], bitmask.shape[-1]), -1, dtype=torch.int32)
-        full[rows] = bitmask[bitmask_rows]
-        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=width, indices=rows)
+        if bitmask.shape[0] != logits.shape[0] or rows != bitmask_rows:
+            # The core lays the bitmask out one row per due seq, so this copy is rare.
+            full = torch.full((logits.shape[0], bitmask.shape[-1]), -1, dtype=torch.int32)
+            full[rows] = bitmask[bitmask_rows]
+            bitmask = full
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
     else:
         apply_bitmask_torch(logits, bitmask, rows, bitmask_rows, width)
     if width < logits.shape[-1]:

@@ -99,25 +99,27 @@ class StructuredManager:
             wait(futures, timeout, return_when="FIRST_COMPLETED")
 
     def fill_bitmask(self, model_input, requests: dict) -> None:
-        """Set model_input.token_bitmask and each constrained seq's bitmask_row."""
-        seqs, matchers = [], []
-        for seq in model_input.seqs:
-            req = requests.get(seq.request_id) if seq.sample else None
+        """Set model_input.token_bitmask and each constrained seq's bitmask_row. One row per
+        seq due a token, in the runner's order (seqs with tokens and sample=True), so the
+        sampler applies it to its logits rows as they are; other rows stay all-allowed."""
+        due = [s for s in model_input.seqs if s.token_ids and s.sample]
+        rows, matchers = [], []
+        for row, seq in enumerate(due):
+            req = requests.get(seq.request_id)
             if req is not None and req.grammar is not None:
-                seqs.append(seq)
+                rows.append(row)
                 matchers.append(req.grammar.matcher)
-        if not seqs:
+                seq.bitmask_row = row
+        if not rows:
             return
         import xgrammar as xgr
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(due), self.vocab_size)
         if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        for row, seq in enumerate(seqs):
-            seq.bitmask_row = row
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         model_input.token_bitmask = bitmask
 
     def close(self) -> None:
