@@ -67,15 +67,41 @@ def deltas(events) -> list[dict]:
     return out
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (printable stand-ins for the 256 bytes) -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class TokenTexts:
-    """Token id -> its text and UTF-8 bytes, as logprobs report them (cached per id)."""
+    """Token id -> its text and its UTF-8 bytes, as logprobs report them (cached per id). A
+    token that is part of a character decodes to U+FFFD alone; its bytes are still exact for
+    byte-level BPE vocabularies (read from the token's byte-level spelling)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+        self._decoder = _byte_decoder()
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        text = self.text(token_id)
+        if "\ufffd" in text:
+            piece = self.tokenizer.hf.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(ch in self._decoder for ch in piece):
+                return [self._decoder[ch] for ch in piece]
+        return list(text.encode("utf-8"))
 
 
 def _lp(x: float) -> float:
@@ -86,8 +112,7 @@ def chat_logprobs(texts: TokenTexts, entries) -> dict:
     """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}, one per
     generated token (entries: (token_id, (logprob, [(top_id, top_logprob), ...])))."""
     def item(tid: int, lp: float) -> dict:
-        t = texts.text(tid)
-        return {"token": t, "logprob": _lp(lp), "bytes": list(t.encode("utf-8"))}
+        return {"token": texts.text(tid), "logprob": _lp(lp), "bytes": texts.bytes(tid)}
 
     return {"content": [{**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]}
                         for tid, (lp, top) in entries]}
