@@ -172,3 +172,16 @@ def test_count_tokens_matches_prepare():
     fe = _frontend("tiny-agent")
     req = ChatRequest([{"role": "user", "content": "hello there"}], [WEATHER])
     assert fe.count_tokens(req) == len(fe.prepare(req).prompt_token_ids)
+
+
+def test_template_kwargs_and_reasoning_pass_back():
+    template = ("{% for m in messages %}[{{ m.role }}:{{ m.reasoning_content }}|{{ m.content }}]"
+                "{% endfor %}{{ enable_thinking }}/{{ reasoning_effort }}")
+    fe = _frontend("tiny-agent", template)
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning": "thought"}]
+    p = fe.prepare(ChatRequest(msgs, template_kwargs={"enable_thinking": False,
+                                                       "reasoning_effort": "low"}))
+    assert p.prompt_text == "[user:|q][assistant:thought|a]False/low"
+    with pytest.raises(ChatInputError):
+        fe.prepare(ChatRequest(msgs, template_kwargs={"messages": []}))

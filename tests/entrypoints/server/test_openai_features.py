@@ -160,3 +160,36 @@ def test_default_model_forced_tool_call():
         assert call.function.name == "get_weather"
         check_args(WEATHER["function"]["parameters"], call.function.arguments)
 
+
+
+def test_sessions_and_samples_reach_the_engine(client, server, monkeypatch):
+    """prompt_cache_key is the session (user is not); samples i > 0 are siblings of sample 0."""
+    seen = []
+    generate = server.engine.generate
+
+    def spy(prompt, params, request_id=None, **kw):
+        seen.append((request_id, params.seed, kw))
+        return generate(prompt, params, request_id, **kw)
+
+    monkeypatch.setattr(server.engine, "generate", spy)
+    r = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2, n=2,
+                                       seed=9, user="end-user-1", prompt_cache_key="conv-7",
+                                       extra_body={"ignore_eos": True})
+    seen.sort()
+    assert [s[0] for s in seen] == [f"{r.id}-0", f"{r.id}-1"]
+    assert [s[1] for s in seen] == [9, 10]
+    assert all(s[2]["session_id"] == "conv-7" for s in seen)
+    assert "sibling_of" not in seen[0][2] and seen[1][2]["sibling_of"] == f"{r.id}-0"
+
+
+def test_serve_flags():
+    from loomserve.entrypoints.cli import build_parser, engine_config_from_args, main
+
+    args = build_parser().parse_args(["serve", "m", "--served-model-name", "a", "b",
+                                      "--tool-call-parser", "hermes", "--reasoning-parser",
+                                      "none", "--chat-template", "/x.jinja"])
+    assert engine_config_from_args(args).model.served_model_name == "a"
+    assert args.served_model_names == ["a", "b"] and args.chat_template == "/x.jinja"
+    # unknown parser names and unreadable templates fail before the model loads
+    assert main(["serve", "m", "--tool-call-parser", "nope"]) == 2
+    assert main(["serve", "m", "--chat-template", "/no/such/file.jinja"]) == 2
