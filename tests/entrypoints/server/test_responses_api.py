@@ -4,6 +4,7 @@
 import json
 import os
 
+import openai
 import pytest
 from openai.types.responses import Response
 
@@ -183,7 +184,6 @@ def test_builder_drops_whitespace_messages_and_extra_calls_when_not_parallel():
 def agent():
     if not os.path.isdir(TINY_AGENT):
         pytest.skip("tests/fixtures/tiny-agent is missing")
-    import openai
     with running_server(model=TINY_AGENT) as srv:
         yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                                  timeout=120)
@@ -268,20 +268,26 @@ def test_tool_choice_required_gives_schema_valid_arguments(agent):
             assert type(args["days"]) is int and 1 <= args["days"] <= 14
 
 
-def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent):
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent, stream):
     srv, client = agent
     raw = client.responses.with_raw_response.create(
-        model=srv.model, instructions="You are Codex.", input=CODEX_INPUT[:2],
+        model=srv.model, instructions="You are Codex.",
+        input=CODEX_INPUT + [{"role": "user", "content": "And tomorrow?"}],
         tools=[WEATHER, {"type": "web_search"}, {"type": "local_shell"}],
         tool_choice="auto", parallel_tool_calls=False, reasoning={"effort": "low"},
         store=False, include=["reasoning.encrypted_content"], prompt_cache_key="codex-1",
-        max_output_tokens=8, temperature=0)
+        max_output_tokens=8, temperature=0, stream=stream)
     warning = raw.headers.get("x-loomserve-warning")
     assert warning is not None and "web_search" in warning and "local_shell" in warning
     r = raw.parse()
+    if stream:
+        events = list(r)
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        r = events[-1].response
     assert r.status in ("completed", "incomplete") and r.prompt_cache_key == "codex-1"
     assert [t.type for t in r.tools] == ["function"] and r.parallel_tool_calls is False
-    import openai
+    assert r.usage.input_tokens > 100  # the whole history was rendered
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
         client.responses.retrieve(r.id)
 
@@ -293,13 +299,11 @@ def test_stored_responses_can_be_read_and_deleted(agent):
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"k": "v"}
     client.responses.delete(r.id)
-    import openai
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
 
 
 def test_unknown_previous_response_id_is_not_found(agent):
-    import openai
     with pytest.raises(openai.NotFoundError) as e:
         create(agent, input="hi", previous_response_id="resp_nope", max_output_tokens=2)
     assert e.value.body["param"] == "previous_response_id"
@@ -323,7 +327,6 @@ BAD = [
 
 @pytest.mark.parametrize("kw, param", BAD)
 def test_bad_requests_are_400_and_the_server_keeps_serving(agent, kw, param):
-    import openai
     with pytest.raises(openai.BadRequestError) as e:
         create(agent, max_output_tokens=2, **kw)
     body = e.value.body
@@ -331,3 +334,19 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(agent, kw, param):
     if param is not None:
         assert body["param"] == param
     assert create(agent, input="ok", max_output_tokens=2).status == "incomplete"
+
+
+def test_a_core_failure_mid_stream_is_an_in_band_error_event():
+    # The core's step loop faults on its 20th step, well inside this 150-token stream.
+    env = {"LOOMSERVE_FAULT_INJECT": "step:20", "LOOMSERVE_STEP_DELAY_MS": "20"}
+    with running_server(core_env=env, model=TINY_AGENT) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        events = list(client.responses.create(model=srv.model, input="hi", stream=True,
+                                              max_output_tokens=150,
+                                              extra_body={"ignore_eos": True}))
+    assert events[0].type == "response.created"
+    assert events[-1].type == "error" and events[-1].code == "engine_core_failed"
+    assert "injected fault" in events[-1].message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert any(e.type == "response.output_text.delta" for e in events)
