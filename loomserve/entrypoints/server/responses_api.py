@@ -25,6 +25,7 @@ from loomserve.entrypoints.chat.events import (
     ToolCallArgs,
     ToolCallStart,
 )
+from loomserve.entrypoints.chat.frontend import ChatInputError, ChatRequest, PreparedChat
 from loomserve.entrypoints.output import RequestOutput
 from loomserve.entrypoints.server.errors import APIError, bad_request
 from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, sse_event
@@ -37,6 +38,7 @@ from loomserve.entrypoints.server.responses_protocol import (
     convert_tools,
     to_messages,
 )
+from loomserve.sampling_params import SamplingParams
 
 
 def _id(prefix: str) -> str:
@@ -155,8 +157,8 @@ class Turn:
     items: list[dict]  # the stored conversation before this turn, then this turn's inputs
     session_id: str | None
     warning: str | None
-    prepared: object  # PreparedChat
-    params: object  # SamplingParams
+    prepared: PreparedChat
+    params: SamplingParams
 
 
 class ResponsesService:
@@ -165,8 +167,6 @@ class ResponsesService:
         self.store = store
 
     async def resolve(self, body: ResponsesRequest) -> Turn:
-        from loomserve.entrypoints.chat.frontend import ChatInputError, ChatRequest
-
         self.h.check_model(body.model)
         prev = None
         if body.previous_response_id:
