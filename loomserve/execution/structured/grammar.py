@@ -1,11 +1,13 @@
 """StructuredOutputs -> an xgrammar grammar; validation that needs no tokenizer.
 
-Why xgrammar (benchmarks/grammar_mask.py, SmolLM2's 49,152-token vocabulary, 2-core AMD EPYC,
-2026-12-01): its per-token mask fill is 0.02 ms for one stream and 0.5-1.0 ms for 32 (batched,
-2 threads), against llguidance's 0.2-0.3 ms and 2.6-5.1 ms; with the mask applied and tokens
-accepted, xgrammar costs 2.3-2.5% of a 350 ms decode step at 32 streams (llguidance 3.7-20%).
-llguidance compiles faster (3-10 ms vs 32-41 ms), which the core's compile cache and worker
-thread hide. xgrammar's structural tags also express the tool-call shapes directly.
+Why xgrammar 0.2.9 over llguidance 1.9.1 (benchmarks/grammar_mask.py: SmolLM2's 49,152-token
+vocabulary, a 6-property JSON schema and a two-tool Hermes call grammar, 2-core AMD EPYC,
+2026-12-01, the host shared with other jobs): per-token mask fill 0.01-0.02 ms for one stream and
+0.5-3.8 ms for 32 (batched), against llguidance's 0.2-0.7 ms and 2.6-13.5 ms; fill + accept +
+applying the mask at 32 streams is 2.5-7% of a 350 ms decode step with xgrammar, 4-30% with
+llguidance (its apply also had 18-49 ms first-call outliers). llguidance compiles faster (2-21 ms
+vs 32-62 ms), which the core's compile cache and worker thread hide. xgrammar's structural tags
+also express the tool-call shapes (calls with a separator, triggered calls) directly.
 
 JSON is generated compact-ish (", " and ": " separators, no free whitespace): a model cannot
 then stall in whitespace until max_tokens.
@@ -16,6 +18,11 @@ from __future__ import annotations
 import json
 
 from loomserve.sampling_params import StructuredOutputs, ToolCallGrammar
+
+# Tool-call arguments allow the whitespace models write (pretty-printed, indented), bounded so a
+# model cannot stall in it until max_tokens.
+TOOL_JSON_MAX_SPACE = 8
+_VALID: set[str] = set()  # spec keys that passed validation
 
 
 def spec_key(spec: StructuredOutputs) -> str:
@@ -54,8 +61,9 @@ def structural_tag(tc: ToolCallGrammar) -> dict:
     if not tc.calls:
         raise ValueError("a tool-call grammar needs at least one call format")
     tags = [{"type": "tag", "begin": c.begin, "end": c.end,
-             "content": {"type": "json_schema", "json_schema": _bounded_strings(
-                 _schema(c.schema, f"the schema of tool call {i}"))}}
+             "content": {"type": "json_schema", "max_whitespace_cnt": TOOL_JSON_MAX_SPACE,
+                         "json_schema": _bounded_strings(
+                             _schema(c.schema, f"the schema of tool call {i}"))}}
             for i, c in enumerate(tc.calls)]
     if tc.required:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": tc.separator,
@@ -78,6 +86,9 @@ def validate_structured(spec: StructuredOutputs) -> None:
     import xgrammar as xgr
 
     kind = _kind(spec)
+    key = spec_key(spec)
+    if key in _VALID:  # the same schema every turn of an agent: check it once
+        return
     try:
         if kind == "json_schema":
             _schema(spec.json_schema, "json_schema")
@@ -90,6 +101,9 @@ def validate_structured(spec: StructuredOutputs) -> None:
         raise
     except Exception as e:  # xgrammar reports bad schemas / regexes as RuntimeError etc.
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(e)}") from None
+    if len(_VALID) >= 1024:
+        _VALID.clear()
+    _VALID.add(key)
 
 
 def _bounded_strings(node):
