@@ -73,11 +73,9 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
     async def count_tokens(body: CountTokensRequest) -> dict:
         h.check_model(body.model)
         req, _ = body.to_chat_request()
-        try:
-            n = await asyncio.to_thread(h.chat.count_tokens, req)
-        except (ChatInputError, ValueError) as e:
-            raise _input_error(e) from e
-        return {"input_tokens": n}
+        # prepare(), not count_tokens(): a forced tool_choice or format may render the template
+        # differently (thinking off), and the count must be the prompt /v1/messages would use.
+        return {"input_tokens": len((await _prepare(h, req)).prompt_token_ids)}
 
 
 async def _prepare(h: Handler, req):

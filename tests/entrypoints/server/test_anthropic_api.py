@@ -215,6 +215,37 @@ def test_thinking_blocks_pass_back_as_reasoning(client, agent):
     assert msg.stop_reason in ("end_turn", "max_tokens")
 
 
+def thinking_template() -> str:
+    """tiny-agent's template with Qwen3's switch: enable_thinking=false writes an empty
+    <think></think> block after the generation prompt."""
+    with open(os.path.join(TINY_AGENT, "tokenizer_config.json")) as f:
+        template = json.load(f)["chat_template"]
+    prompt = "{{- '<|im_start|>assistant\\n' }}"
+    assert prompt in template
+    return template.replace(prompt, prompt + "{%- if enable_thinking is defined and "
+                            "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+                            "{%- endif %}")
+
+
+def test_thinking_config_reaches_a_template_that_reads_it():
+    with running_server(model=TINY_AGENT, kv_cache_memory="64MiB",
+                        app_options={"chat_template": thinking_template()}) as srv:
+        client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+
+        def count(**kw) -> int:
+            return client.messages.count_tokens(model=srv.model, messages=ASK, **kw).input_tokens
+
+        default = count()
+        assert count(thinking={"type": "enabled", "budget_tokens": 1024}) == default
+        assert count(thinking={"type": "disabled"}) > default
+        # A forced call renders with thinking off (no reasoning block for the grammar to
+        # fight); count_tokens counts that same prompt.
+        forced = dict(tools=[WEATHER], tool_choice=ONE_CALL)
+        usage = create(client, srv, max_tokens=120, **forced).usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == count(**forced)
+        assert count(**forced) > count(tools=[WEATHER])
+
+
 def test_stop_sequence_is_reported(client, agent):
     free = create(client, agent, max_tokens=40)
     text = free.content[0].text
