@@ -155,6 +155,7 @@ class Turn:
     response_id: str
     created_at: int
     items: list[dict]  # the stored conversation before this turn, then this turn's inputs
+    inherited: int  # items[:inherited] came from previous_response_id's entry
     session_id: str | None
     warning: str | None
     prepared: PreparedChat
@@ -192,7 +193,7 @@ class ResponsesService:
         params = prepared.apply(body.to_sampling_params())
         warning = (f"ignored tools of unsupported types: {', '.join(ignored)}"
                    if ignored else None)
-        return Turn(body, _id("resp"), int(time.time()), items,
+        return Turn(body, _id("resp"), int(time.time()), items, len(prev.items) if prev else 0,
                     body.prompt_cache_key or (prev.session_id if prev else None), warning,
                     prepared, params)
 
@@ -238,7 +239,7 @@ class ResponsesService:
         resp = self.response(turn, status, builder.items, usage, incomplete)
         if turn.body.store is not False:
             self.store.put(turn.response_id, StoredResponse(
-                resp, turn.items + builder.items, turn.session_id))
+                resp, turn.items + builder.items, turn.session_id, new_from=turn.inherited))
         return resp
 
 

@@ -67,6 +67,25 @@ def test_store_entries_expire():
     assert store.get("b") is None and len(store) == 0
 
 
+def test_store_charges_each_turn_its_own_items_and_bounds_the_total():
+    history = [{"type": "message", "role": "user", "content": "x" * 100}]
+    store = ResponseStore(max_size=8, ttl_s=60, max_chars=400)
+    store.put("a", StoredResponse({"id": "a"}, history))
+    own = store.get("a").size
+    assert own > 100 and store.chars == own
+    # A follow-up shares a's items: it is charged only for its own new one.
+    follow = StoredResponse({"id": "b"}, history + [{"type": "message", "role": "user",
+                                                    "content": "y"}], new_from=1)
+    store.put("b", follow)
+    assert follow.size < own / 2 and store.chars == own + follow.size
+    store.put("c", StoredResponse({"id": "c"}, history * 2))  # over the budget: a goes
+    assert store.get("a") is None and store.get("b") and store.get("c")
+    assert store.chars == follow.size + store.get("c").size <= 400
+    store.put("d", StoredResponse({"id": "d"}, history * 4))  # alone over the budget
+    assert store.get("d") is None and len(store) == 2
+    assert store.delete("b") and store.chars == store.get("c").size
+
+
 # input conversion ----------------------------------------------------------------------------
 
 CODEX_INPUT = [
