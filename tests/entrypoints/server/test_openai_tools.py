@@ -108,7 +108,8 @@ def _streamed_calls(chunks) -> list[dict]:
 
 
 def test_stream_gives_the_same_calls_as_non_streaming(agent_client, agent_server):
-    kw = dict(tools=[WEATHER, BOOKING], tool_choice="required", seed=11)
+    kw = dict(tools=[WEATHER, BOOKING], tool_choice="required", seed=11,
+              parallel_tool_calls=False)
     full = create(agent_client, agent_server, **kw).choices[0]
     chunks = list(create(agent_client, agent_server, stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
