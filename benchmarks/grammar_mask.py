@@ -6,6 +6,7 @@ where it has one), and applying the mask to [N, vocab] fp32 logits. The matchers
 output token by token (fill, then accept), so the masks are those of a real generation.
 
     .venv/bin/python benchmarks/grammar_mask.py [--step-ms 350] [--tokens 64]
+    .venv/bin/python benchmarks/grammar_mask.py --engine 12   # the engine's step, with and without
 
 --step-ms: the decode step at 32 streams to compare against (default 350 ms: the default model
 fp32 on the 2-core AMD EPYC decodes 85-100 tok/s at 32 streams, BENCHMARKS.md).
@@ -174,11 +175,56 @@ def walk(lib, grammar, tokens, n):
     return [statistics.mean(x) for x in (fills, accepts, applies, ours)]
 
 
+def engine_steps(streams: int, steps: int, structured) -> float:
+    """Median ms of the engine's decode steps (every stream decoding) for the default model."""
+    from loomserve import LLM
+    from loomserve.sampling_params import SamplingParams
+
+    llm = ENGINE.get("llm") or ENGINE.setdefault("llm", LLM(None, dtype="float32"))
+    core = llm.core
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True,
+                            structured=structured)
+    for i in range(streams):
+        core.add(llm.inputs.make_core_request(f"b{streams}-{i}-{id(params)}",
+                                              f"Write item {i} of the list:", params))
+    times = []
+    while core.has_work():
+        decoding = not core.scheduler.waiting and all(
+            r.num_tokens - r.num_computed_tokens == 1 for r in core.scheduler.running)
+        t = time.perf_counter()
+        core.step()
+        if decoding:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+ENGINE: dict = {}
+
+
+def engine_main(steps: int) -> None:
+    from loomserve.sampling_params import StructuredOutputs
+
+    # A grammar that never ends early: every step of every stream is constrained.
+    spec = StructuredOutputs(regex="[a-zA-Z ,.]{0,400}")
+    for streams in (1, 32):
+        engine_steps(streams, 2, spec)  # warm-up: model, grammar compiler, compile
+        plain = engine_steps(streams, steps, None)
+        constrained = engine_steps(streams, steps, spec)
+        print(f"engine, {streams:2d} streams: decode step plain {plain:7.1f} ms, constrained "
+              f"{constrained:7.1f} ms (+{(constrained / plain - 1) * 100:4.1f}%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--step-ms", type=float, default=350.0)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--engine", type=int, default=0, metavar="STEPS",
+                    help="instead: the engine's decode step, plain vs grammar-constrained, "
+                         "default model fp32, 1 and 32 streams, STEPS steps each")
     args = ap.parse_args()
+    if args.engine:
+        engine_main(args.engine)
+        return
     hf = tokenizer()
     vocab = 49152
     texts = {"json": json.dumps(VALUE, separators=(", ", ": ")), "tool call": CALL}

@@ -244,3 +244,13 @@ def test_bitmask_cpu_kernel_and_torch_path_agree():
     for row, brow in ((0, 2), (2, 0), (4, 1)):
         bits = [(int(bitmask[brow, t // 32]) >> (t % 32)) & 1 for t in range(100)]
         assert [not torch.isinf(a[row, t]).item() for t in range(100)] == [bool(x) for x in bits]
+
+
+def test_ignore_eos_request_ends_when_its_grammar_does(llm):
+    # With ignore_eos the grammar's stop token is the model's eos: accepting it ends the grammar,
+    # and the request with it (the matcher is never asked for a mask past its end).
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                            structured=StructuredOutputs(regex="ab"))
+    outs = llm.generate([PROMPT, PROMPT], [params, SamplingParams(temperature=0, max_tokens=30)])
+    assert outs[0].text.startswith("ab") and outs[0].finish_reason == "stop"
+    assert len(outs[0].token_ids) <= 3 and outs[1].finished

@@ -46,11 +46,14 @@ class RequestGrammar:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """False when the grammar rejects the token (the request then ends)."""
-        ok = self.matcher.accept_token(token_id)
+        """False when the grammar rejects the token or has ended (it accepted one of its stop
+        tokens: with ignore_eos the request's stop tokens are not the grammar's); either way
+        the request ends, and its matcher is never asked for another mask."""
+        m = self.matcher
+        ok = m.accept_token(token_id)
         if not ok:
             log.warning("grammar rejected sampled token %d; ending the request", token_id)
-        return ok
+        return ok and not m.is_terminated()
 
 
 class StructuredManager:
