@@ -185,3 +185,13 @@ def test_template_kwargs_and_reasoning_pass_back():
     assert p.prompt_text == "[user:|q][assistant:thought|a]False/low"
     with pytest.raises(ChatInputError):
         fe.prepare(ChatRequest(msgs, template_kwargs={"messages": []}))
+
+
+def test_developer_role_is_system_for_templates_that_predate_it():
+    fe = _frontend("tiny-llama")
+    p = fe.prepare(ChatRequest([{"role": "developer", "content": "Rules."},
+                                {"role": "user", "content": "hi"}]))
+    assert p.prompt_text.startswith("<|im_start|>system\nRules.<|im_end|>")
+    knows = _frontend("tiny-llama", "{% for m in messages %}{{ m.role }}/{% endfor %}{# developer #}")
+    assert knows.prepare(ChatRequest([{"role": "developer", "content": "x"}])).prompt_text == \
+        "developer/"
