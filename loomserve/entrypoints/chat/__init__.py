@@ -18,8 +18,10 @@ Neutral tool shape: {"type": "function", "function": {"name", "description", "pa
 "function": {"name": ...}}. response_format: None | {"type": "text"} | {"type": "json_object"}
 | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}.
 
-Modules: events.py (parser events), render.py (messages + tools -> prompt through the model's
-template, with a fallback for templates without tools), frontend.py (ChatFrontend: validation,
-parser choice, grammar for tool_choice / response_format), output_parser.py (reasoning + tool
-parsers chained over the generated text).
+Modules: events.py (parser events), validate.py (roles, content, tool schemas, tool_call ids,
+tool_choice -> ChatInputError naming the field), render.py (messages + tools -> prompt through
+the model's template, with a Hermes fallback for templates without tools), grammar.py
+(tool_choice / response_format -> StructuredOutputs), frontend.py (ChatFrontend: the above in
+order, parser choice), output_parser.py (reasoning + tool parsers chained over the generated
+text).
 """
