@@ -51,8 +51,10 @@ class OutputBuilder:
     a message item opens at the first non-whitespace text (whitespace around tool calls makes
     no empty message); with parallel_tool_calls false, calls after the first are dropped."""
 
-    def __init__(self, parallel_tool_calls: bool = True) -> None:
+    def __init__(self, parallel_tool_calls: bool = True,
+                 namespace_of: dict[str, str] | None = None) -> None:
         self.items: list[dict] = []
+        self._namespace_of = namespace_of or {}
         self._open: dict | None = None
         self._pending_ws = ""
         self._calls: dict[int, dict] = {}  # the parser's call index -> function_call item
@@ -72,9 +74,11 @@ class OutputBuilder:
             elif isinstance(ev, ToolCallStart) and (self._parallel or ev.index == 0):
                 self._close(out, "completed")
                 self._pending_ws = ""
-                self._calls[ev.index] = self._add(out, {
-                    "type": "function_call", "id": _id("fc"), "call_id": ev.id, "name": ev.name,
-                    "arguments": "", "status": "in_progress"})
+                call = {"type": "function_call", "id": _id("fc"), "call_id": ev.id,
+                        "name": ev.name, "arguments": "", "status": "in_progress"}
+                if ev.name in self._namespace_of:
+                    call["namespace"] = self._namespace_of[ev.name]
+                self._calls[ev.index] = self._add(out, call)
             elif isinstance(ev, ToolCallArgs) and ev.index in self._calls and ev.text:
                 item = self._calls[ev.index]
                 item["arguments"] += ev.text
@@ -158,6 +162,7 @@ class Turn:
     inherited: int  # items[:inherited] came from previous_response_id's entry
     session_id: str | None
     warning: str | None
+    namespace_of: dict[str, str]  # function name -> its namespace tool
     prepared: PreparedChat
     params: SamplingParams
 
@@ -177,8 +182,8 @@ class ResponsesService:
                                "not found (unknown, expired or not stored).",
                                param="previous_response_id", code="previous_response_not_found")
         items = (prev.items if prev else []) + body.input_items()
-        tools, ignored = convert_tools(body.tools)
-        req = ChatRequest(messages=to_messages(items, body.instructions), tools=tools,
+        toolset = convert_tools(body.tools)
+        req = ChatRequest(messages=to_messages(items, body.instructions), tools=toolset.tools,
                           tool_choice=convert_tool_choice(body.tool_choice),
                           response_format=convert_text_format(body.text),
                           template_kwargs=body.template_kwargs(),
@@ -191,11 +196,11 @@ class ResponsesService:
                 param = "input"
             raise bad_request(e.message, param=param) from e
         params = prepared.apply(body.to_sampling_params())
-        warning = (f"ignored tools of unsupported types: {', '.join(ignored)}"
-                   if ignored else None)
+        warning = (f"ignored tools: {', '.join(toolset.ignored)}"
+                   if toolset.ignored else None)
         return Turn(body, _id("resp"), int(time.time()), items, len(prev.items) if prev else 0,
                     body.prompt_cache_key or (prev.session_id if prev else None), warning,
-                    prepared, params)
+                    toolset.namespace_of, prepared, params)
 
     def response(self, turn: Turn, status: str, output: list[dict], usage: dict | None = None,
                  incomplete: bool = False) -> dict:
@@ -216,7 +221,7 @@ class ResponsesService:
             "top_p": 1.0 if b.top_p is None else b.top_p,
             "text": {"format": (b.text.format if b.text and b.text.format else {"type": "text"})},
             "tool_choice": b.tool_choice,
-            "tools": [t for t in b.tools or [] if t.get("type") == "function"],
+            "tools": [t for t in b.tools or [] if t.get("type") in ("function", "namespace")],
             "truncation": "disabled", "usage": usage, "user": b.user,
         }
 
@@ -257,7 +262,7 @@ def register_responses_routes(app: FastAPI, h: Handler, store: ResponseStore | N
                                             session_id=turn.session_id)
         except ClientGone:
             return Response(status_code=499)
-        builder = OutputBuilder(body.parallel_tool_calls)
+        builder = OutputBuilder(body.parallel_tool_calls, turn.namespace_of)
         parser = turn.prepared.output_parser()
         if body.stream:
             return SSEResponse(_stream(svc, turn, builder, parser, it, first, timer),

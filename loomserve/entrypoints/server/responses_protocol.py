@@ -14,6 +14,7 @@ must answer a call_id seen earlier in the conversation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -99,31 +100,53 @@ class ResponsesRequest(_Lenient):
 
 # tools, tool_choice, text.format --------------------------------------------------------------
 
-def convert_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
-    """Function tools in the neutral shape, and the types of the tools dropped."""
-    if not tools:
-        return None, []
-    out, ignored = [], []
-    for i, tool in enumerate(tools):
+@dataclass
+class ToolSet:
+    tools: list[dict] | None  # function tools in the neutral shape
+    ignored: list[str]  # what was dropped, for the warning header
+    namespace_of: dict[str, str]  # function name -> the namespace tool it came from
+
+
+def convert_tools(tools: list[dict] | None) -> ToolSet:
+    """Function tools, flattened out of namespace tools (Codex groups its sub-agent tools in
+    one): the model sees plain names, and a call of a namespaced one names its namespace in
+    the output item. A name already taken is dropped (first wins), as are other tool types."""
+    out, ignored, namespace_of = [], [], {}
+    for i, tool in enumerate(tools or []):
         kind = tool.get("type")
-        if kind != "function":
-            ignored.append(str(kind))
-            continue
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name: a function tool needs a name.",
-                              param=f"tools[{i}].name")
-        params = tool.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"tools[{i}].parameters must be a JSON Schema object.",
-                              param=f"tools[{i}].parameters")
-        function = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            function["strict"] = bool(tool["strict"])
-        out.append({"type": "function", "function": function})
-    return out or None, ignored
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            inner = [(f"tools[{i}].tools[{j}]", t, str(tool.get("name")))
+                     for j, t in enumerate(tool["tools"])]
+        else:
+            inner = [(f"tools[{i}]", tool, None)]
+        for where, t, namespace in inner:
+            if not isinstance(t, dict) or t.get("type") != "function":
+                ignored.append(str(t.get("type") if isinstance(t, dict) else t))
+                continue
+            function = _function(t, where)
+            if any(f["function"]["name"] == function["name"] for f in out):
+                ignored.append(f"{function['name']} (duplicate name)")
+                continue
+            out.append({"type": "function", "function": function})
+            if namespace is not None:
+                namespace_of[function["name"]] = namespace
+    return ToolSet(out or None, ignored, namespace_of)
+
+
+def _function(tool: dict, where: str) -> dict:
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name: a function tool needs a name.", param=f"{where}.name")
+    params = tool.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad_request(f"{where}.parameters must be a JSON Schema object.",
+                          param=f"{where}.parameters")
+    function = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = bool(tool["strict"])
+    return function
 
 
 def convert_tool_choice(choice: str | dict) -> str | dict:

@@ -28,6 +28,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
                                          "days": {"type": "integer", "minimum": 1,
                                                   "maximum": 14}}}}
 
+# Codex groups its sub-agent tools in a namespace tool.
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+          "tools": [{"type": "function", "name": "spawn_agent", "strict": False,
+                     "parameters": {"type": "object", "properties": {
+                         "task": {"type": "string"}}}}]}
+
 
 # the store -------------------------------------------------------------------------------------
 
@@ -129,12 +135,16 @@ def test_bad_input_items_name_their_param(items, param):
     assert e.value.status_code == 400 and e.value.param == param
 
 
-def test_non_function_tools_are_dropped_and_named():
-    tools, ignored = convert_tools([{"type": "web_search"}, WEATHER, {"type": "local_shell"},
-                                    {"type": "custom", "name": "apply_patch"}])
-    assert [t["function"]["name"] for t in tools] == ["get_weather"]
-    assert tools[0]["function"]["parameters"] == WEATHER["parameters"]
-    assert ignored == ["web_search", "local_shell", "custom"]
+def test_non_function_tools_are_dropped_and_namespaces_flattened():
+    dup = {"type": "function", "name": "get_weather"}
+    agents = dict(AGENTS, tools=AGENTS["tools"] + [dup])
+    toolset = convert_tools([{"type": "web_search"}, WEATHER, {"type": "local_shell"},
+                             {"type": "custom", "name": "apply_patch"}, agents])
+    assert [t["function"]["name"] for t in toolset.tools] == ["get_weather", "spawn_agent"]
+    assert toolset.tools[0]["function"]["parameters"] == WEATHER["parameters"]
+    assert toolset.ignored == ["web_search", "local_shell", "custom",
+                               "get_weather (duplicate name)"]
+    assert toolset.namespace_of == {"spawn_agent": "multi_agent_v1"}
 
 
 # output builder ------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ TURN = ("<think>The user wants weather.</think>\n\nLet me check.\n<tool_call>\n"
 def _build(chunks: list[str], parallel: bool = True) -> tuple[list[dict], list[dict]]:
     parser = ChatOutputParser(get_tool_parser("hermes")([WEATHER]),
                               get_reasoning_parser("qwen3")())
-    builder, events = OutputBuilder(parallel), []
+    builder, events = OutputBuilder(parallel, {"get_weather": "weather_ns"}), []
     for c in chunks:
         events += builder.feed(parser.feed(c))
     events += builder.feed(parser.finish()) + builder.close("completed")
@@ -182,6 +192,7 @@ def test_builder_items_do_not_depend_on_chunking():
     assert [json.loads(i["arguments"]) for i in whole[2:]] == [{"city": "Paris", "days": 2},
                                                               {"city": "Rome", "days": 1}]
     assert all(i["status"] == "completed" for i in whole)
+    assert [i.get("namespace") for i in whole[2:]] == ["weather_ns", "weather_ns"]
     # Every item is added, then done, in output order; deltas rebuild the final texts.
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
@@ -293,7 +304,8 @@ def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent, s
     raw = client.responses.with_raw_response.create(
         model=srv.model, instructions="You are Codex.",
         input=CODEX_INPUT + [{"role": "user", "content": "And tomorrow?"}],
-        tools=[WEATHER, {"type": "web_search"}, {"type": "local_shell"}],
+        tools=[WEATHER, {"type": "web_search", "external_web_access": False},
+               {"type": "local_shell"}, AGENTS],
         tool_choice="auto", parallel_tool_calls=False, reasoning={"effort": "low"},
         store=False, include=["reasoning.encrypted_content"], prompt_cache_key="codex-1",
         max_output_tokens=8, temperature=0, stream=stream)
@@ -305,7 +317,9 @@ def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent, s
         assert events[-1].type in ("response.completed", "response.incomplete")
         r = events[-1].response
     assert r.status in ("completed", "incomplete") and r.prompt_cache_key == "codex-1"
-    assert [t.type for t in r.tools] == ["function"] and r.parallel_tool_calls is False
+    assert [t.type for t in r.tools] == ["function", "namespace"]
+    Response.model_validate(r.to_dict())
+    assert r.parallel_tool_calls is False
     assert r.usage.input_tokens > 100  # the whole history was rendered
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
         client.responses.retrieve(r.id)
