@@ -145,6 +145,8 @@ class RequestState:
     def _check_stop_strings(self, num_new_chars: int) -> bool:
         if not self.params.stop or not num_new_chars:
             return False
+        if len(self.token_ids) < self.params.min_tokens:
+            return False  # as vLLM: stop strings, like stop tokens, wait for min_tokens
         window = len(self.text) - num_new_chars - self._hold  # only the tail can hold a new match
         hits = [i for s in self.params.stop if (i := self.text.find(s, max(0, window))) >= 0]
         if not hits:

@@ -162,3 +162,15 @@ def test_frequency_penalty_reduces_repeats(llm):
 def test_logit_bias_id_beyond_vocab_is_rejected(llm):
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_min_tokens_also_holds_back_stop_strings(llm):
+    base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    text = llm.generate(PROMPTS[0], base)[0].text
+    stop = text[:2]  # matches at once without min_tokens
+    cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12,
+                                                  ignore_eos=True, stop=[stop]))[0]
+    assert cut.text == "" and cut.finish_reason == "stop"
+    held = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                   stop=[stop], min_tokens=6))[0]
+    assert len(held.token_ids) >= 6
