@@ -145,11 +145,10 @@ class Scheduler:
         if req.sibling_of is None:
             return False
         first = self.requests.get(req.sibling_of)
-        if first is None or first.status != RequestStatus.RUNNING:
-            # gone, or still waiting itself (it may be held too: then neither waits forever,
-            # since a grammar always becomes ready and a sibling is never held by a sibling)
-            return first is not None and first.status in (RequestStatus.WAITING,
-                                                          RequestStatus.PREEMPTED)
+        if first is None or first.sibling_of is not None:
+            return False  # gone, or itself a sibling: never wait in a chain (or a cycle)
+        if first.status != RequestStatus.RUNNING:
+            return True  # still waiting (maybe for its grammar, which always becomes ready)
         return first.num_computed_tokens < first.num_prompt_tokens
 
     def _chunk(self, req: Request, left: int, budget: int) -> int:

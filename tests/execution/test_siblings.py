@@ -94,3 +94,19 @@ def test_invalid_regex_is_a_value_error_from_generate(engine):
             pass
     with pytest.raises(ValueError, match="regex"):
         asyncio.run(main())
+
+
+def test_sibling_cycle_does_not_hold_forever():
+    llm = make_llm(block_size=BLOCK)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        for rid, first in (("a", "b"), ("b", "a")):
+            llm.core.add(llm.inputs.make_core_request(rid, PROMPT, params, sibling_of=first))
+        done = set()
+        for _ in range(20):
+            done |= {o.request_id for o in llm.core.step() if o.finished}
+            if not llm.core.has_work():
+                break
+        assert done == {"a", "b"}
+    finally:
+        llm.close()
