@@ -51,7 +51,7 @@ def client(agent):
 def args(agent, kw: dict) -> dict:
     """create() arguments: this client version has no sampling parameters, so temperature
     (0 unless given: greedy) travels in extra_body, as the API still takes it."""
-    kw = {**dict(model=agent.model, max_tokens=200, messages=ASK), **kw}
+    kw = {**dict(model=agent.model, max_tokens=120, messages=ASK), **kw}
     kw["extra_body"] = {"temperature": kw.pop("temperature", 0)}
     return kw
 
@@ -145,7 +145,7 @@ def check_event_order(events: list[dict]) -> None:
 
 
 def test_stream_event_order(agent):
-    body = {"model": agent.model, "max_tokens": 200, "temperature": 0, "stream": True,
+    body = {"model": agent.model, "max_tokens": 120, "temperature": 0, "stream": True,
             "messages": ASK, "tools": [WEATHER], "tool_choice": ONE_CALL}
     events = sse_events(agent, body)
     check_event_order(events)
