@@ -93,9 +93,8 @@ class RequestState:
         self.stopped_by_string = False  # the core must be told to abort this request
         # Tokens whose text never shows when they end the request (tool parsers keep special
         # tokens, but the closing <|im_end|> is not content).
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids |= set(getattr(tokenizer, "eos_token_ids", ()))
+        # (with ignore_eos an EOS can still end it: the one a completed grammar allows)
+        self._stop_ids = set(params.stop_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
 
     def process(self, outs: list[CoreOutput]) -> RequestOutput:
         """Fold one or more core outputs into a RequestOutput with the deltas since the last."""
@@ -116,7 +115,8 @@ class RequestState:
                     lp, ids, vals = lps[k]
                     new_lps.append((lp, list(zip(ids, vals))))
                     self.logprobs.append(new_lps[-1])
-                if k == last and out.finished and tok in self._stop_ids:
+                if (k == last and out.finished and out.finish_reason == "stop"
+                        and tok in self._stop_ids):
                     break  # the finishing stop token: in token_ids, not in the text
                 delta = self._detokenize(tok)
                 self.text += delta
