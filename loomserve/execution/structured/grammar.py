@@ -9,8 +9,8 @@ llguidance (its apply also had 18-49 ms first-call outliers). llguidance compile
 vs 32-62 ms), which the core's compile cache and worker thread hide. xgrammar's structural tags
 also express the tool-call shapes (calls with a separator, triggered calls) directly.
 
-JSON is generated compact-ish (", " and ": " separators, no free whitespace): a model cannot
-then stall in whitespace until max_tokens.
+JSON is generated with ", " and ": " separators and no free whitespace: a model cannot then
+stall in whitespace until max_tokens.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def validate_structured(spec: StructuredOutputs) -> None:
     try:
         if kind == "json_schema":
             _schema(spec.json_schema, "json_schema")
-            xgr.Grammar.from_json_schema(spec.json_schema, any_whitespace=False)
+            xgr.Grammar.from_json_schema(_patched(spec.json_schema), any_whitespace=False)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec.regex)
         elif kind == "tool_calls":
