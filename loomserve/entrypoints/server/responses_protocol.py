@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from loomserve.entrypoints.server.errors import bad_request
 from loomserve.sampling_params import SamplingParams
 
-# Tool types of OpenAI's hosted tools and Codex's client-side ones: no model here can run
-# them, so they are dropped with a warning header instead of failing the whole request.
+# Names what a request asked for and did not get: tools of OpenAI's hosted types or Codex's
+# client-side ones, which no model here can run, are dropped rather than failing the request.
 WARNING_HEADER = "x-loomserve-warning"
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
