@@ -383,3 +383,17 @@ def test_a_core_failure_mid_stream_is_an_in_band_error_event():
     assert "injected fault" in events[-1].message
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert any(e.type == "response.output_text.delta" for e in events)
+
+
+def test_text_format_json_schema_through_responses_parse(agent):
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=14)
+
+    srv, client = agent
+    r = client.responses.parse(model=srv.model, input="Forecast for Oslo, as JSON.",
+                               text_format=Forecast, temperature=0, max_output_tokens=200)
+    assert r.status == "completed" and isinstance(r.output_parsed, Forecast)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "Forecast"
