@@ -116,10 +116,11 @@ class ChatFrontend:
         structured, parser_cls = tool_grammar(tools or [], mode, name, req.parallel_tool_calls,
                                               self.tool_parser_cls, self.hermes_cls)
         text_format = response_grammar(req.response_format)
-        if mode == "auto" and text_format is not None:
+        forces_calls = mode in ("required", "named")
+        if text_format is not None and not forces_calls:
             structured = text_format  # the text must be JSON: no room for calls
         kwargs = self._kwargs(req.template_kwargs, forced=structured is not None
-                              and (mode in ("required", "named") or text_format is not None))
+                              and (forces_calls or text_format is not None))
         text = self._render(messages, tools, kwargs)
         reasoning = self.reasoning_parser_cls
         needs_special = any(getattr(c, "needs_special_tokens", False)

@@ -97,10 +97,12 @@ def _check_call(call, where: str) -> dict:
     args = fn.get("arguments", "{}")
     if isinstance(args, dict):  # some clients send the object itself
         args = json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str) and not args.strip():  # a call without arguments
+        args = "{}"
     if not isinstance(args, str):
         raise ChatInputError(f"{where}.function.arguments must be JSON object text", "messages")
     try:
-        parsed = json.loads(args) if args.strip() else {}
+        parsed = json.loads(args)
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):

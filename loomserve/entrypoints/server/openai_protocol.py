@@ -93,8 +93,10 @@ class _SamplingRequest(Lenient):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
                 logit_bias=self._logit_bias(), min_tokens=self.min_tokens)
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            field = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param=field if field in type(self).model_fields
+                              else None) from e
 
 
 def _reject(field: str, why: str = "is not supported by this server") -> None:

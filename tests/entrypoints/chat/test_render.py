@@ -162,6 +162,9 @@ def test_grammar_for_tool_choice_and_response_format():
     assert json.loads(js.json_schema) == {"type": "object"}
     assert fe.prepare(ChatRequest(user, response_format={"type": "json_object"})
                       ).structured.json_object
+    for choice in ("none", "auto"):  # the answer is JSON; forced calls would win instead
+        assert fe.prepare(ChatRequest(user, [WEATHER], choice, response_format={
+            "type": "json_object"})).structured.json_object
     with pytest.raises(ChatInputError) as e:
         fe.prepare(ChatRequest(user, response_format={"type": "json_schema", "json_schema": {
             "schema": {"type": "nonsense"}}}))

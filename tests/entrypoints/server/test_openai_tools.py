@@ -161,6 +161,12 @@ BAD = [
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("logit_bias key not a token id", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias value out of range", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("min_tokens above max_tokens", {"min_tokens": 5}, "min_tokens"),
+    ("tool_choice of another kind", {"tools": [WEATHER], "tool_choice": "sometimes"},
+     "tool_choice"),
+    ("non-function tool", {"tools": [{"type": "web_search"}]}, "tools"),
+    ("store", {"store": True}, "store"),
 ]
 
 
