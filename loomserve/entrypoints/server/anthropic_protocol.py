@@ -39,7 +39,7 @@ class ContentBlock(_Lenient):
     input: Any = None
     tool_use_id: str | None = None
     content: Union[str, list["ContentBlock"], None] = None
-    is_error: bool = False
+    is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
 
