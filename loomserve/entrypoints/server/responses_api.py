@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from loomserve.entrypoints.server.responses_protocol import (
     to_messages,
 )
 from loomserve.sampling_params import SamplingParams
+
+MAX_WARNING = 1000  # characters of the warning header
 
 
 def _id(prefix: str) -> str:
@@ -196,8 +199,10 @@ class ResponsesService:
                 param = "input"
             raise bad_request(e.message, param=param) from e
         params = prepared.apply(body.to_sampling_params())
-        warning = (f"ignored tools: {', '.join(toolset.ignored)}"
-                   if toolset.ignored else None)
+        warning = None
+        if toolset.ignored:  # client-chosen names: a header carries printable ASCII only
+            warning = re.sub(r"[^\x20-\x7e]", "?", f"ignored tools: {', '.join(toolset.ignored)}")
+            warning = warning[:MAX_WARNING] + ("..." if len(warning) > MAX_WARNING else "")
         return Turn(body, _id("resp"), int(time.time()), items, len(prev.items) if prev else 0,
                     body.prompt_cache_key or (prev.session_id if prev else None), warning,
                     toolset.namespace_of, prepared, params)

@@ -304,13 +304,14 @@ def test_codex_shaped_request_is_accepted_and_warns_about_dropped_tools(agent, s
     raw = client.responses.with_raw_response.create(
         model=srv.model, instructions="You are Codex.",
         input=CODEX_INPUT + [{"role": "user", "content": "And tomorrow?"}],
-        tools=[WEATHER, {"type": "web_search", "external_web_access": False},
+        tools=[WEATHER, {"type": "web_search", "external_web_access": False}, {"type": "ünï\n"},
                {"type": "local_shell"}, AGENTS],
         tool_choice="auto", parallel_tool_calls=False, reasoning={"effort": "low"},
         store=False, include=["reasoning.encrypted_content"], prompt_cache_key="codex-1",
         max_output_tokens=8, temperature=0, stream=stream)
     warning = raw.headers.get("x-loomserve-warning")
     assert warning is not None and "web_search" in warning and "local_shell" in warning
+    assert "?n??" in warning  # not ASCII: replaced
     r = raw.parse()
     if stream:
         events = list(r)
