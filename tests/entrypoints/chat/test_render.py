@@ -198,3 +198,15 @@ def test_developer_role_is_system_for_templates_that_predate_it():
     knows = _frontend("tiny-llama", "{% for m in messages %}{{ m.role }}/{% endfor %}{# developer #}")
     assert knows.prepare(ChatRequest([{"role": "developer", "content": "x"}])).prompt_text == \
         "developer/"
+
+
+def test_tool_parser_none_parses_no_calls_but_can_still_force_them():
+    folder = os.path.join(FIXTURES, "tiny-agent")
+    fe = ChatFrontend(Tokenizer.from_folder(folder), tool_parser="none", reasoning_parser="none")
+    user = [{"role": "user", "content": "x"}]
+    auto = fe.prepare(ChatRequest(user, [WEATHER]))
+    assert auto.tool_parser_cls is None and auto.output_parser().reasoning_parser is None
+    forced = fe.prepare(ChatRequest(user, [WEATHER], "required"))
+    assert forced.tool_parser_cls.name == "hermes"  # the format forced is the one parsed
+    with pytest.raises(ValueError):
+        ChatFrontend(Tokenizer.from_folder(folder), tool_parser="nope")

@@ -187,3 +187,14 @@ def test_bad_tool_inputs_are_openai_400s_and_the_server_keeps_serving(agent_serv
                parallel_tool_calls=False)
     assert r.choices[0].finish_reason == "tool_calls"
     agent_server.wait_idle()
+
+
+def test_auto_with_a_strict_tool_runs_the_triggered_grammar(agent_client, agent_server):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    for seed in range(3):
+        r = create(agent_client, agent_server, tools=[strict, BOOKING], seed=seed,
+                   max_tokens=60, parallel_tool_calls=False)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for call in r.choices[0].message.tool_calls or []:
+            if call.function.name == "get_weather" and r.choices[0].finish_reason != "length":
+                check_args(WEATHER["function"]["parameters"], call.function.arguments)
