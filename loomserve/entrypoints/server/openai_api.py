@@ -2,7 +2,8 @@
 
 Chat requests go through the chat front end (h.chat: validation, template with tools, grammar
 for tool_choice / response_format); each of the n samples' text goes through its own output
-parser (reasoning, tool calls). Streams: per choice, a role delta first, then content /
+parser (reasoning, tool calls); with parallel_tool_calls false, calls after the first are
+dropped (a grammar, when there is one, already stops after one). Streams: per choice, a role delta first, then content /
 reasoning / tool-call deltas as the parser reports them (a call's first delta has its whole
 name), then a delta with its finish_reason; usage last when asked for.
 """
@@ -26,6 +27,7 @@ from loomserve.entrypoints.server.openai_output import (
     completion_logprobs,
     deltas,
     finish_reason,
+    first_call_only,
     new_entries,
 )
 from loomserve.entrypoints.server.openai_protocol import (
@@ -65,7 +67,7 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
         want_logprobs = params.logprobs is not None
         if body.stream:
             chunks = ChatStream(request_id, created, model, parsers, texts, want_logprobs,
-                                body.include_usage, samples)
+                                body.include_usage, samples, body.parallel_tool_calls)
             return SSEResponse(h.stream(samples, samples.first_batch(), NullTimer(), request_id,
                                         chunks))
         try:
@@ -78,7 +80,7 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
             parser.finish()
             result = parser.result()
             choices.append(ChatChoice(
-                index=i, message=assistant_message(result),
+                index=i, message=assistant_message(result, body.parallel_tool_calls),
                 logprobs=chat_logprobs(texts, all_entries(out)) if want_logprobs else None,
                 finish_reason=finish_reason(out.finish_reason, result)))
         return JSONResponse(ChatCompletion(
@@ -122,10 +124,10 @@ class ChatStream:
     """Batches of sample outputs -> chat.completion.chunk payloads (see the module doc)."""
 
     def __init__(self, request_id, created, model, parsers, texts, want_logprobs,
-                 include_usage, samples: Samples) -> None:
+                 include_usage, samples: Samples, parallel: bool = True) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.parsers, self.texts, self.want_logprobs = parsers, texts, want_logprobs
-        self.include_usage, self.samples = include_usage, samples
+        self.include_usage, self.samples, self.parallel = include_usage, samples, parallel
 
     def chunk(self, choices: list[dict], usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -146,6 +148,8 @@ class ChatStream:
         events = parser.feed(out.new_text) if out.new_text else []
         if out.finished:
             events += parser.finish()
+        if not self.parallel:
+            events = first_call_only(events)
         logprobs = (chat_logprobs(self.texts, new_entries(out))
                     if self.want_logprobs and out.new_token_ids else None)
         ds = deltas(events)

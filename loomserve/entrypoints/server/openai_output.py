@@ -28,13 +28,19 @@ def finish_reason(reason: str | None, result: ChatResult | None) -> str | None:
     return reason
 
 
-def assistant_message(result: ChatResult) -> AssistantMessage:
+def assistant_message(result: ChatResult, parallel: bool = True) -> AssistantMessage:
     calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-             for c in result.tool_calls or []]
+             for c in (result.tool_calls or [])[:None if parallel else 1]]
     reasoning = result.reasoning or None
     return AssistantMessage(content=result.content or (None if calls else ""),
                             reasoning_content=reasoning, reasoning=reasoning,
                             tool_calls=calls or None)
+
+
+def first_call_only(events) -> list:
+    """parallel_tool_calls false: the events of calls after the first are dropped."""
+    return [ev for ev in events
+            if not isinstance(ev, (ToolCallStart, ToolCallArgs)) or ev.index == 0]
 
 
 def deltas(events) -> list[dict]:

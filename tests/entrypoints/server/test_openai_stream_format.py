@@ -75,3 +75,23 @@ def test_stream_deltas_add_up_to_the_message(seed):
     assert content == msg.content == "Let me check. "
     assert [(c["name"], c["arguments"]) for c in calls.values()] == \
         [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    if not os.path.isdir(TINY_AGENT):
+        pytest.skip("tests/fixtures/tiny-agent is missing")
+    tok = Tokenizer.from_folder(TINY_AGENT)
+    prepared = ChatFrontend(tok).prepare(ChatRequest([{"role": "user", "content": "x"}],
+                                                     [WEATHER, BOOKING]))
+    outs = _outputs([40, 90, 150])
+    stream = ChatStream("id", 0, "m", [prepared.output_parser()], TokenTexts(tok), False, False,
+                        Samples([None], [outs[-1]], [None]), parallel=False)
+    chunks = [c for i, out in enumerate(outs) for c in stream(Batch([(0, out)], out.finished),
+                                                              i == 0)]
+    indices = {d["index"] for c in chunks for d in c.choices[0]["delta"].get("tool_calls", [])}
+    assert indices == {0}
+    whole = prepared.output_parser()
+    whole.feed(TEXT)
+    whole.finish()
+    assert [c.function.name for c in assistant_message(whole.result(), False).tool_calls] == \
+        ["get_weather"]
