@@ -38,8 +38,7 @@ AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-age
 # the store -------------------------------------------------------------------------------------
 
 class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
+    now = 0.0
 
     def __call__(self) -> float:
         return self.now
@@ -166,8 +165,7 @@ def _build(chunks: list[str], parallel: bool = True) -> tuple[list[dict], list[d
 
 
 def _validate_events(events: list[dict]) -> None:
-    """Each event validates (strictly: every required field, right types) as the openai
-    package's own type for it."""
+    """Each event validates strictly (every required field) as the openai package's type."""
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
