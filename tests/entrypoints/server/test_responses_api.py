@@ -2,7 +2,6 @@
 `openai` client against a real engine on the tool-capable tiny fixture (tiny-agent)."""
 
 import json
-import os
 
 import openai
 import pytest
@@ -15,10 +14,8 @@ from loomserve.entrypoints.server.response_store import ResponseStore, StoredRes
 from loomserve.entrypoints.server.responses_api import OutputBuilder
 from loomserve.entrypoints.server.responses_protocol import convert_tools, to_messages
 from loomserve.entrypoints.tool_parsers import get_tool_parser
-from tests.entrypoints.server.conftest import running_server
+from tests.entrypoints.server.conftest import TINY_AGENT, running_server
 
-TINY_AGENT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures",
-                                          "tiny-agent"))
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city.",
            "strict": True,
            "parameters": {"type": "object", "additionalProperties": False,
@@ -208,13 +205,9 @@ def test_builder_drops_whitespace_messages_and_extra_calls_when_not_parallel():
 
 # the official client against a real engine ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def agent():
-    if not os.path.isdir(TINY_AGENT):
-        pytest.skip("tests/fixtures/tiny-agent is missing")
-    with running_server(model=TINY_AGENT) as srv:
-        yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
-                                 timeout=120)
+@pytest.fixture
+def agent(agent_server, agent_client):
+    return agent_server, agent_client  # conftest's session-wide tiny-agent server
 
 
 def create(agent, **kw):
