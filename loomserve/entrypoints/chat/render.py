@@ -22,7 +22,6 @@ import json
 import re
 from typing import Any
 
-import jinja2
 from jinja2 import meta
 
 from loomserve.entrypoints.tokenizer import compile_chat_template, template_environment
@@ -43,7 +42,8 @@ RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_
 def hermes_call_text(name: str, arguments: Any) -> str:
     """One call as the Hermes parser reads it (what the fallback writes into history)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+    quoted = json.dumps(name, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {quoted}, "arguments": {args}}}\n</tool_call>'
 
 
 class ChatRenderer:
@@ -138,5 +138,3 @@ def fallback_messages(msgs: list[dict], tools: list[dict] | None) -> list[dict]:
         m.pop("_tool_results", None)
     return out
 
-
-TemplateError = jinja2.TemplateError

@@ -3,9 +3,9 @@
 Chat requests go through the chat front end (h.chat: validation, template with tools, grammar
 for tool_choice / response_format); each of the n samples' text goes through its own output
 parser (reasoning, tool calls); with parallel_tool_calls false, calls after the first are
-dropped (a grammar, when there is one, already stops after one). Streams: per choice, a role delta first, then content /
-reasoning / tool-call deltas as the parser reports them (a call's first delta has its whole
-name), then a delta with its finish_reason; usage last when asked for.
+dropped (a grammar, when there is one, already stops after one). Streams: per choice, a role
+delta first, then content / reasoning / tool-call deltas as the parser reports them (a call's
+first delta has its whole name), then a delta with its finish_reason; usage last when asked.
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def test_developer_role_is_system_for_templates_that_predate_it():
     p = fe.prepare(ChatRequest([{"role": "developer", "content": "Rules."},
                                 {"role": "user", "content": "hi"}]))
     assert p.prompt_text.startswith("<|im_start|>system\nRules.<|im_end|>")
-    knows = _frontend("tiny-llama", "{% for m in messages %}{{ m.role }}/{% endfor %}{# developer #}")
+    knows = _frontend("tiny-llama",
+                      "{% for m in messages %}{{ m.role }}/{% endfor %}{# developer #}")
     assert knows.prepare(ChatRequest([{"role": "developer", "content": "x"}])).prompt_text == \
         "developer/"
 

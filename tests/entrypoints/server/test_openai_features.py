@@ -153,7 +153,8 @@ def test_default_model_forced_tool_call():
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
         r = c.chat.completions.create(
             model=srv.model, tools=[WEATHER], tool_choice="required", temperature=0,
-            max_tokens=60, parallel_tool_calls=False, messages=[{"role": "user", "content": "Weather in Tokyo?"}])
+            max_tokens=60, parallel_tool_calls=False,
+            messages=[{"role": "user", "content": "Weather in Tokyo?"}])
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         (call,) = choice.message.tool_calls
