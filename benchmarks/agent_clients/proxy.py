@@ -30,13 +30,17 @@ class Recorder:
         self.path = path
         self.label = "-"
         self.lock = threading.Lock()
+        self.count = 0  # lines written: a stream's end names its request's line
 
     def set_label(self, label: str) -> None:
         self.label = label
 
-    def write(self, entry: dict) -> None:
+    def write(self, entry: dict) -> int:
+        """Append one line; its number (1-based)."""
         with self.lock, open(self.path, "a") as f:
+            self.count += 1
             f.write(json.dumps({"client": self.label, "t": round(time.time(), 3), **entry}) + "\n")
+            return self.count
 
 
 def build_proxy(upstream: str, recorder: Recorder) -> Starlette:
@@ -62,6 +66,8 @@ def build_proxy(upstream: str, recorder: Recorder) -> Starlette:
             recorder.write(entry)
             return Response(content, status_code=resp.status_code, headers=out_headers)
 
+        seq = recorder.write(entry)  # now: a client killed mid-stream still leaves its request
+
         async def relay():
             tail = b""
             try:
@@ -70,8 +76,7 @@ def build_proxy(upstream: str, recorder: Recorder) -> Starlette:
                     yield chunk
             finally:
                 await resp.aclose()
-                entry["stream_tail"] = tail.decode(errors="replace")
-                recorder.write(entry)
+                recorder.write({"stream_end_of": seq, "stream_tail": tail.decode(errors="replace")})
 
         return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
 

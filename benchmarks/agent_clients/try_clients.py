@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def opencode(bin_dir: str, base: str, model: str, home: str, prompt: str) -> tup
                   "npm": "@ai-sdk/openai-compatible", "name": "loomserve",
                   "options": {"baseURL": f"{base}/v1", "apiKey": "loomserve"},
                   "models": {model: {"name": model, "tool_call": True,
-                                     "limit": {"context": 8192, "output": 512}}}}},
+                                     "limit": {"context": 8192, "output": 256}}}}},
               "model": f"loomserve/{model}", "autoupdate": False, "share": "disabled"}
     path = os.path.join(home, "opencode.json")
     with open(path, "w") as f:
@@ -91,8 +92,10 @@ def run_client(name: str, args, base: str, model: str) -> dict:
     argv, env = CLIENTS[name](os.path.join(args.prefix, "node_modules", ".bin"), base, model,
                               home, args.prompt)
     # PWD too: opencode takes its project folder from it, not from the process's cwd
+    argv += shlex.split(args.extra_args)
     env = {**os.environ, **QUIET_ENV, "HOME": home, "PWD": home,
-           "XDG_CONFIG_HOME": os.path.join(home, ".config"), **env}
+           "XDG_CONFIG_HOME": os.path.join(home, ".config"), **env,
+           **dict(kv.split("=", 1) for kv in args.env)}
     t0 = time.monotonic()
     try:
         p = subprocess.run(argv, env=env, cwd=home, capture_output=True, text=True,
@@ -106,19 +109,22 @@ def run_client(name: str, args, base: str, model: str) -> dict:
 
 
 def summarize(log: str, name: str) -> list[str]:
-    lines = []
+    time.sleep(1.0)  # the proxy writes a stream's end once the client's connection closed
     with open(log) as f:
-        for entry in map(json.loads, f):
-            if entry["client"] != name:
-                continue
-            body = entry.get("request") or {}
-            keys = sorted(body) if isinstance(body, dict) else []
-            line = f"  {entry['method']} {entry['path']} -> {entry['status']}  fields={keys}"
-            if "response" in entry:
-                line += f"\n    error: {json.dumps(entry['response'])[:600]}"
-            if "stream_tail" in entry:
-                line += f"\n    stream end: {entry['stream_tail'][-400:]}"
-            lines.append(line)
+        entries = [json.loads(line) for line in f]
+    ends = {e["stream_end_of"]: e["stream_tail"] for e in entries if "stream_end_of" in e}
+    lines = []
+    for n, entry in enumerate(entries, 1):
+        if entry["client"] != name or "path" not in entry:
+            continue
+        body = entry.get("request") or {}
+        keys = sorted(body) if isinstance(body, dict) else []
+        line = f"  {entry['method']} {entry['path']} -> {entry['status']}  fields={keys}"
+        if "response" in entry:
+            line += f"\n    error: {json.dumps(entry['response'])[:600]}"
+        if n in ends:
+            line += f"\n    stream end: {ends[n][-400:]}"
+        lines.append(line)
     return lines
 
 
@@ -130,6 +136,9 @@ def main() -> None:
     p.add_argument("--prompt", default="say hi")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--log", default="/tmp/agent-clients/requests.jsonl")
+    p.add_argument("--extra-args", default="", help="more arguments for the client(s)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="more environment for the client(s)")
     args = p.parse_args()
     model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
     open(args.log, "w").close()  # this run's requests only

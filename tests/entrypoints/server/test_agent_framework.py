@@ -4,8 +4,10 @@ real `loomserve serve` on the tiny random-weight fixture `tiny-agent`.
 Constrained decoding makes a random model finish the task deterministically: step 1 is a call
 of the tool the agent names in tool_choice (the grammar forces the call and its arguments'
 schema), step 2 is the final answer under the output type's JSON schema (response_format /
-text.format). The SDK resets tool_choice after a tool ran, so the second request offers the
-tools with tool_choice auto and the schema; the grammar still admits only the schema's JSON.
+text.format). parallel_tool_calls=False: the grammar ends step 1 after one call (a random
+model would otherwise keep calling until max_tokens). The SDK resets tool_choice after a tool
+ran, so the second request offers the tools with tool_choice auto and the schema; the grammar
+then admits only the schema's JSON.
 Through the Responses API (the SDK's default model) and Chat Completions.
 """
 
@@ -74,8 +76,9 @@ def reader_agent(model, ran: list[str]):
 
     return Agent(name="reader", model=model, tools=[read_file], output_type=Answer,
                  instructions="Read the user's notes with read_file, then answer.",
-                 model_settings=ModelSettings(tool_choice="read_file", temperature=0,
-                                              max_tokens=64))
+                 # one call per step: the grammar then ends the output after it
+                 model_settings=ModelSettings(tool_choice="read_file", parallel_tool_calls=False,
+                                              temperature=0, max_tokens=96))
 
 
 def run_task(url: str, model_name: str, api: str):
