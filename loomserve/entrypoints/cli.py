@@ -11,6 +11,8 @@ import os
 import sys
 
 from loomserve.config import DTYPES, EVICTION_POLICIES, EngineConfig, flat_defaults, flat_fields
+from loomserve.entrypoints.server.response_store import DEFAULT_MAX_SIZE as DEFAULT_STORE_SIZE
+from loomserve.entrypoints.server.response_store import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
 
 _DEFAULTS = flat_defaults()
 _DEFAULTS["retention"] = ",".join(_DEFAULTS["retention"]) or "none"
@@ -100,6 +102,10 @@ def _add_serve(sub) -> None:
     c.add_argument("--reasoning-parser", default="auto", metavar="NAME",
                    help="reasoning format: auto, none, or one of qwen3, deepseek_r1, gpt_oss "
                         "(default: %(default)s)")
+    c.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE, metavar="N",
+                   help="most responses kept for previous_response_id (default: %(default)s)")
+    c.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S, metavar="SECONDS",
+                   help="how long a stored response stays usable (default: %(default)s)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core in a thread of the server's process instead of its "
                         "own process (one process to debug; the HTTP side then shares its GIL)")

@@ -97,7 +97,23 @@ def chat_options(args: argparse.Namespace) -> dict:
     return {"served_model_names": getattr(args, "served_model_names", None),
             "chat_template": template,
             "tool_call_parser": getattr(args, "tool_call_parser", "auto"),
-            "reasoning_parser": getattr(args, "reasoning_parser", "auto")}
+            "reasoning_parser": getattr(args, "reasoning_parser", "auto"),
+            "response_store": _response_store(args)}
+
+
+def _response_store(args: argparse.Namespace):
+    from loomserve.entrypoints.server.response_store import (
+        DEFAULT_MAX_SIZE,
+        DEFAULT_TTL_S,
+        ResponseStore,
+    )
+
+    size = getattr(args, "responses_store_size", DEFAULT_MAX_SIZE)
+    ttl = getattr(args, "responses_store_ttl", DEFAULT_TTL_S)
+    try:
+        return ResponseStore(max_size=size, ttl_s=ttl)
+    except ValueError as e:
+        raise ValueError(f"--responses-store-size / --responses-store-ttl: {e}") from None
 
 
 async def _run(server, engine) -> None:

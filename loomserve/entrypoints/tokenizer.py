@@ -13,6 +13,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from loomserve.hf_tokenizer import load_hf_tokenizer
+
 # End-of-turn markers of common chat formats. A chat model ends its turn with one of these, not
 # with the tokenizer's eos (SmolLM2 and Qwen use <|im_end|>, Llama 3 <|eot_id|>), so any of them
 # that the chat template writes is also a stop token.
@@ -43,12 +45,7 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: str, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        try:
-            hf = AutoTokenizer.from_pretrained(folder)
-        except Exception:  # a tokenizer_class transformers can't resolve offline: tokenizer.json is enough
-            hf = PreTrainedTokenizerFast.from_pretrained(folder)
+        hf = load_hf_tokenizer(folder)
         return cls(hf, _read_chat_template(folder) or getattr(hf, "chat_template", None), eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -37,11 +37,13 @@ log = logging.getLogger("loomserve.entrypoints.server")
 
 def build_app(engine, api_keys: list[str] | None = None, *,
               served_model_names: list[str] | None = None, chat_template: str | None = None,
-              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+              response_store=None) -> FastAPI:
     """The app over an AsyncLLM-like engine; with api_keys, every route but /health and
     /metrics needs one of them. served_model_names: the names requests may use (default: the
     engine's); chat_template: a template's text overriding the model's; the parser names as
-    the serve flags take them (auto, none, or a name). ValueError for an unknown parser."""
+    the serve flags take them (auto, none, or a name); response_store: the Responses API's
+    store of previous responses (default: ResponseStore()). ValueError for an unknown parser."""
     app = FastAPI(title="loomserve", docs_url=None, redoc_url=None)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=list(api_keys))
@@ -98,7 +100,7 @@ def build_app(engine, api_keys: list[str] | None = None, *,
 
     register_openai_routes(app, h)
     register_anthropic_routes(app, h)
-    register_responses_routes(app, h)
+    register_responses_routes(app, h, response_store)
     return app
 
 

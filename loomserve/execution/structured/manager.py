@@ -137,9 +137,9 @@ class StructuredManager:
     def _make_compiler(self):
         import xgrammar as xgr
 
-        from loomserve.entrypoints.tokenizer import Tokenizer
+        from loomserve.hf_tokenizer import load_hf_tokenizer
 
-        hf = Tokenizer.from_folder(self.model_folder).hf
+        hf = load_hf_tokenizer(self.model_folder)
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.eos_token_ids or None)
         log.info("grammar compiler ready (vocabulary of %d tokens)", self.vocab_size)
