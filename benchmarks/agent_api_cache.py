@@ -53,10 +53,13 @@ TASK = "Find where the request handlers validate their input. Read the files one
 MAX_TOKENS = 64  # one call takes ~40 tokens: a cut call could not re-render as generated
 
 
+FILE_FUNCS = 14  # functions per fake file: ~550 SmolLM2 tokens
+
+
 def fake_file(path: str, turn: int) -> str:
     """A few hundred tokens of plausible source text, fixed for (path, turn)."""
     lines = [f"# {path}"]
-    for i in range(14):
+    for i in range(FILE_FUNCS):
         lines.append(f"def handler_{turn}_{i}(request, db):\n"
                      f"    data = request.json()\n    return db.save('{path}', data, {i * 7 + turn})")
     return "\n".join(lines)
@@ -74,7 +77,7 @@ def row(turn: int, prompt: int, cached: int, completion: int, prev: tuple[int, i
             "completion_tokens": completion, "reusable": reusable, "finish": finish}
 
 
-def run_chat(url: str, model: str, turns: int) -> list[dict]:
+def run_chat(url: str, model: str, turns: int, rows: list[dict]) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="x")
@@ -82,7 +85,7 @@ def run_chat(url: str, model: str, turns: int) -> list[dict]:
                                                 "parameters": PARAMS}}]
     messages = [{"role": "system", "content": system_text("chat")},
                 {"role": "user", "content": TASK}]
-    rows, prev = [], None
+    prev = None
     for turn in range(1, turns + 1):
         r = client.chat.completions.create(model=model, messages=messages, tools=tools,
                                            tool_choice="required", parallel_tool_calls=False,
@@ -99,10 +102,9 @@ def run_chat(url: str, model: str, turns: int) -> list[dict]:
             path = json.loads(call.function.arguments)["path"]
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": fake_file(path, turn)})
-    return rows
 
 
-def run_messages(url: str, model: str, turns: int) -> list[dict]:
+def run_messages(url: str, model: str, turns: int, rows: list[dict]) -> None:
     import anthropic
 
     client = anthropic.Anthropic(base_url=url, api_key="x")
@@ -110,7 +112,7 @@ def run_messages(url: str, model: str, turns: int) -> list[dict]:
     system = [{"type": "text", "text": system_text("messages"),
                "cache_control": {"type": "ephemeral"}}]
     messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": TASK}]}]
-    rows, prev = [], None
+    prev = None
     for turn in range(1, turns + 1):
         _mark_newest(messages)
         r = client.messages.create(model=model, system=system, messages=messages, tools=tools,
@@ -130,7 +132,6 @@ def run_messages(url: str, model: str, turns: int) -> list[dict]:
         messages.append({"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": b.id, "content": fake_file(b.input["path"], turn)}
             for b in calls]})
-    return rows
 
 
 def _mark_newest(messages: list[dict]) -> None:
@@ -142,7 +143,7 @@ def _mark_newest(messages: list[dict]) -> None:
     messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
 
 
-def run_responses(url: str, model: str, turns: int, *, chained: bool) -> list[dict]:
+def run_responses(url: str, model: str, turns: int, rows: list[dict], *, chained: bool) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="x")
@@ -151,7 +152,7 @@ def run_responses(url: str, model: str, turns: int, *, chained: bool) -> list[di
     instructions = system_text("responses+prev" if chained else "responses")
     history: list[dict] = [{"role": "user", "content": TASK}]
     new_input, prev_id = list(history), None
-    rows, prev = [], None
+    prev = None
     for turn in range(1, turns + 1):
         extra = {"previous_response_id": prev_id} if chained and prev_id else {}
         r = client.responses.create(model=model, instructions=instructions,
@@ -170,12 +171,11 @@ def run_responses(url: str, model: str, turns: int, *, chained: bool) -> list[di
                     "output": fake_file(json.loads(c.arguments)["path"], turn)} for c in calls]
         history += [it.model_dump(exclude_none=True) for it in r.output] + outputs
         new_input = outputs
-    return rows
 
 
 APIS = {"chat": run_chat, "messages": run_messages,
-        "responses": lambda u, m, t: run_responses(u, m, t, chained=False),
-        "responses+prev": lambda u, m, t: run_responses(u, m, t, chained=True)}
+        "responses": lambda *a: run_responses(*a, chained=False),
+        "responses+prev": lambda *a: run_responses(*a, chained=True)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -192,8 +192,9 @@ def report(results: dict) -> str:
     out = []
     for api, res in results.items():
         if "error" in res:
-            out.append(f"{api}: FAILED: {res['error']}")
-            continue
+            out.append(f"{api}: FAILED after {len(res['turns'])} turns: {res['error']}")
+            if len(res["turns"]) < 2:
+                continue
         rows = [[r["turn"], r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"],
                  f"{r['cached_tokens'] / r['prompt_tokens']:.1%}",
                  f"{r['cached_tokens'] / r['reusable']:.1%}" if r["reusable"] else "-",
@@ -225,11 +226,13 @@ def run_all(url: str, apis: list[str], turns: int) -> dict:
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     results = {}
     for api in apis:
+        rows: list[dict] = []  # filled turn by turn: a failure keeps the turns before it
         try:
-            rows = APIS[api](url, model, turns)
+            APIS[api](url, model, turns, rows)
             results[api] = {"turns": rows, "summary": summarize(rows)}
         except Exception as e:  # one API failing still reports the others
-            results[api] = {"error": f"{type(e).__name__}: {e}"}
+            results[api] = {"error": f"{type(e).__name__}: {e}", "turns": rows,
+                            "summary": summarize(rows)}
         print(f"[{api}] done", file=sys.stderr, flush=True)
     return results
 
@@ -242,7 +245,11 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--apis", nargs="+", choices=list(APIS), default=list(APIS))
     p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--file-funcs", type=int, default=FILE_FUNCS,
+                   help="size of each tool result, in functions of fake source")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="per turn")
     args = p.parse_args()
+    globals().update(FILE_FUNCS=args.file_funcs, MAX_TOKENS=args.max_tokens)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.url:
         results = run_all(args.url, args.apis, args.turns)
