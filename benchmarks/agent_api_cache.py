@@ -19,7 +19,8 @@ cache_read_input_tokens, input_tokens_details.cached_tokens). Two rates from tur
          turn re-renders differently from what was generated, or an earlier part moved).
 Each conversation opens with its own system text, so no API hits another's blocks.
 
-    python benchmarks/agent_api_cache.py [--tiny] [--turns 8] [--url URL] [--apis chat ...]
+    python benchmarks/agent_api_cache.py [--turns 8] [--url URL] [--apis chat ...]
+    python benchmarks/agent_api_cache.py --tiny --file-funcs 4 --max-tokens 160  # 4K context
 
 Writes benchmarks/results/agent_api_cache[-tiny].json.
 """
