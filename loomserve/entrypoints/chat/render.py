@@ -63,29 +63,32 @@ class ChatRenderer:
                add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         """Messages (neutral shape, already validated) -> prompt text. ValueError (bad input
         the template rejects) and jinja2 errors propagate for the caller to report."""
-        msgs = [self._message(m) for m in messages]
+        fallback = not self.supports_tools and bool(tools or any(map(_uses_tools, messages)))
+        # The fallback writes call arguments into the text: the client's text as given, so a
+        # call renders the bytes the model generated (pretty-printed or not) and stays cached.
+        msgs = [self._message(m, keep_arguments=fallback) for m in messages]
         tools = [template_tool(t) for t in tools] if tools else None
-        if not self.supports_tools and (tools or any(_uses_tools(m) for m in msgs)):
+        if fallback:
             msgs, tools = fallback_messages(msgs, tools), None
         return self.template.render(
             **(kwargs or {}), messages=msgs, tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def _message(self, m: dict) -> dict:
+    def _message(self, m: dict, keep_arguments: bool = False) -> dict:
         out = dict(m)
         if out["role"] == "developer" and not self.knows_developer:
             out["role"] = "system"  # most templates predate the developer role
         if out.get("tool_calls"):
-            out["tool_calls"] = [self._call(c) for c in out["tool_calls"]]
+            out["tool_calls"] = [self._call(c, keep_arguments) for c in out["tool_calls"]]
         if out.get("reasoning_content") and self.reads_thinking:
             out.setdefault("thinking", out["reasoning_content"])  # gpt-oss's name
         return out
 
-    def _call(self, call: dict) -> dict:
+    def _call(self, call: dict, keep_arguments: bool) -> dict:
         fn = call["function"]
         args = fn["arguments"]
-        if not self.arguments_as_string and isinstance(args, str):
+        if not (self.arguments_as_string or keep_arguments) and isinstance(args, str):
             args = json.loads(args) if args.strip() else {}
         return {"id": call["id"], "type": "function",
                 "function": {"name": fn["name"], "arguments": args}}

@@ -201,10 +201,16 @@ class _Messages:
                 self._user(msg.content, f"messages.{i}")
             elif msg.role == "assistant":
                 self._assistant(msg.content, f"messages.{i}")
+            elif msg.role == "system":
+                # Claude Code sends system reminders mid-conversation (its beta
+                # mid-conversation-system): a system turn where it stands.
+                content = msg.content
+                text = content if isinstance(content, str) else self._texts(
+                    content, f"messages.{i}.content")
+                self.out.append({"role": "system", "content": text})
             else:
                 raise bad_request(f"messages.{i}.role: {msg.role!r} is not a valid role; "
-                                  "expected 'user' or 'assistant' (the system prompt goes in "
-                                  "the top-level `system` field).")
+                                  "expected 'user', 'assistant' or 'system'.")
         return self.out
 
     def _user(self, content, where: str) -> None:

@@ -97,6 +97,18 @@ def test_fallback_puts_tools_in_the_system_message_and_calls_in_the_content():
     assert "tool" not in [m.split("\n")[0] for m in text.split("<|im_start|>")]
 
 
+def test_fallback_writes_the_clients_argument_text_as_given():
+    """A model's call comes back as the client's text (here pretty-printed, as SmolLM2 writes
+    it): the fallback renders those bytes, so the next turn hits the cache past the call."""
+    fe = _frontend("tiny-llama")
+    args = '{\n    "city": "Paris"\n}'
+    text = fe.prepare(ChatRequest([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("c1", "get_weather", args)]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], [WEATHER])).prompt_text
+    assert f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>' in text
+
+
 def test_fallback_without_a_system_message_adds_one():
     fe = _frontend("tiny-llama")
     p = fe.prepare(ChatRequest([{"role": "user", "content": "hi"}], [CLOCK]))

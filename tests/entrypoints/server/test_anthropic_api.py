@@ -313,7 +313,6 @@ def test_metadata_user_id_is_the_session(client, agent):
 
 BAD = {
     "unknown role": dict(messages=[{"role": "robot", "content": "hi"}]),
-    "system role in messages": dict(messages=[{"role": "system", "content": "hi"}]),
     "malformed tool schema": dict(tools=[{"name": "t", "input_schema": {"type": "array"}}]),
     "bad nested schema": dict(tools=[{"name": "t", "input_schema": {
         "type": "object", "properties": {"x": {"type": "strnig"}}}}]),

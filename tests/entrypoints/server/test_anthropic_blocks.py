@@ -104,6 +104,10 @@ def test_conversion_to_the_neutral_chat_request():
     assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert req.parallel_tool_calls is False and req.template_kwargs == {}
     assert convert(tools=[WEATHER], tool_choice={"type": "any"})[0].tool_choice == "required"
+    # Claude Code's mid-conversation system reminders stay system turns where they stand.
+    reminder = [{"type": "text", "text": "<system-reminder>R</system-reminder>"}]
+    mid = convert(messages=ASK + [{"role": "system", "content": reminder}])[0].messages
+    assert mid[-1] == {"role": "system", "content": "<system-reminder>R</system-reminder>"}
     for kind, flag in (("enabled", True), ("adaptive", True), ("disabled", False)):
         thinking = {"type": kind, "budget_tokens": 2048}
         assert convert(thinking=thinking)[0].template_kwargs == {"enable_thinking": flag}
