@@ -21,6 +21,7 @@ Each conversation opens with its own system text, so no API hits another's block
 
     python benchmarks/agent_api_cache.py [--turns 8] [--url URL] [--apis chat ...]
     python benchmarks/agent_api_cache.py --tiny --file-funcs 4 --max-tokens 160  # 4K context
+    python benchmarks/agent_api_cache.py --context-funcs 100 --file-funcs 3  # agent proportions
 
 Writes benchmarks/results/agent_api_cache[-tiny].json.
 """
@@ -55,6 +56,7 @@ MAX_TOKENS = 64  # one call takes ~40 tokens: a cut call could not re-render as 
 
 
 FILE_FUNCS = 14  # functions per fake file: ~550 SmolLM2 tokens
+CONTEXT_FUNCS = 0  # functions of repository context in the system text (~40 tokens each)
 
 
 def fake_file(path: str, turn: int) -> str:
@@ -67,8 +69,14 @@ def fake_file(path: str, turn: int) -> str:
 
 
 def system_text(api: str) -> str:
-    # a distinct first line per conversation: no conversation hits another's cached blocks
-    return f"Session {api}-{uuid.uuid4().hex[:8]}. You are a coding agent with a file reader."
+    # a distinct first line per conversation: no conversation hits another's cached blocks;
+    # --context-funcs adds the long, stable context agents resend (instructions, loaded files)
+    head = f"Session {api}-{uuid.uuid4().hex[:8]}. You are a coding agent with a file reader."
+    if not CONTEXT_FUNCS:
+        return head
+    context = "\n".join(f"def context_{i}(request, db):\n    return db.load('ctx', {i})"
+                        for i in range(CONTEXT_FUNCS))
+    return f"{head}\nRepository context:\n{context}"
 
 
 def row(turn: int, prompt: int, cached: int, completion: int, prev: tuple[int, int] | None,
@@ -248,9 +256,13 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--file-funcs", type=int, default=FILE_FUNCS,
                    help="size of each tool result, in functions of fake source")
+    p.add_argument("--context-funcs", type=int, default=CONTEXT_FUNCS,
+                   help="long stable context in the system text, in functions of fake source "
+                        "(agents resend ~96%% of each prompt; 0: none)")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="per turn")
     args = p.parse_args()
-    globals().update(FILE_FUNCS=args.file_funcs, MAX_TOKENS=args.max_tokens)
+    globals().update(FILE_FUNCS=args.file_funcs, MAX_TOKENS=args.max_tokens,
+                     CONTEXT_FUNCS=args.context_funcs)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.url:
         results = run_all(args.url, args.apis, args.turns)

@@ -1,8 +1,8 @@
 """loomserve: an LLM serving engine for agentic traffic."""
 
-from loomserve.sampling_params import SamplingParams
+from loomserve.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig"]
 __version__ = "0.1.0"
 
 
