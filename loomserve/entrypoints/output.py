@@ -21,3 +21,4 @@ class RequestOutput:
     # (its logprob, [(token_id, logprob) of the top-k]), the model's raw log-softmax.
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # all so far
+    stop_reason: str | None = None  # the stop string that ended the output, if one did

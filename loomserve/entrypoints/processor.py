@@ -91,6 +91,7 @@ class RequestState:
         self.finished = False
         self.finish_reason: str | None = None
         self.stopped_by_string = False  # the core must be told to abort this request
+        self.stop_reason: str | None = None  # the stop string that matched
         # Tokens whose text never shows when they end the request (tool parsers keep special
         # tokens, but the closing <|im_end|> is not content).
         # (with ignore_eos an EOS can still end it: the one a completed grammar allows)
@@ -130,7 +131,7 @@ class RequestState:
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                              new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
-                             tier_cached, new_lps, self.logprobs)
+                             tier_cached, new_lps, self.logprobs, self.stop_reason)
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)
@@ -148,10 +149,12 @@ class RequestState:
         if len(self.token_ids) < self.params.min_tokens:
             return False  # as vLLM: stop strings, like stop tokens, wait for min_tokens
         window = len(self.text) - num_new_chars - self._hold  # only the tail can hold a new match
-        hits = [i for s in self.params.stop if (i := self.text.find(s, max(0, window))) >= 0]
+        hits = [(i, -len(s), s) for s in self.params.stop
+                if (i := self.text.find(s, max(0, window))) >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        at, _, self.stop_reason = min(hits)  # the first match; the longest of those at one place
+        self.text = self.text[:at]
         self._sent_text = min(self._sent_text, len(self.text))
         self.finished, self.finish_reason, self.stopped_by_string = True, "stop", True
         return True

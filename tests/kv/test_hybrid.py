@@ -1,6 +1,5 @@
 """Hybrid groups: sliding window, linear-state checkpoints, retention, eviction, pinning."""
 
-import pytest
 
 from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.kv.eviction import FlopModel

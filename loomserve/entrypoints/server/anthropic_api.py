@@ -35,7 +35,13 @@ from loomserve.entrypoints.server.anthropic_protocol import (
     Usage,
 )
 from loomserve.entrypoints.server.errors import anthropic_error_body, bad_request
-from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, sse_event
+from loomserve.entrypoints.server.handler import (
+    WARNING_HEADER,
+    ClientGone,
+    Handler,
+    SSEResponse,
+    sse_event,
+)
 
 logger = logging.getLogger("loomserve.entrypoints.server")
 
@@ -109,9 +115,8 @@ def _fit_context(h: Handler, params, prompt_len: int) -> bool:
 def _warning_headers(ignored: list[str]) -> dict[str, str] | None:
     if not ignored:
         return None
-    # The same header as the Responses API's for the tools it drops.
-    return {"x-loomserve-warning": "server tools are not supported and were ignored: "
-                                   + ", ".join(ignored)}
+    return {WARNING_HEADER: "server tools are not supported and were ignored: "
+                            + ", ".join(ignored)}
 
 
 def _stream_error(message: str, type: str, code: str | None) -> str:
@@ -161,28 +166,14 @@ class _Turn:
             return ("model_context_window_exceeded" if self.capped else "max_tokens"), None
         if self.blocks.has_tool_use:
             return "tool_use", None
-        seq = _matched_stop(self.h, out, self.params)
-        if seq is not None:
-            return "stop_sequence", seq
+        if out.finish_reason == "stop" and out.stop_reason is not None:
+            return "stop_sequence", out.stop_reason
         return "end_turn", None
 
 
 def _usage(out: RequestOutput, output_tokens: int | None = None) -> Usage:
     n = len(out.token_ids) if output_tokens is None else output_tokens
     return Usage.of(len(out.prompt_token_ids), out.num_cached_tokens, n)
-
-
-def _matched_stop(h: Handler, out: RequestOutput, params) -> str | None:
-    """The stop sequence that ended the output, if one did. The engine cuts the text at the
-    first match of any stop string, so decoding every generated token again shows it there."""
-    if out.finish_reason != "stop" or not params.stop:
-        return None
-    reported = getattr(out, "stop_reason", None)
-    if isinstance(reported, str):
-        return reported
-    full = h.engine.tokenizer.decode(out.token_ids, skip_special_tokens=params.skip_special_tokens)
-    hits = [(i, s) for s in params.stop if (i := full.find(s)) >= 0]
-    return min(hits, key=lambda hit: (hit[0], -len(hit[1])))[1] if hits else None
 
 
 class BlockAssembler:

@@ -36,6 +36,10 @@ from loomserve.sampling_params import SamplingParams
 logger = logging.getLogger("loomserve.entrypoints.server")
 
 DISCONNECT_POLL_S = 0.25
+# Names what a request asked for and did not get, in every API: tools of hosted types (web
+# search, Anthropic server tools, Codex's client-side ones), which no model here can run, are
+# dropped rather than failing the request.
+WARNING_HEADER = "x-loomserve-warning"
 
 
 class ClientGone(Exception):

@@ -46,6 +46,19 @@ from loomserve.entrypoints.server.samples import Batch, NullTimer, Samples, star
 def register_openai_routes(app: FastAPI, h: Handler) -> None:
     texts = TokenTexts(h.engine.tokenizer)
 
+    # The samples' own timers record each one's metrics, so the Handler's is a NullTimer.
+    def stream(samples: Samples, request_id: str, chunks) -> SSEResponse:
+        return SSEResponse(h.stream(samples, samples.first_batch(), NullTimer(), request_id,
+                                    chunks))
+
+    async def collect(request: Request, samples: Samples, request_id: str) -> bool:
+        """Wait for every sample to finish; False when the client went away first."""
+        try:
+            await h.collect(request, samples, samples.first_batch(), NullTimer(), request_id)
+        except ClientGone:
+            return False
+        return True
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         h.check_model(body.model)
@@ -66,13 +79,10 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
         model = h.response_model(body.model)
         want_logprobs = params.logprobs is not None
         if body.stream:
-            chunks = ChatStream(request_id, created, model, parsers, texts, want_logprobs,
-                                body.include_usage, samples, body.parallel_tool_calls)
-            return SSEResponse(h.stream(samples, samples.first_batch(), NullTimer(), request_id,
-                                        chunks))
-        try:
-            await h.collect(request, samples, samples.first_batch(), NullTimer(), request_id)
-        except ClientGone:
+            return stream(samples, request_id, ChatStream(
+                request_id, created, model, parsers, texts, want_logprobs, body.include_usage,
+                samples, body.parallel_tool_calls))
+        if not await collect(request, samples, request_id):
             return Response(status_code=499)
         choices = []
         for i, (out, parser) in enumerate(zip(samples.latest, parsers)):
@@ -103,13 +113,9 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
         model = h.response_model(body.model)
         want_logprobs = params.logprobs is not None
         if body.stream:
-            chunks = CompletionStream(request_id, created, model, texts, want_logprobs,
-                                      body.include_usage, samples)
-            return SSEResponse(h.stream(samples, samples.first_batch(), NullTimer(), request_id,
-                                        chunks))
-        try:
-            await h.collect(request, samples, samples.first_batch(), NullTimer(), request_id)
-        except ClientGone:
+            return stream(samples, request_id, CompletionStream(
+                request_id, created, model, texts, want_logprobs, body.include_usage, samples))
+        if not await collect(request, samples, request_id):
             return Response(status_code=499)
         choices = [CompletionChoice(
             index=i, text=out.text, finish_reason=out.finish_reason,

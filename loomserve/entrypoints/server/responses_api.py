@@ -29,10 +29,15 @@ from loomserve.entrypoints.chat.events import (
 from loomserve.entrypoints.chat.frontend import ChatInputError, ChatRequest, PreparedChat
 from loomserve.entrypoints.output import RequestOutput
 from loomserve.entrypoints.server.errors import APIError, bad_request
-from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, sse_event
+from loomserve.entrypoints.server.handler import (
+    WARNING_HEADER,
+    ClientGone,
+    Handler,
+    SSEResponse,
+    sse_event,
+)
 from loomserve.entrypoints.server.response_store import ResponseStore, StoredResponse
 from loomserve.entrypoints.server.responses_protocol import (
-    WARNING_HEADER,
     ResponsesRequest,
     convert_text_format,
     convert_tool_choice,

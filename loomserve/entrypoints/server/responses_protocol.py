@@ -22,9 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from loomserve.entrypoints.server.errors import bad_request
 from loomserve.sampling_params import SamplingParams
 
-# Names what a request asked for and did not get: tools of OpenAI's hosted types or Codex's
-# client-side ones, which no model here can run, are dropped rather than failing the request.
-WARNING_HEADER = "x-loomserve-warning"
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
