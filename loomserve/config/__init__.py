@@ -1,4 +1,4 @@
-"""Engine configuration: model, cache, scheduler, tier and parallel parts.
+"""Engine configuration: model, cache, scheduler, tier, parallel and control parts.
 
 Users (the CLI, `LLM(**kwargs)`, tests) speak flat option names, the same as the command-line
 flags; `EngineConfig.from_kwargs` routes each name to the part that owns it, and each part
@@ -17,6 +17,7 @@ from loomserve.config.cache import (
     EVICTION_POLICIES,
     CacheConfig,
 )
+from loomserve.config.control import ROLES, ControlConfig
 from loomserve.config.model import DTYPES, ModelConfig
 from loomserve.config.parallel import ParallelConfig
 from loomserve.config.scheduler import SchedulerConfig
@@ -24,7 +25,7 @@ from loomserve.config.tier import TierConfig
 from loomserve.config.units import MemoryBudget, parse_bytes, parse_memory
 
 PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-         "tier": TierConfig, "parallel": ParallelConfig}
+         "tier": TierConfig, "parallel": ParallelConfig, "control": ControlConfig}
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tier: TierConfig = field(default_factory=TierConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -74,6 +76,6 @@ def flat_defaults() -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION", "DTYPES", "EVICTION_POLICIES",
-           "CacheConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig",
+           "CacheConfig", "ControlConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
            "SchedulerConfig", "TierConfig", "flat_defaults", "flat_fields", "parse_bytes",
            "parse_memory"]

@@ -1,4 +1,5 @@
-"""Command line: `loomserve serve [MODEL] [options]`, `loomserve bench ...`, `loomserve store`.
+"""Command line: `loomserve serve [MODEL] [options]`, `loomserve bench ...`, `loomserve store`,
+`loomserve router`, `loomserve cluster`.
 
 Subcommands keep room for `loomserve bench ...`. Option defaults are read from EngineConfig so
 the numbers live in one place.
@@ -106,6 +107,29 @@ def _add_serve(sub) -> None:
                    help="most responses kept for previous_response_id (default: %(default)s)")
     c.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S, metavar="SECONDS",
                    help="how long a stored response stays usable (default: %(default)s)")
+    d = p.add_argument_group("control plane", "KV events for routers, prefill/decode roles")
+    d.add_argument("--role", choices=["both", "prefill", "decode"], default=_DEFAULTS["role"],
+                   help="prefill: compute prompts and hand their KV to decode instances; decode: "
+                        "import that KV and generate; both: everything (default: %(default)s)")
+    d.add_argument("--kv-events-endpoint", default=_DEFAULTS["kv_events_endpoint"], metavar="ZMQ",
+                   help="publish KV block stored/removed events (vLLM's wire format) on this "
+                        "ZMQ PUB address, e.g. tcp://*:5557 (default: off)")
+    d.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
+                   help="ZMQ ROUTER address answering replay requests for missed events "
+                        "(default: the events port + 1)")
+    d.add_argument("--kv-events-topic", default=_DEFAULTS["kv_events_topic"],
+                   help="topic frame of every event message (default: empty)")
+    d.add_argument("--kv-transfer-backend", choices=["mooncake", "inproc"],
+                   default=_DEFAULTS["kv_transfer_backend"],
+                   help="how KV moves between prefill and decode instances: mooncake (Transfer "
+                        "Engine over TCP, RDMA where present) (default: %(default)s)")
+    d.add_argument("--kv-transfer-host", default=_DEFAULTS["kv_transfer_host"],
+                   help="address peer instances reach this one's KV transfers at "
+                        "(default: %(default)s)")
+    d.add_argument("--kv-transfer-timeout", type=float, default=_DEFAULTS["kv_transfer_timeout"],
+                   metavar="SECONDS",
+                   help="how long a prefilled KV waits for its decode instance, and the most a "
+                        "transfer may take before the decode side recomputes (default: %(default)s)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core in a thread of the server's process instead of its "
                         "own process (one process to debug; the HTTP side then shares its GIL)")
@@ -120,6 +144,18 @@ def _add_store(sub) -> None:
     add_store_parser(sub)
 
 
+def _add_optional(sub, module_name: str, adder: str) -> None:
+    """A subcommand whose module may not exist yet in a partial checkout."""
+    import importlib
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not module_name.startswith(exc.name or "\0"):
+            raise
+        return
+    getattr(module, adder)(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loomserve",
                                      description="An LLM serving engine for agentic traffic.")
@@ -128,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     from loomserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     _add_store(sub)
+    _add_optional(sub, "loomserve.control.router.cli", "add_router_parser")
+    _add_optional(sub, "loomserve.control.cluster", "add_cluster_parser")
     return parser
 
 

@@ -247,7 +247,7 @@ class EngineCore:
             num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
             dtype=self.config.model.dtype,
             tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
-            pid=os.getpid())
+            pid=os.getpid(), role=self.config.control.role)
 
     def tier_snapshots(self) -> list[dict]:
         """Each tier's counters, health and latency histograms, as plain data."""

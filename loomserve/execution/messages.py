@@ -109,6 +109,11 @@ class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     dtype: str = "float32"
     tier_names: list[str] = []
     pid: int = 0
+    role: str = "both"  # prefill | decode | both (loomserve.config.control)
+    # Where the core publishes its KV events (the bound addresses, ports resolved), or None.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):

@@ -73,6 +73,11 @@ def build_app(engine, api_keys: list[str] | None = None, *,
             return JSONResponse({"status": "error", "detail": detail}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/info")
+    async def info() -> dict:
+        """What a router needs to place requests here (behind the API key when one is set)."""
+        return instance_info(engine, names)
+
     @app.get("/metrics")
     async def get_metrics() -> Response:
         body, content_type = metrics.render()
@@ -102,6 +107,23 @@ def build_app(engine, api_keys: list[str] | None = None, *,
     register_anthropic_routes(app, h)
     register_responses_routes(app, h, response_store)
     return app
+
+
+def instance_info(engine, names: list[str]) -> dict:
+    """This instance for the control plane: names, role, limits, KV events addresses (as
+    bound: a wildcard host means "the host you reached me at"), and the tokenizer's folder."""
+    ready = engine.ready
+    events = None
+    if getattr(ready, "kv_events_endpoint", None):
+        events = {"endpoint": ready.kv_events_endpoint,
+                  "replay_endpoint": ready.kv_events_replay_endpoint,
+                  "topic": ready.kv_events_topic}
+    return {"object": "loomserve.instance", "model": names[0], "served_model_names": names,
+            "role": getattr(ready, "role", "both"), "block_size": ready.block_size,
+            "max_model_len": engine.max_model_len, "kv_capacity_tokens": ready.kv_capacity_tokens,
+            "kv_blocks_total": ready.kv_blocks_total,
+            "model_folder": os.path.abspath(ready.model_folder),
+            "kv_events": events, "pid": ready.pid}
 
 
 def model_type_of(engine) -> str | None:
