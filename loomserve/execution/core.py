@@ -37,6 +37,7 @@ from loomserve.kv.connector import (
     model_identity,
     tiers_supported,
 )
+from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.eviction import FlopModel
 from loomserve.kv.retention import RetentionConfig
 from loomserve.kv.spec import LinearStateSpec
@@ -62,6 +63,21 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
                               config.model.resolved_cache_dir)
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
     return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier.tier_max_inflight)
+
+
+def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
+                         tiers: TierConnector | None) -> KVEventPublisher | None:
+    """The KV event publisher when --kv-events-endpoint is set, fed by the pool and tiers."""
+    c = config.control
+    if not c.kv_events_endpoint:
+        return None
+    pub = KVEventPublisher(c.kv_events_endpoint, c.kv_events_replay_endpoint,
+                           runner.kv_cache_config, c.kv_events_topic, c.kv_events_buffer_steps)
+    kv.subscribe(pub.on_pool_event)
+    if tiers is not None:
+        pub.watch_tiers(tiers)
+    log.info("KV events: PUB %s, replay %s", pub.endpoint, pub.replay_endpoint)
+    return pub
 
 
 def retention_config(config: EngineConfig) -> RetentionConfig:
@@ -92,6 +108,7 @@ class EngineCore:
                                  retention=retention_config(config), eviction=config.cache.eviction,
                                  flop_model=flop_model(self.runner))
         self.tiers = make_tier_connector(config, self.runner, self.kv)
+        self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.long_prefill_threshold, self.tiers)
@@ -176,6 +193,8 @@ class EngineCore:
             outputs.append(CoreOutput(req.request_id, tokens, done,
                                       req.status.value if done else None, req.num_cached_tokens,
                                       req.num_tier_cached_tokens, None if lp is None else [lp]))
+        if self.events is not None:
+            self.events.flush()
         return outputs
 
     def _grammar_failures(self) -> list[CoreOutput]:
@@ -198,12 +217,16 @@ class EngineCore:
         self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
                                    max_inflight or self.config.tier.tier_max_inflight)
         self.scheduler.tiers = self.tiers
+        if self.events is not None:
+            self.events.watch_tiers(self.tiers)
         return self.tiers
 
     def idle(self) -> None:
         """No request to run: release finished tier writes and start due prefetches."""
         if self.tiers is not None:
             self.tiers.poll()
+        if self.events is not None:
+            self.events.flush()
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -213,6 +236,8 @@ class EngineCore:
             self.tiers.close()
             self.tiers = None
             self.scheduler.tiers = None
+        if self.events is not None:
+            self.events.close()
 
     def stats(self) -> EngineStats:
         kv = self.kv
@@ -247,7 +272,13 @@ class EngineCore:
             num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
             dtype=self.config.model.dtype,
             tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
-            pid=os.getpid(), role=self.config.control.role)
+            pid=os.getpid(), role=self.config.control.role,
+            **(self.events_ready() if self.events is not None else {}))
+
+    def events_ready(self) -> dict:
+        e = self.events
+        return {"kv_events_endpoint": e.endpoint, "kv_events_replay_endpoint": e.replay_endpoint,
+                "kv_events_topic": e.topic}
 
     def tier_snapshots(self) -> list[dict]:
         """Each tier's counters, health and latency histograms, as plain data."""
