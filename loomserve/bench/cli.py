@@ -14,6 +14,7 @@ COMMANDS = {
     "agentx": ("loomserve.bench.replay", "replay traces closed-loop against an OpenAI-compatible endpoint"),
     "simulate": ("loomserve.bench.simulate", "replay traces through the KV cache manager offline"),
     "compare": ("loomserve.bench.report", "set two replay results side by side"),
+    "pd-profile": ("loomserve.bench.pd_profile", "profile prefill/decode saturation, derive the P:D ratio"),
 }
 
 
