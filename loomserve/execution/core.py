@@ -41,13 +41,15 @@ from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.eviction import FlopModel
 from loomserve.kv.retention import RetentionConfig
 from loomserve.kv.spec import LinearStateSpec
+from loomserve.kv.transfer import KVTransferConnector
 
 log = logging.getLogger("loomserve.execution")
 
 
-def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
-                        ) -> TierConnector | None:
-    """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
+def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
+                        extra: tuple = ()) -> TierConnector | None:
+    """The KV tiers the config asks for (then `extra`, the PeerTier of prefill/decode
+    disaggregation), connected to the pool; None when off or unsupported."""
     if not config.tier.enabled:
         return None
     if not config.cache.enable_prefix_caching:
@@ -58,7 +60,7 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
                     "(%s)", ", ".join(kinds))
         return None
-    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes)
+    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes, tuple(extra))
     model_id = model_identity(runner.model_name, runner.model_folder,
                               config.model.resolved_cache_dir)
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
@@ -78,6 +80,16 @@ def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheM
         pub.watch_tiers(tiers)
     log.info("KV events: PUB %s, replay %s", pub.endpoint, pub.replay_endpoint)
     return pub
+
+
+def make_transfer_connector(core: "EngineCore") -> KVTransferConnector:
+    """Prefill/decode hooks (loomserve.kv.transfer); the backend starts at the first transfer."""
+    r, c = core.runner, core.config
+    kc = r.kv_cache_config
+    identity = lambda: model_identity(r.model_name, r.model_folder,  # noqa: E731
+                                      c.model.resolved_cache_dir)
+    attach = core.attach_tiers if tiers_supported(kc) else None
+    return KVTransferConnector(c.control, core.kv, r.kv_buffer, identity, attach)
 
 
 def retention_config(config: EngineConfig) -> RetentionConfig:
@@ -107,11 +119,15 @@ class EngineCore:
                                  enable_caching=config.cache.enable_prefix_caching,
                                  retention=retention_config(config), eviction=config.cache.eviction,
                                  flop_model=flop_model(self.runner))
-        self.tiers = make_tier_connector(config, self.runner, self.kv)
+        self.transfer = make_transfer_connector(self)
+        peer = (self.transfer.tiers_for_store() if config.tier.enabled and
+                tiers_supported(self.runner.kv_cache_config) else ())
+        self.tiers = make_tier_connector(config, self.runner, self.kv, peer)
         self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.long_prefill_threshold, self.tiers)
+        self.scheduler.transfer = self.transfer
         capacity = self.runner.kv_cache_config.capacity_tokens
         if capacity < config.cache.block_size:
             raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
@@ -135,6 +151,7 @@ class EngineCore:
             self.num_rejected += 1
             return CoreOutput(msg.request_id, [], True, REJECTED, 0)
         req = Request.from_message(msg)
+        self.transfer.on_add(req)
         if req.sampling.structured is not None:
             self.structured_manager().attach(req)
         self.add_request(req)
@@ -171,6 +188,7 @@ class EngineCore:
         tiers = self.tiers
         if tiers is not None:
             tiers.poll()
+        self.transfer.poll()
         outputs = self._grammar_failures() if self.structured is not None else []
         sched = self.scheduler.schedule()
         inp = sched.model_input
@@ -192,7 +210,8 @@ class EngineCore:
             lp = logprobs.get(req.request_id)
             outputs.append(CoreOutput(req.request_id, tokens, done,
                                       req.status.value if done else None, req.num_cached_tokens,
-                                      req.num_tier_cached_tokens, None if lp is None else [lp]))
+                                      req.num_tier_cached_tokens, None if lp is None else [lp],
+                                      getattr(req, "kv_transfer_result", None) if done else None))
         if self.events is not None:
             self.events.flush()
         return outputs
@@ -225,11 +244,13 @@ class EngineCore:
         """No request to run: release finished tier writes and start due prefetches."""
         if self.tiers is not None:
             self.tiers.poll()
+        self.transfer.poll()
         if self.events is not None:
             self.events.flush()
 
     def close(self) -> None:
         self.executor.shutdown()
+        self.transfer.close()
         if self.structured is not None:
             self.structured.close()
         if self.tiers is not None:

@@ -36,6 +36,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     parent_session_id: str | None = None
     cache_salt: str | None = None
     sibling_of: str | None = None  # n > 1: prefill after this request, reusing its prompt KV
+    # Prefill/decode disaggregation (loomserve.kv.transfer.params): {"do_remote_decode": true}
+    # on a prefill leg, the prefill's returned params on a decode leg.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -67,6 +70,8 @@ class CoreOutput(msgspec.Struct, array_like=True):
     # Per new token, when the request asked for logprobs: (sampled token's logprob, top-k ids,
     # their logprobs), the model's raw log-softmax.
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    # A finished prefill leg's kv_transfer_params for the decode leg (None: none staged).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

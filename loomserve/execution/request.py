@@ -32,7 +32,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  max_tokens: int, eos_token_ids: frozenset[int] = frozenset(), *,
                  session_id: str | None = None, parent_session_id: str | None = None,
-                 cache_salt: str | None = None, sibling_of: str | None = None) -> None:
+                 cache_salt: str | None = None, sibling_of: str | None = None,
+                 kv_transfer_params: dict | None = None) -> None:
         self.request_id = request_id
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -57,6 +58,12 @@ class Request:
         # Grammar-constrained decoding (loomserve.execution.structured.RequestGrammar); the
         # core sets it at add, the scheduler drops it when the request finishes.
         self.grammar = None
+        # Prefill/decode disaggregation (loomserve.kv.transfer): the params the request came
+        # with; remote_decode: it is a prefill leg, whose finished output carries
+        # kv_transfer_result (the params for the decode leg, or None).
+        self.kv_transfer_params = kv_transfer_params
+        self.remote_decode = False
+        self.kv_transfer_result: dict | None = None
 
     @classmethod
     def from_message(cls, msg) -> "Request":
@@ -64,7 +71,8 @@ class Request:
         return cls(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.max_tokens,
                    frozenset(msg.eos_token_ids), session_id=msg.session_id,
                    parent_session_id=msg.parent_session_id, cache_salt=msg.cache_salt,
-                   sibling_of=msg.sibling_of)
+                   sibling_of=msg.sibling_of,
+                   kv_transfer_params=getattr(msg, "kv_transfer_params", None))
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ class Scheduler:
                  long_prefill_threshold: int = 0, tiers=None) -> None:
         self.kv = kv
         self.tiers = tiers  # TierConnector or None
+        self.transfer = None  # KVTransferConnector (prefill/decode legs) or None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.long_prefill_threshold = long_prefill_threshold
@@ -64,9 +65,14 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.grammar = None  # frees its matcher
+        aborted = status == RequestStatus.FINISHED_ABORTED
         if self.tiers is not None:
-            self.tiers.on_finish(req, aborted=status == RequestStatus.FINISHED_ABORTED)
+            self.tiers.on_finish(req, aborted=aborted)
         self.kv.free(req)
+        if self.transfer is not None:
+            # after free: a state checkpoint at the prompt's end is hashed by it
+            self.transfer.on_finish(req)
+            self.transfer.on_freed(req, finished_ok=not aborted)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
 
@@ -133,6 +139,8 @@ class Scheduler:
                     self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
                     self.kv.stats.prefix_hit_tokens += num_hit
             req.status = RequestStatus.RUNNING
+            if self.transfer is not None:
+                self.transfer.on_admit(req)
             self.running.append(req)
             self._add_to_batch(out, req, n)
             budget -= n

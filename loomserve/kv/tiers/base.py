@@ -107,6 +107,8 @@ class Tier(ABC):
     # contains() answers from an index in process memory (no I/O, never hangs), so a caller
     # may ask it inline, e.g. to skip a background lookup that could only miss.
     index_in_memory = False
+    # put() always refuses (e.g. loomserve.kv.transfer.PeerTier): the write path skips it
+    readonly = False
 
     def __init__(self, page_bytes: int, name: str | None = None) -> None:
         if page_bytes <= 0:

@@ -57,6 +57,7 @@ class TieredStore:
             raise ValueError(f"tier names must be unique: {names}")
         self.host: HostTier | None = self.tiers[0] if isinstance(self.tiers[0], HostTier) else None
         self.lower = [t for t in self.tiers if t is not self.host]
+        self._writable = any(not t.readonly for t in self.tiers)
         self.write_after_seen = max(1, write_after_seen)
         self.promote = promote
         self.counters = {"offered": 0, "store_calls": 0, "ingest_drops": 0, "lookups": 0,
@@ -123,7 +124,7 @@ class TieredStore:
         keys = list(keys)
         rows = rows_list(rows, len(keys))
         self.counters["store_calls"] += 1
-        if not keys:
+        if not keys or not self._writable:
             return TierHandle.completed(StoreResult())
         fut = None if self._closed else self._writes.enqueue(keys, src, rows)
         if fut is None:

@@ -101,7 +101,7 @@ class WritePath:
     def __init__(self, tiers: Sequence[Tier], host: HostTier | None, guard: TierGuard,
                  queue_depth: int = 64, recent_keys: int = 1 << 16) -> None:
         self.host = host
-        self.lower = [t for t in tiers if t is not host]
+        self.lower = [t for t in tiers if t is not host and not t.readonly]
         self.guard = guard
         self.recent = {t.name: RecentKeys(recent_keys) for t in tiers}
         self._ingest = QueueWorker("tiers-ingest", queue_depth, self._ingest_item)

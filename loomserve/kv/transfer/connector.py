@@ -1,0 +1,163 @@
+"""KVTransferConnector: the engine's hooks for prefill/decode disaggregation.
+
+Prefill leg (kv_transfer_params {"do_remote_decode": true}): the request runs as usual (the
+router asks for one token); once it is freed, `on_freed` stages its pages (source.py) and the
+finished output carries the params (None when nothing could be staged).
+Decode leg (params naming a remote engine): `on_add` registers its pages with the PeerTier
+before the scheduler sees the request; the tier connector's load path pulls what the device
+lacks; `on_admit` / `on_finish` drop the registration and tell the prefill side it may free
+its staging (once per request).
+
+The transfer backend starts at the first transfer (a plain `serve` opens no port); an
+instance without configured tiers gets a peer-only TieredStore attached at its first decode
+leg (`attach`).
+
+Invariants:
+- Malformed or unusable params never fail a request: it computes its prefix instead.
+- Every registration is dropped exactly once, whatever way the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from loomserve.kv.transfer.backend import make_transfer
+from loomserve.kv.transfer.params import is_prefill_leg, parse
+from loomserve.kv.transfer.peer_tier import PeerTier
+from loomserve.kv.transfer.source import TransferSource
+
+log = logging.getLogger(__name__)
+
+# The store's guard bounds every tier call: leave the peer's own timeout room inside it.
+GUARD_MARGIN_S = 1.0
+
+
+class KVTransferConnector:
+    def __init__(self, control, kv, kv_buffer, identity, attach=None) -> None:
+        """control: ControlConfig; identity(): the model identity for tier keys (lazy: it
+        digests the weights once); attach(store): connect a TieredStore when the engine has
+        none."""
+        self.control = control
+        self.kv = kv
+        self.kv_buffer = kv_buffer
+        self._identity = identity
+        self._attach = attach
+        self.enabled = kv.enable_caching  # pages are named by block hashes
+        self._transfer = None
+        self._keyspaces = None
+        self.source: TransferSource | None = None
+        self.peer = PeerTier(kv.config.page_bytes, lambda: self.transfer,
+                             control.kv_transfer_timeout)
+        self.peer_attached = False
+        self._legs: dict[str, str] = {}  # decode-leg request id -> transfer id
+        self.counters = {"prefill_legs": 0, "decode_legs": 0, "unusable_params": 0}
+
+    @property
+    def transfer(self):
+        if self._transfer is None:
+            c = self.control
+            self._transfer = make_transfer(c.kv_transfer_backend, c.kv_transfer_host)
+            log.info("KV transfer: %s at %s", self._transfer.name, self._transfer.session_id)
+        return self._transfer
+
+    @property
+    def keyspaces(self) -> list:
+        if self._keyspaces is None:
+            from loomserve.kv.tiers import KeySpace, fingerprint_for
+            model_id = self._identity()
+            self._keyspaces = [KeySpace(fingerprint_for(self.kv.config, model_id, g))
+                               for g in range(len(self.kv.config.groups))]
+        return self._keyspaces
+
+    def tiers_for_store(self) -> list:
+        """The tier to add to a configured TieredStore (decode-capable roles)."""
+        if not self.enabled or self.control.role == "prefill":
+            return []
+        self.peer_attached = True
+        return [self.peer]
+
+    # -- requests -----------------------------------------------------------------------------
+    def on_add(self, req) -> None:
+        """Before the scheduler sees req: note a prefill leg, register a decode leg's pages."""
+        raw = getattr(req, "kv_transfer_params", None)
+        if raw is None:
+            return
+        if is_prefill_leg(raw):
+            req.remote_decode = self.enabled
+            self.counters["prefill_legs"] += 1
+            return
+        try:
+            params = parse(raw)
+        except ValueError as e:  # the front end validates: only a raw core client gets here
+            log.warning("request %s: kv_transfer_params ignored: %s", req.request_id, e)
+            params = None
+        if params is None or not self.enabled or params.backend != self.transfer.name:
+            self.counters["unusable_params"] += 1
+            return
+        if not self._ensure_peer():
+            return
+        if self.peer.add(params):
+            self._legs[req.request_id] = params.transfer_id
+            self.counters["decode_legs"] += 1
+
+    def _ensure_peer(self) -> bool:
+        if self.peer_attached:
+            return True
+        if self._attach is None:
+            return False
+        from loomserve.kv.tiers import TieredStore
+        store = TieredStore([self.peer],
+                            op_timeout_s=self.control.kv_transfer_timeout + GUARD_MARGIN_S)
+        self._attach(store)
+        self.peer_attached = True
+        return True
+
+    def on_admit(self, req) -> None:
+        """req is on the device with whatever it imported: release the prefill side."""
+        self._release(req.request_id)
+
+    def on_finish(self, req) -> None:
+        self._release(req.request_id)
+
+    def _release(self, request_id: str) -> None:
+        tid = self._legs.pop(request_id, None)
+        if tid is None:
+            return
+        params = self.peer.drop(tid)
+        if params is not None and params.notify:
+            self.transfer.notify(params.notify, tid.encode())
+
+    def on_freed(self, req, finished_ok: bool) -> None:
+        """After the KV manager freed req: a prefill leg's pages go to staging and its params
+        onto req.kv_transfer_result (None when nothing could be staged)."""
+        if not getattr(req, "remote_decode", False):
+            return
+        req.kv_transfer_result = None
+        if not finished_ok:
+            return
+        try:
+            if self.source is None:
+                self.source = TransferSource(self.kv, self.kv_buffer, self.transfer,
+                                             self.keyspaces, self.transfer.name,
+                                             self.control.kv_transfer_timeout)
+            req.kv_transfer_result = self.source.stage(req)
+        except Exception:  # a backend that cannot start: the decode side computes
+            log.exception("request %s: KV staging failed", req.request_id)
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def poll(self) -> None:
+        if self.source is not None:
+            self.source.poll()
+
+    def stats(self) -> dict:
+        out = {**self.counters, "peer": dict(self.peer.counters)}
+        if self.source is not None:
+            out["source"] = {**self.source.counters, "staged_now": len(self.source.staged),
+                             "arena_free_pages": self.source.arena.num_free}
+        return out
+
+    def close(self) -> None:
+        self.peer.close()
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None
