@@ -148,7 +148,9 @@ class KVEventPublisher:
         self._tier_lock = threading.Lock()
         self._lost = False
         self._closed = False
+        self.handed = 0  # batches queued to the thread
         self.published = 0
+        self.failed = 0  # batches the thread could not encode or send
         self.dropped = 0
         self.replays = 0
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher",
@@ -179,10 +181,12 @@ class KVEventPublisher:
         self._pool_events = []
         if self._lost:
             pool.insert(0, ev.AllBlocksCleared())
+        self.handed += 1  # before the put: the thread may publish it at once
         try:
             self._queue.put_nowait((time.time(), pool, tier))
             self._lost = False
         except queue.Full:
+            self.handed -= 1
             self.dropped += 1
             self._lost = True
             if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, ...: a slow log, not a flood
@@ -190,8 +194,10 @@ class KVEventPublisher:
                             "batch starts with AllBlocksCleared", self.dropped)
 
     def stats(self) -> dict:
-        return {"published": self.published, "dropped": self.dropped, "replays": self.replays,
-                "queued": self._queue.qsize()}
+        """pending: batches handed to the thread and not yet sent (nor failed)."""
+        return {"published": self.published, "dropped": self.dropped, "failed": self.failed,
+                "replays": self.replays,
+                "pending": self.handed - self.published - self.failed}
 
     def close(self, timeout: float = 1.0) -> None:
         """Publish what is pending, stop the thread (joined within `timeout`), close sockets."""
@@ -228,6 +234,7 @@ class KVEventPublisher:
                     self._pub.send_multipart((self._topic, wire.seq_bytes(seq), payload))
                 except Exception:  # a bad event must not kill the stream: drop it, say so
                     log.exception("KV events: could not publish batch %d", seq)
+                    self.failed += 1
                     self._lost = True
                     continue
                 self._buffer.append((seq, payload))
