@@ -90,14 +90,17 @@ class AsyncLLM:
                        request_id: str | None = None, *, session_id: str | None = None,
                        parent_session_id: str | None = None,
                        cache_salt: str | None = None,
-                       sibling_of: str | None = None) -> AsyncIterator[RequestOutput]:
+                       sibling_of: str | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """sibling_of: n > 1, this sample's prompt prefill waits for that request's, so it
-        reuses its prompt KV blocks (prefix caching)."""
+        reuses its prompt KV blocks (prefix caching). kv_transfer_params: a prefill or decode
+        leg of prefill/decode disaggregation (loomserve.kv.transfer.params)."""
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
         msg = self.inputs.make_core_request(
             request_id, prompt, params, session_id=session_id,
-            parent_session_id=parent_session_id, cache_salt=cache_salt, sibling_of=sibling_of)
+            parent_session_id=parent_session_id, cache_salt=cache_salt, sibling_of=sibling_of,
+            kv_transfer_params=kv_transfer_params)
         state = RequestState(request_id, msg.prompt_token_ids, params, self.tokenizer)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -22,3 +22,6 @@ class RequestOutput:
     new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # all so far
     stop_reason: str | None = None  # the stop string that ended the output, if one did
+    # A finished prefill leg's kv_transfer_params for its decode leg (loomserve.kv.transfer);
+    # None otherwise, and when nothing could be staged.
+    kv_transfer_params: dict | None = None

@@ -10,6 +10,7 @@ from loomserve.entrypoints.output import RequestOutput
 from loomserve.execution.messages import CoreOutput, EngineCoreRequest
 from loomserve.execution.request import Request
 from loomserve.execution.structured import validate_structured
+from loomserve.kv.transfer.params import validate as validate_transfer_params
 from loomserve.sampling_params import SamplingParams
 
 # Prompt tokens kept as left context so the first output token decodes with its leading space
@@ -52,6 +53,7 @@ class InputProcessor:
         """Validate everything the engine would otherwise trip over; ValueError says why."""
         params.validate()
         self._validate_features(params)
+        validate_transfer_params(session.get("kv_transfer_params"))
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -102,6 +104,7 @@ class RequestState:
         new_ids: list[int] = []
         new_lps: list | None = [] if self.params.logprobs is not None else None
         cached = tier_cached = 0
+        transfer = None
         for out in outs:
             cached = out.num_cached_tokens
             tier_cached = getattr(out, "num_tier_cached_tokens", 0)
@@ -125,13 +128,14 @@ class RequestState:
                     break
             if out.finished and not self.finished:
                 self.finished, self.finish_reason = True, out.finish_reason
+                transfer = getattr(out, "kv_transfer_params", None)
         # Text that might be the start of a stop string is held back until it can't be.
         end = len(self.text) if self.finished else max(self._sent_text, len(self.text) - self._hold)
         new_text = self.text[self._sent_text:end]
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                              new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
-                             tier_cached, new_lps, self.logprobs, self.stop_reason)
+                             tier_cached, new_lps, self.logprobs, self.stop_reason, transfer)
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)

@@ -41,6 +41,7 @@ from loomserve.entrypoints.server.handler import (
     Handler,
     SSEResponse,
     sse_event,
+    with_transfer_params,
 )
 
 logger = logging.getLogger("loomserve.entrypoints.server")
@@ -59,7 +60,8 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
         headers = _warning_headers(ignored)
         try:
             it, first, timer = await h.start(request, prepared.prompt_token_ids, params,
-                                            request_id, session_id=session)
+                                            request_id, session_id=session,
+                                            kv_transfer_params=body.kv_transfer_params)
         except ClientGone:
             return Response(status_code=499)
         turn = _Turn(h, body, prepared.output_parser(), request_id, params, capped)
@@ -73,7 +75,9 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
             out = await h.collect(request, it, first, timer, request_id)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(turn.message(out).model_dump(), headers=headers)
+        return JSONResponse(with_transfer_params(turn.message(out).model_dump(),
+                                                 body.kv_transfer_params, [out]),
+                            headers=headers)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:

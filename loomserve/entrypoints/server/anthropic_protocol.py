@@ -131,6 +131,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
     metadata: Metadata | None = None
+    # prefill/decode disaggregation (vLLM's name): a prefill or decode leg
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         try:

@@ -92,7 +92,8 @@ class Handler:
 
     async def start(self, request: Request, prompt: str | list[int], params: SamplingParams,
                     request_id: str, *, session_id: str | None = None,
-                    cache_salt: str | None = None, sibling_of: str | None = None):
+                    cache_salt: str | None = None, sibling_of: str | None = None,
+                    kv_transfer_params: dict | None = None):
         """Submit to the engine and wait for the first output.
 
         Waiting before any byte is sent lets engine-side validation errors (prompt too long,
@@ -102,6 +103,8 @@ class Handler:
         """
         timer = self.metrics.tracker()
         extra = {"sibling_of": sibling_of} if sibling_of is not None else {}
+        if kv_transfer_params is not None:
+            extra["kv_transfer_params"] = kv_transfer_params
         try:
             it = self.engine.generate(
                 prompt, params, request_id,
@@ -267,3 +270,11 @@ def sse_event(event: str, payload) -> str:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def with_transfer_params(payload: dict, asked: dict | None, outs: list[RequestOutput]) -> dict:
+    """A non-streaming response body plus the top-level kv_transfer_params a prefill leg
+    ({"do_remote_decode": true}) asked for: the first sample's, null when none was staged."""
+    if isinstance(asked, dict) and asked.get("do_remote_decode") is True:
+        payload["kv_transfer_params"] = outs[0].kv_transfer_params if outs else None
+    return payload

@@ -18,7 +18,13 @@ from fastapi.responses import JSONResponse, Response
 
 from loomserve.entrypoints.chat.frontend import ChatInputError
 from loomserve.entrypoints.server.errors import bad_request
-from loomserve.entrypoints.server.handler import ClientGone, Handler, SSEResponse, new_id
+from loomserve.entrypoints.server.handler import (
+    ClientGone,
+    Handler,
+    SSEResponse,
+    new_id,
+    with_transfer_params,
+)
 from loomserve.entrypoints.server.openai_output import (
     TokenTexts,
     all_entries,
@@ -72,7 +78,8 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
         try:
             samples = await start_samples(
                 h, request, prepared.prompt_token_ids, prepared.apply(params), request_id,
-                body.n, session_id=body.prompt_cache_key, cache_salt=body.cache_salt)
+                body.n, session_id=body.prompt_cache_key, cache_salt=body.cache_salt,
+                kv_transfer_params=body.kv_transfer_params)
         except ClientGone:
             return Response(status_code=499)
         parsers = [prepared.output_parser() for _ in range(body.n)]
@@ -93,9 +100,10 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
                 index=i, message=assistant_message(result, body.parallel_tool_calls),
                 logprobs=chat_logprobs(texts, all_entries(out)) if want_logprobs else None,
                 finish_reason=finish_reason(out.finish_reason, result)))
-        return JSONResponse(ChatCompletion(
+        return JSONResponse(with_transfer_params(ChatCompletion(
             id=request_id, created=created, model=model, choices=choices,
-            usage=Usage.of_samples(samples.latest)).model_dump())
+            usage=Usage.of_samples(samples.latest)).model_dump(), body.kv_transfer_params,
+            samples.latest))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -107,7 +115,8 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
         try:
             samples = await start_samples(h, request, prompt, params, request_id, body.n,
                                           session_id=body.prompt_cache_key,
-                                          cache_salt=body.cache_salt)
+                                          cache_salt=body.cache_salt,
+                                          kv_transfer_params=body.kv_transfer_params)
         except ClientGone:
             return Response(status_code=499)
         model = h.response_model(body.model)
@@ -121,9 +130,10 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
             index=i, text=out.text, finish_reason=out.finish_reason,
             logprobs=completion_logprobs(texts, all_entries(out), 0)[0] if want_logprobs
             else None) for i, out in enumerate(samples.latest)]
-        return JSONResponse(Completion(id=request_id, created=created, model=model,
-                                       choices=choices,
-                                       usage=Usage.of_samples(samples.latest)).model_dump())
+        return JSONResponse(with_transfer_params(
+            Completion(id=request_id, created=created, model=model, choices=choices,
+                       usage=Usage.of_samples(samples.latest)).model_dump(),
+            body.kv_transfer_params, samples.latest))
 
 
 class ChatStream:

@@ -52,6 +52,8 @@ class _SamplingRequest(Lenient):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    # prefill/decode disaggregation (vLLM's name): a prefill or decode leg
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         pass

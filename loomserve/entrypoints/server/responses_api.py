@@ -35,6 +35,7 @@ from loomserve.entrypoints.server.handler import (
     Handler,
     SSEResponse,
     sse_event,
+    with_transfer_params,
 )
 from loomserve.entrypoints.server.response_store import ResponseStore, StoredResponse
 from loomserve.entrypoints.server.responses_protocol import (
@@ -269,7 +270,8 @@ def register_responses_routes(app: FastAPI, h: Handler, store: ResponseStore | N
         try:
             it, first, timer = await h.start(request, turn.prepared.prompt_token_ids,
                                             turn.params, turn.response_id,
-                                            session_id=turn.session_id)
+                                            session_id=turn.session_id,
+                                            kv_transfer_params=body.kv_transfer_params)
         except ClientGone:
             return Response(status_code=499)
         builder = OutputBuilder(body.parallel_tool_calls, turn.namespace_of)
@@ -283,7 +285,9 @@ def register_responses_routes(app: FastAPI, h: Handler, store: ResponseStore | N
             return Response(status_code=499)
         builder.feed(parser.feed(out.text) + parser.finish())
         builder.close("incomplete" if out.finish_reason == "length" else "completed")
-        return JSONResponse(svc.finish(turn, builder, out), headers=headers)
+        return JSONResponse(with_transfer_params(dict(svc.finish(turn, builder, out)),
+                                                 body.kv_transfer_params, [out]),
+                            headers=headers)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:

@@ -64,6 +64,8 @@ class ResponsesRequest(_Lenient):
     seed: int | None = None
     ignore_eos: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # prefill/decode disaggregation (vLLM's name): a prefill or decode leg
+    kv_transfer_params: dict[str, Any] | None = None
 
     def input_items(self) -> list[dict]:
         if isinstance(self.input, str):
