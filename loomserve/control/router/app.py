@@ -1,0 +1,243 @@
+"""`loomserve router`'s HTTP front: the four generation APIs proxied to instances chosen by
+the policy, plus /v1/models, /health, /metrics and session ends.
+
+Failure rules (what a client sees):
+- an instance unreachable before anything was sent (refused connection, connect timeout): it
+  is marked down and the request goes to the next choice, once (nothing ran, so it is safe);
+- an instance failing after that: 502 in the API's error shape (OpenAI {"error": {...}},
+  Anthropic {"type": "error", ...} under /v1/messages), or, once a stream started, an error
+  event ending the stream (proxy.py);
+- no healthy instance: 503.
+Every response carries x-loomserve-instance (host:port) and x-loomserve-route (the reason and
+the overlap in blocks when it was looked up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loomserve.control.router.instances import Instance, Lease
+from loomserve.control.router.pd import decode_body, prefill_body
+from loomserve.control.router.proxy import (
+    ClosingStream,
+    InstanceLost,
+    Upstream,
+    request_headers,
+    response_headers,
+    response_id_in,
+)
+from loomserve.control.router.routing import NoInstance, Router
+from loomserve.control.router.tokens import (
+    API_CHAT,
+    API_COMPLETIONS,
+    API_MESSAGES,
+    API_RESPONSES,
+)
+from loomserve.entrypoints.server.auth import APIKeyMiddleware
+from loomserve.entrypoints.server.errors import error_response, install_error_handlers
+
+logger = logging.getLogger("loomserve.control.router")
+ROUTES = {"/v1/chat/completions": API_CHAT, "/v1/completions": API_COMPLETIONS,
+          "/v1/messages": API_MESSAGES, "/v1/responses": API_RESPONSES}
+CHARS_PER_TOKEN = 4  # load estimate for a prompt the router did not tokenize
+
+
+def _error(status: int, message: str, path: str, code: str) -> JSONResponse:
+    kind = {502: "bad_gateway", 503: "service_unavailable_error"}.get(status,
+                                                                     "invalid_request_error")
+    return error_response(status, message, kind, code=code, path=path)
+
+
+class RouterService:
+    """The request paths of the app (the routes only parse and dispatch)."""
+
+    def __init__(self, router: Router, instance_api_key: str | None, read_timeout: float):
+        self.router = router
+        self.metrics = router.metrics
+        self.instance_api_key = instance_api_key
+        self.upstream = Upstream(read_timeout)
+
+    async def generate(self, request: Request, api: str) -> Response:
+        path = request.url.path
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return _error(400, f"Malformed JSON body: {e}", path, "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "The body must be a JSON object.", path, "invalid_json")
+        req = self.router.request(api, body, request.headers)
+        headers = request_headers(request.headers, self.instance_api_key)
+        tried: tuple[Instance, ...] = ()
+        pd_done = False
+        for _ in range(2):  # a second choice only when the first was unreachable
+            try:
+                d = self.router.decide(req, body, tried)
+            except NoInstance as e:
+                self.metrics.errors.labels("no_instance").inc()
+                return _error(503, str(e), path, "no_healthy_instance")
+            content = raw
+            if not pd_done:
+                pd_done = True
+                if (target := self.router.prefill_target(req, d)) is not None:
+                    params = await self._prefill(target, api, path, body, headers)
+                    content = json.dumps(decode_body(body, params) if params else body).encode()
+            tokens = req.known_tokens or len(raw) // CHARS_PER_TOKEN
+            lease = Lease(d.instance, tokens, self.router.instances.block_size())
+            extra = {"x-loomserve-instance": d.instance.name, "x-loomserve-route": d.reason + (
+                f"; overlap={d.overlap}" if d.overlap is not None else "")}
+            try:
+                resp = await self.upstream.open(d.instance, "POST", path, content, headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                lease.release()
+                self.metrics.errors.labels("connect").inc()
+                self.router.instances.mark_down(d.instance, f"unreachable: {e!r}")
+                tried += (d.instance,)
+                continue
+            except (httpx.HTTPError, InstanceLost) as e:
+                lease.release()
+                return self._failed(d.instance, e, path)
+            return await self._answer(resp, d.instance, lease, api, body, extra, path)
+        return _error(502, "No instance could be reached.", path, "instance_unreachable")
+
+    async def _answer(self, resp: httpx.Response, inst: Instance, lease: Lease, api: str,
+                      body: dict, extra: dict, path: str) -> Response:
+        hdrs = response_headers(resp.headers, extra)
+        remember = ((lambda rid: self.router.remember_response(rid, inst))
+                    if api == API_RESPONSES else None)
+        if body.get("stream") and resp.status_code == 200:
+            return ClosingStream(
+                self.upstream.relay(resp, inst, lease, api,
+                                    lambda kind: self.metrics.errors.labels(kind).inc(),
+                                    remember),
+                status_code=200, headers=hdrs, media_type=resp.headers.get("content-type"))
+        try:
+            data = await self.upstream.read_all(resp, inst)
+        except (httpx.HTTPError, InstanceLost) as e:
+            return self._failed(inst, e, path)
+        finally:
+            lease.release()
+        if remember is not None and resp.status_code == 200 and (rid := response_id_in(data)):
+            remember(rid)
+        return Response(data, status_code=resp.status_code, headers=hdrs)
+
+    def _failed(self, inst: Instance, e: Exception, path: str) -> JSONResponse:
+        kind = "instance_lost" if isinstance(e, InstanceLost) else "upstream_error"
+        self.metrics.errors.labels(kind).inc()
+        return _error(502, f"The instance {inst.name} failed: {e or type(e).__name__}", path,
+                      "instance_failed")
+
+    async def _prefill(self, target: Instance, api: str, path: str, body: dict,
+                       headers: dict) -> dict | None:
+        """The prefill leg; its kv_transfer_params, or None (the decode leg recomputes)."""
+        content = json.dumps(prefill_body(api, body)).encode()
+        lease = Lease(target, 0, self.router.instances.block_size())
+        try:
+            resp = await self.upstream.open(target, "POST", path, content, headers)
+            data = await self.upstream.read_all(resp, target)
+            params = json.loads(data).get("kv_transfer_params") if resp.status_code == 200 \
+                else None
+        except (httpx.HTTPError, InstanceLost, ValueError, AttributeError) as e:
+            logger.warning("prefill leg on %s failed: %s", target.name, e)
+            params = None
+        finally:
+            lease.release()
+        self.metrics.pd.labels("disaggregated" if isinstance(params, dict)
+                               else "prefill_failed").inc()
+        return params if isinstance(params, dict) else None
+
+    async def forward(self, request: Request, inst: Instance | None) -> Response:
+        """A plain request (models, token counts, stored responses) to `inst` or any
+        healthy instance, with its answer as is."""
+        path = request.url.path
+        healthy = self.router.instances.healthy()
+        inst = inst if inst is not None and inst.up else (healthy[0] if healthy else None)
+        if inst is None:
+            return _error(503, "No healthy instance.", path, "no_healthy_instance")
+        headers = request_headers(request.headers, self.instance_api_key)
+        try:
+            resp = await self.upstream.open(inst, request.method, path + (
+                f"?{request.url.query}" if request.url.query else ""),
+                await request.body() or None, headers)
+            data = await self.upstream.read_all(resp, inst)
+        except (httpx.HTTPError, InstanceLost) as e:
+            return self._failed(inst, e, path)
+        return Response(data, status_code=resp.status_code,
+                        headers=response_headers(resp.headers, {}))
+
+
+def build_router_app(router: Router, *, api_keys: list[str] | None = None,
+                     instance_api_key: str | None = None,
+                     read_timeout: float = 600.0) -> FastAPI:
+    svc = RouterService(router, instance_api_key, read_timeout)
+    instances = router.instances
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await instances.start()
+        tok = asyncio.create_task(router.load_tokenizer())
+        try:
+            yield
+        finally:
+            tok.cancel()
+            await instances.stop()
+            await svc.upstream.aclose()
+
+    app = FastAPI(title="loomserve router", lifespan=lifespan)
+    app.state.router = router
+    install_error_handlers(app)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
+
+    for route, api in ROUTES.items():
+        async def generate(request: Request, api: str = api) -> Response:
+            return await svc.generate(request, api)
+        app.add_api_route(route, generate, methods=["POST"], include_in_schema=False)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        rows = [{"instance": i.name, "url": i.url, "up": i.up, "role": i.role,
+                 "active_requests": i.active_requests, "active_blocks": round(i.active_blocks, 2),
+                 "cached_blocks": router.index.blocks_of(i.name)} for i in instances.instances]
+        ok = any(r["up"] for r in rows)
+        return JSONResponse({"status": "ok" if ok else "no healthy instance",
+                             "policy": router.policy.name, "instances": rows},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.metrics.refresh(instances, router.index, router.policy)
+        data, ctype = router.metrics.render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await svc.forward(request, None)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await svc.forward(request, None)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request) -> Response:
+        return await svc.forward(request, router.response_home(response_id))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def end_session(session_id: str, request: Request) -> Response:
+        home = router.forget_session(session_id)
+        inst = instances.by_name(home) if home else None
+        if inst is not None:
+            return await svc.forward(request, inst)
+        # Home unknown (a hashing policy, or a session this router never saw): every healthy
+        # instance is told; ending a session is idempotent on an instance.
+        await asyncio.gather(*(svc.forward(request, i) for i in instances.healthy()))
+        return JSONResponse({"id": session_id, "object": "session", "deleted": True})
+
+    return app

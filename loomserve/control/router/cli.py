@@ -1,0 +1,84 @@
+"""`loomserve router`: the command line of the router (see README, "Router")."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from loomserve.control.router.pd import DEFAULT_PD_THRESHOLD_TOKENS
+from loomserve.control.router.policies import OVERLAP_WEIGHT, POLICIES
+
+
+def add_router_parser(sub) -> None:
+    p = sub.add_parser(
+        "router", help="route requests across loomserve instances (session- and KV-aware)",
+        description="An HTTP front for N `loomserve serve` instances: the OpenAI and Anthropic "
+                    "APIs proxied (streaming included) to the instance the policy picks.")
+    p.add_argument("--instance", action="append", required=True, metavar="URL",
+                   help="an instance's base URL, e.g. http://127.0.0.1:8000 (repeat per "
+                        "instance; role, block size and KV events are read from its /info)")
+    p.add_argument("--policy", choices=POLICIES, default="default",
+                   help="default: sticky sessions placed by KV overlap and load; kv_aware: "
+                        "lowest KV cost per request; session: consistent hashing of sessions; "
+                        "least_loaded; round_robin (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=9000, help="(default: %(default)s)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="model folder whose tokenizer and chat template the router renders "
+                        "prompts with (default: the first instance's model_folder)")
+    p.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT,
+                   help="weight of a block to prefill against a block decoding in the KV "
+                        "cost (default: %(default)s)")
+    p.add_argument("--pd-threshold-tokens", type=int, default=DEFAULT_PD_THRESHOLD_TOKENS,
+                   metavar="N", help="with prefill-role instances: disaggregate a request "
+                   "when more than N of its prompt tokens are not cached on its decode "
+                   "instance (default: %(default)s)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require this key of clients (repeatable; default: none)")
+    p.add_argument("--instance-api-key", metavar="KEY",
+                   help="key the router sends to instances (default: the client's own "
+                        "Authorization is forwarded)")
+    p.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="longest silence from an instance before a request fails "
+                        "(default: %(default)s)")
+    p.add_argument("--health-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="seconds between health checks of each instance (default: %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default: %(default)s)")
+    p.set_defaults(func=run_router)
+
+
+def build_from_args(args: argparse.Namespace):
+    """The router app the flags describe (tests build it the same way)."""
+    from loomserve.control.router.app import build_router_app
+    from loomserve.control.router.instances import InstanceSet
+    from loomserve.control.router.kv_index import KVIndex
+    from loomserve.control.router.metrics import RouterMetrics
+    from loomserve.control.router.policies import make_policy
+    from loomserve.control.router.routing import Router
+
+    index = KVIndex()
+    instances = InstanceSet(args.instance, index, api_key=args.instance_api_key,
+                            interval=args.health_interval)
+    policy = make_policy(args.policy, index, instances.block_size, args.overlap_weight)
+    router = Router(instances, index, policy, RouterMetrics(), tokenizer=args.tokenizer,
+                    pd_threshold_tokens=args.pd_threshold_tokens)
+    return build_router_app(router, api_keys=args.api_key,
+                            instance_api_key=args.instance_api_key,
+                            read_timeout=args.read_timeout)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_from_args(args)
+    except ValueError as e:
+        print(f"loomserve router: error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,261 @@
+"""Routing policies: which instance serves a request, and why.
+
+Every policy returns a `Decision`: the instance, the reason (one of REASONS) and the overlap
+(blocks of the prompt cached there, None when the policy did not look).
+  stickiness  the session's (or its parent's) instance
+  overlap     the instance with the lowest KV cost, which holds part of the prompt
+  load        the least loaded instance (nothing cached anywhere, or the home was overloaded)
+  fallback    the prompt could not be known (or the session's home is down): least loaded
+
+Policies:
+- round_robin: each instance in turn. Load testing, identical short requests.
+- least_loaded: fewest in-flight requests, then fewest active blocks. Stateless traffic.
+- session: consistent hashing of the session key (a subagent's is its parent's) onto a ring of
+  VNODES virtual nodes per healthy instance: adding an instance moves ~1/N of the sessions,
+  removing one moves only its own. No tokenization at all.
+- kv_aware: Dynamo's cost, lowest wins: OVERLAP_WEIGHT x new prefill blocks (prompt blocks not
+  cached there) + active blocks (what its in-flight requests hold). Weight 1.0 (Dynamo's
+  default) prices one block to prefill like one block already decoding; raise it to chase
+  cache hits harder (long prompts), lower it to spread load (short prompts, long outputs).
+- default: sessions stick to their instance (no tokenization on a sticky turn); a new session,
+  a session whose home is gone, and a request without session are placed by the kv_aware cost;
+  a subagent's first request (X-Parent-Session-ID) starts on its parent's instance. A session
+  moves only when its home is down, or overloaded: its active blocks exceed OVERLOAD_FACTOR
+  (1.5) x the mean over healthy instances AND it has at least OVERLOAD_MIN_REQUESTS (4)
+  requests in flight (both: one long request alone is not an overload).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from loomserve.control.router.instances import Instance
+from loomserve.control.router.kv_index import KVIndex
+
+REASONS = ("stickiness", "overlap", "load", "fallback")
+POLICIES = ("default", "round_robin", "least_loaded", "session", "kv_aware")
+OVERLAP_WEIGHT = 1.0
+OVERLOAD_FACTOR = 1.5
+OVERLOAD_MIN_REQUESTS = 4
+VNODES = 128
+MAX_STICKY_SESSIONS = 100_000
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may look at. keys_fn computes (prompt ids, block hashes) or None; it runs
+    at most once, and only if a policy asks (a sticky turn never does)."""
+
+    api: str
+    session: str | None = None
+    parent: str | None = None
+    keys_fn: Callable[[], tuple[list[int], list] | None] | None = None
+    _keys: tuple | None = field(default=None, repr=False)
+    _done: bool = field(default=False, repr=False)
+
+    def keys(self) -> tuple[list[int], list] | None:
+        if not self._done:
+            self._done = True
+            self._keys = self.keys_fn() if self.keys_fn is not None else None
+        return self._keys
+
+    @property
+    def known_tokens(self) -> int | None:
+        """Prompt length if the prompt was tokenized (no tokenization happens here)."""
+        return len(self._keys[0]) if self._done and self._keys else None
+
+
+@dataclass
+class Decision:
+    instance: Instance
+    reason: str
+    overlap: int | None = None  # prompt blocks cached on `instance`, None: not looked up
+
+
+def least_loaded(candidates: list[Instance], start: int = 0) -> Instance:
+    """Fewest in-flight requests, then fewest active blocks; ties go to the first at or after
+    `start` (callers rotate it so equal instances share the work)."""
+    n = len(candidates)
+    return min(candidates, key=lambda i: (i.active_requests, i.active_blocks,
+                                          (candidates.index(i) - start) % n))
+
+
+class Policy:
+    name = "?"
+
+    def choose(self, req: RouteRequest, candidates: list[Instance]) -> Decision:
+        raise NotImplementedError
+
+    def forget(self, session: str) -> None:
+        """The session ended (DELETE /v1/sessions/{id})."""
+
+    def sessions(self) -> int:
+        return 0
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, req, candidates):
+        self._next += 1
+        return Decision(candidates[self._next % len(candidates)], "load")
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, req, candidates):
+        self._turn += 1
+        return Decision(least_loaded(candidates, self._turn), "load")
+
+
+class HashRing:
+    """Consistent hashing with virtual nodes, rebuilt when the set of instances changes."""
+
+    def __init__(self, vnodes: int = VNODES) -> None:
+        self.vnodes = vnodes
+        self._names: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def lookup(self, key: str, candidates: list[Instance]) -> Instance:
+        names = tuple(sorted(i.name for i in candidates))
+        if names != self._names:
+            self._build(names)
+        k = bisect_right(self._points, xxhash.xxh64_intdigest(key.encode())) % len(self._points)
+        owner = self._owners[k]
+        return next(i for i in candidates if i.name == owner)
+
+    def _build(self, names: tuple[str, ...]) -> None:
+        ring = sorted((xxhash.xxh64_intdigest(f"{n}#{v}".encode()), n)
+                      for n in names for v in range(self.vnodes))
+        self._names = names
+        self._points = [p for p, _ in ring]
+        self._owners = [n for _, n in ring]
+
+
+class SessionAffinity(Policy):
+    name = "session"
+
+    def __init__(self, vnodes: int = VNODES) -> None:
+        self.ring = HashRing(vnodes)
+        self._turn = 0
+
+    def choose(self, req, candidates):
+        key = req.parent or req.session
+        if key is None:
+            self._turn += 1
+            return Decision(least_loaded(candidates, self._turn), "fallback")
+        return Decision(self.ring.lookup(key, candidates), "stickiness")
+
+
+class KVAware(Policy):
+    name = "kv_aware"
+
+    def __init__(self, index: KVIndex, block_size: Callable[[], int],
+                 overlap_weight: float = OVERLAP_WEIGHT) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.weight = overlap_weight
+        self._turn = 0
+
+    def choose(self, req, candidates):
+        self._turn += 1
+        keys = req.keys()
+        if keys is None:
+            return Decision(least_loaded(candidates, self._turn), "fallback")
+        ids, hashes = keys
+        prompt_blocks = math.ceil(len(ids) / self.block_size())
+        overlaps = self.index.overlaps(hashes)
+        n = len(candidates)
+
+        def cost(pair):
+            j, inst = pair
+            new_blocks = prompt_blocks - overlaps.get(inst.name, 0)
+            return (self.weight * new_blocks + inst.active_blocks, inst.active_requests,
+                    (j - self._turn) % n)
+
+        best = min(enumerate(candidates), key=cost)[1]
+        ov = overlaps.get(best.name, 0)
+        return Decision(best, "overlap" if ov else "load", ov)
+
+
+def overloaded(inst: Instance, candidates: list[Instance]) -> bool:
+    """The default policy's threshold for moving a session off its home (module doc)."""
+    if inst.active_requests < OVERLOAD_MIN_REQUESTS or len(candidates) < 2:
+        return False
+    mean = sum(i.active_blocks for i in candidates) / len(candidates)
+    return inst.active_blocks > OVERLOAD_FACTOR * mean
+
+
+class DefaultPolicy(Policy):
+    """Sticky sessions placed by KV cost, moved only when their home is down or overloaded.
+    Invariant: `sticky` maps a session to the instance name its last request went to."""
+
+    name = "default"
+
+    def __init__(self, kv: KVAware, max_sessions: int = MAX_STICKY_SESSIONS) -> None:
+        self.kv = kv
+        self.max_sessions = max_sessions
+        self.sticky: OrderedDict[str, str] = OrderedDict()
+
+    def choose(self, req, candidates):
+        by_name = {i.name: i for i in candidates}
+        key, moved = req.session, None
+        if key is not None and key in self.sticky:
+            home = by_name.get(self.sticky[key])
+            if home is not None and not overloaded(home, candidates):
+                return self._keep(key, Decision(home, "stickiness"))
+            moved = "load" if home is not None else "fallback"
+            if home is not None:
+                candidates = [i for i in candidates if i is not home]
+        elif req.parent is not None and req.parent in self.sticky:
+            home = by_name.get(self.sticky[req.parent])
+            if home is not None and not overloaded(home, candidates):
+                return self._keep(key, Decision(home, "stickiness"))
+        d = self.kv.choose(req, candidates)
+        if moved is not None:
+            d.reason = moved
+        return self._keep(key, d)
+
+    def _keep(self, key: str | None, d: Decision) -> Decision:
+        if key is not None:
+            self.sticky[key] = d.instance.name
+            self.sticky.move_to_end(key)
+            if len(self.sticky) > self.max_sessions:
+                self.sticky.popitem(last=False)
+        return d
+
+    def forget(self, session: str) -> None:
+        self.sticky.pop(session, None)
+
+    def sessions(self) -> int:
+        return len(self.sticky)
+
+
+def make_policy(name: str, index: KVIndex, block_size: Callable[[], int],
+                overlap_weight: float = OVERLAP_WEIGHT) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "session":
+        return SessionAffinity()
+    kv = KVAware(index, block_size, overlap_weight)
+    if name == "kv_aware":
+        return kv
+    if name == "default":
+        return DefaultPolicy(kv)
+    raise ValueError(f"unknown policy {name!r}; one of {', '.join(POLICIES)}")

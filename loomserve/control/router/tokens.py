@@ -1,0 +1,198 @@
+"""A request's prompt as the instance will see it: token ids and their block-hash chain.
+
+The router renders and tokenizes with the same chat layer the instances use
+(loomserve.entrypoints.chat: the model's template, the Hermes fallback for tools) and hashes
+with the same function (loomserve.kv.hashing.hash_chain, the request's cache_salt mixed into
+block 0), so the keys it looks up are the keys the instances publish in their KV events.
+
+Agent traffic resends a growing conversation, so per memo key (the session) the work is kept:
+- tokenization restarts at the last special token (e.g. <|im_start|>) inside the part of the
+  text that did not change. HF tokenizers split on added tokens before anything else, so the
+  ids before it are exactly what a full encode would give, and only the new turn is encoded;
+- hashing restarts at the first block whose tokens changed.
+What it cannot reproduce (a Responses turn continuing a stored previous_response_id, whose
+history lives on the instance; a body the instance will reject) yields None: the policy then
+routes without prefix knowledge.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from loomserve.entrypoints.chat.render import ChatRenderer
+from loomserve.entrypoints.chat.validate import ChatInputError, check_messages, check_tools
+from loomserve.entrypoints.server.errors import APIError
+from loomserve.kv.hashing import hash_chain
+
+API_CHAT, API_COMPLETIONS, API_MESSAGES, API_RESPONSES = (
+    "chat", "completions", "messages", "responses")
+
+
+@dataclass
+class _Text:
+    """One session's last rendered prompt: text, ids, each id's start offset, and the
+    indices of the ids that are safe restart points (added tokens without lstrip)."""
+
+    text: str
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+    cuts: list[int]
+
+
+@dataclass
+class _Chain:
+    salt: str | None
+    ids: list[int]
+    hashes: list[bytes]
+
+
+def common_prefix_len(a, b) -> int:
+    """Length of the common prefix of two sequences (str or list), by bisection on slice
+    equality: O(n log n) element compares done in C instead of a Python loop."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class PromptKeys:
+    """Prompt ids and block hashes of requests, memoized per session (LRU, max_sessions)."""
+
+    def __init__(self, tokenizer, block_size: int, max_sessions: int = 10_000) -> None:
+        self.tok = tokenizer
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        template = tokenizer.chat_template
+        hf = tokenizer.hf
+        self.renderer = (ChatRenderer(template, hf.bos_token or "", hf.eos_token or "")
+                         if template else None)
+        self._backend = hf.backend_tokenizer
+        self._cut_ids = frozenset(i for i, t in hf.added_tokens_decoder.items()
+                                  if not getattr(t, "lstrip", False))
+        self._texts: OrderedDict[str, _Text] = OrderedDict()
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
+
+    @classmethod
+    def from_folder(cls, folder: str, block_size: int) -> "PromptKeys":
+        from loomserve.entrypoints.tokenizer import Tokenizer
+        return cls(Tokenizer.from_folder(folder), block_size)
+
+    def forget(self, session: str) -> None:
+        self._texts.pop(session, None)
+        self._chains.pop(session, None)
+
+    def keys(self, api: str, body: dict, session: str | None) -> tuple[list[int], list] | None:
+        """(prompt ids, block hashes) of the request, or None when the router cannot know
+        them (see the module doc)."""
+        ids = self.prompt_ids(api, body, session)
+        if ids is None:
+            return None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return ids, self.hashes(ids, salt, session)
+
+    def prompt_ids(self, api: str, body: dict, session: str | None) -> list[int] | None:
+        try:
+            if api == API_COMPLETIONS:
+                return self._completion_ids(body)
+            messages, tools, kwargs = _chat_parts(api, body)
+            if messages is None or self.renderer is None:
+                return None
+            text = self.renderer.render(check_messages(messages), check_tools(tools), True,
+                                        kwargs)
+        except (ValidationError, ChatInputError, APIError, ValueError, TypeError, KeyError):
+            return None  # the instance answers with the precise 400
+        except Exception:  # a template error: the instance reports it the same way
+            return None
+        return self._encode(text, session)
+
+    def hashes(self, ids: list[int], salt: str | None, session: str | None) -> list:
+        """hash_chain(ids, block_size, salt), reusing the session's previous chain for the
+        leading blocks whose tokens did not change."""
+        bs = self.block_size
+        prev = self._chains.get(session) if session is not None else None
+        keep = 0
+        if prev is not None and prev.salt == salt:
+            keep = min(common_prefix_len(ids, prev.ids) // bs, len(prev.hashes))
+        out = prev.hashes[:keep] if keep else []
+        hash_chain(ids, bs, salt, out[-1] if keep else None, keep, out=out)
+        if session is not None:
+            self._remember(self._chains, session, _Chain(salt, ids, out))
+        return out
+
+    def _completion_ids(self, body: dict) -> list[int] | None:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return self.tok.encode(p, add_special_tokens=True)
+        if isinstance(p, list) and p and all(type(x) is int for x in p):
+            return list(p)
+        return None
+
+    def _encode(self, text: str, session: str | None) -> list[int]:
+        prev = self._texts.get(session) if session is not None else None
+        if prev is None:
+            enc = self._backend.encode(text, add_special_tokens=False)
+            ids, starts, ends = list(enc.ids), [o[0] for o in enc.offsets], [
+                o[1] for o in enc.offsets]
+        else:
+            ids, starts, ends = self._encode_from(prev, text)
+        if session is not None:
+            cut_ids = self._cut_ids
+            cuts = [i for i, t in enumerate(ids) if t in cut_ids]
+            self._remember(self._texts, session, _Text(text, ids, starts, ends, cuts))
+        return ids
+
+    def _encode_from(self, prev: _Text, text: str) -> tuple[list[int], list[int], list[int]]:
+        """Encode `text` reusing prev's ids before the last restart point lying wholly inside
+        the unchanged prefix of the text."""
+        same = common_prefix_len(text, prev.text)
+        k = bisect_right([prev.ends[c] for c in prev.cuts], same) - 1
+        start = prev.starts[prev.cuts[k]] if k >= 0 else 0
+        n = prev.cuts[k] if k >= 0 else 0
+        enc = self._backend.encode(text[start:], add_special_tokens=False)
+        return (prev.ids[:n] + list(enc.ids), prev.starts[:n] + [o[0] + start for o in enc.offsets],
+                prev.ends[:n] + [o[1] + start for o in enc.offsets])
+
+    def _remember(self, memo: OrderedDict, session: str, value) -> None:
+        memo[session] = value
+        memo.move_to_end(session)
+        while len(memo) > self.max_sessions:
+            memo.popitem(last=False)
+
+
+def _chat_parts(api: str, body: dict) -> tuple[list | None, list | None, dict]:
+    """(neutral messages, neutral tools, template kwargs) of a chat-style body, converted by
+    the instances' own protocol classes; messages None when the history is not in the body."""
+    if api == API_CHAT:
+        from loomserve.entrypoints.server.openai_protocol import ChatCompletionRequest
+        req = ChatCompletionRequest.model_validate(body).to_chat_request()
+        return req.messages, req.tools, dict(req.template_kwargs)
+    if api == API_MESSAGES:
+        from loomserve.entrypoints.server.anthropic_protocol import MessagesRequest
+        req, _ = MessagesRequest.model_validate(body).to_chat_request()
+        return req.messages, req.tools, dict(req.template_kwargs)
+    if api == API_RESPONSES:
+        from loomserve.entrypoints.server.responses_protocol import (
+            ResponsesRequest,
+            convert_tools,
+            to_messages,
+        )
+        r = ResponsesRequest.model_validate(body)
+        if r.previous_response_id:
+            return None, None, {}
+        return (to_messages(r.input_items(), r.instructions), convert_tools(r.tools).tools,
+                r.template_kwargs())
+    raise ValueError(f"unknown API {api!r}")
