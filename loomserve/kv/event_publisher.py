@@ -231,7 +231,7 @@ class KVEventPublisher:
                     break
                 try:
                     payload = enc.encode(self._batch(*item))
-                    self._pub.send_multipart((self._topic, wire.seq_bytes(seq), payload))
+                    self._send(seq, payload)
                 except Exception:  # a bad event must not kill the stream: drop it, say so
                     log.exception("KV events: could not publish batch %d", seq)
                     self.failed += 1
@@ -242,6 +242,10 @@ class KVEventPublisher:
                 self.published += 1
         finally:
             self._close_sockets()
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        """PUB one batch (a seam: tests drop chosen batches here to make gaps)."""
+        self._pub.send_multipart((self._topic, wire.seq_bytes(seq), payload))
 
     def _batch(self, ts: float, pool: list, tier: list) -> wire.KVEventBatch:
         conv = self.converter
