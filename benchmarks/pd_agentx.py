@@ -1,0 +1,280 @@
+"""Prefill/decode disaggregation under agent traffic: 1 prefill + 1 decode instance (router with
+PD on) against 2 co-located instances (router, default policy), on warm agent turns plus cold
+~6K-token prefills (fresh subagents).
+
+Traffic (a driver in this script, /v1/completions with token-id prompts, streaming):
+  warm    W sessions, each a fixed context (--warm-context tokens) primed once, then turns that
+          add a short new suffix (--warm-suffix tokens) and stream --warm-output tokens
+          (ignore_eos), one after another with a short think gap. Their turns are almost all
+          cached: the router sends them straight to decode.
+  cold    from the second phase on, a fresh subagent of a warm session (X-Parent-Session-ID)
+          every --cold-every s: --cold-tokens unique tokens, 16 output tokens. Above
+          --pd-threshold-tokens uncached, the router sends them through the prefill instance.
+Phases per layout: `quiet` (warm only, --quiet s) then `cold` (warm + cold, --loaded s). Reported:
+the warm sessions' inter-token latency p50/p99 (gaps between streamed chunks after the first)
+per phase and layout, the cold requests' TTFT, and errors. Target (issue 11): PD's warm ITL p99
+with cold prefills within 1.5x of its ITL without them; the co-located figure is reported.
+
+Correctness: --check-prompts prompts of --check-tokens tokens sent greedily through the PD
+router (so they take the prefill -> decode path) must produce the same text as a co-located
+instance of the same model answering them alone.
+
+    python benchmarks/pd_agentx.py [--quiet 40 --loaded 60] [--layouts pd colo]
+
+Writes benchmarks/results/pd_agentx.json. Ports 24500-24599.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS_DIR, host_info  # noqa: E402
+from common.agent_cluster import (  # noqa: E402
+    Instance,
+    ResultStore,
+    serve_argv,
+    start_instances,
+    start_router,
+    stop_all,
+)
+
+VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary token ids of SmolLM2's 49K vocabulary
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+async def stream(client, url: str, prompt: list[int], max_tokens: int, headers: dict) -> dict:
+    """One streaming completion: chunk arrival times, text, error (never raises)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.monotonic()
+    times: list[float] = []
+    text: list[str] = []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body,
+                                 headers=headers) as resp:
+            if resp.status_code != 200:
+                return {"error": f"http_{resp.status_code}", "t0": t0}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("error"):
+                    return {"error": "stream_error", "t0": t0}
+                ch = payload.get("choices") or []
+                if ch and ch[0].get("text"):
+                    times.append(time.monotonic())
+                    text.append(ch[0]["text"])
+    except Exception as e:  # a transport failure is a counted error, not a crash
+        return {"error": type(e).__name__, "t0": t0}
+    return {"t0": t0, "times": times, "text": "".join(text), "error": None}
+
+
+class Phase:
+    """The warm records and cold records of one phase; the phase's wall-clock window."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.warm, self.cold = name, [], []
+        self.start = self.end = 0.0
+
+    def summary(self) -> dict:
+        gaps = [b - a for r in self.warm if not r["error"]
+                for a, b in zip(r["times"], r["times"][1:])]
+        cold_ttft = [r["times"][0] - r["t0"] for r in self.cold if not r["error"] and r["times"]]
+        return {"warm_requests": len(self.warm), "itl_samples": len(gaps),
+                "warm_itl_p50_ms": _ms(pct(gaps, 0.5)), "warm_itl_p99_ms": _ms(pct(gaps, 0.99)),
+                "warm_itl_max_ms": _ms(max(gaps) if gaps else None),
+                "cold_requests": len(self.cold), "cold_ttft_p50_s": _r(pct(cold_ttft, 0.5)),
+                "errors": sum(1 for r in self.warm + self.cold if r["error"]),
+                "window_s": round(self.end - self.start, 1)}
+
+
+def _ms(x):
+    return None if x is None else round(x * 1000, 1)
+
+
+def _r(x):
+    return None if x is None else round(x, 2)
+
+
+async def warm_session(client, url, a, k: int, stop: asyncio.Event, phases: list) -> None:
+    rng = random.Random(1000 + k)
+    ctx = ids(rng, a.warm_context)
+    hdr = {"X-Session-ID": f"warm-{k}"}
+    await stream(client, url, ctx, 1, hdr)  # the primer: the context becomes cached
+    while not stop.is_set():
+        ctx = ctx + ids(rng, a.warm_suffix)
+        if len(ctx) + a.warm_output > a.max_model_len - 64:
+            ctx = ctx[:a.warm_context]  # a compaction: back to the cached context
+        rec = await stream(client, url, ctx, a.warm_output, hdr)
+        phases[-1].warm.append(rec)
+        await asyncio.sleep(a.think)
+
+
+async def cold_arrivals(client, url, a, stop: asyncio.Event, phase: Phase) -> None:
+    rng = random.Random(7)
+    tasks, n = [], 0
+    while not stop.is_set():
+        hdr = {"X-Session-ID": f"warm-{n % a.warm}/cold-{n}",
+               "X-Parent-Session-ID": f"warm-{n % a.warm}"}
+
+        async def one(prompt=ids(rng, a.cold_tokens), hdr=hdr):
+            phase.cold.append(await stream(client, url, prompt, 16, hdr))
+        tasks.append(asyncio.create_task(one()))
+        n += 1
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=a.cold_every)
+        except asyncio.TimeoutError:
+            pass
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=a.request_timeout)
+
+
+async def drive(url: str, a) -> dict:
+    """Quiet phase then cold phase against url; every wait bounded by --request-timeout."""
+    import httpx
+    stop = asyncio.Event()
+    phases = [Phase("quiet")]
+    async with httpx.AsyncClient(timeout=a.request_timeout) as client:
+        warm = [asyncio.create_task(warm_session(client, url, a, k, stop, phases))
+                for k in range(a.warm)]
+        await asyncio.sleep(a.warmup)  # primers done, steady warm traffic
+        phases[0].start = time.monotonic()
+        await asyncio.sleep(a.quiet)
+        phases[0].end = time.monotonic()
+        phases.append(Phase("cold"))
+        phases[1].start = time.monotonic()
+        cold_stop = asyncio.Event()
+        cold = asyncio.create_task(cold_arrivals(client, url, a, cold_stop, phases[1]))
+        await asyncio.sleep(a.loaded)
+        cold_stop.set()
+        phases[1].end = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*warm, cold), timeout=a.request_timeout)
+    return {p.name: p.summary() for p in phases}
+
+
+async def greedy_texts(url: str, a) -> list[str]:
+    import httpx
+    rng = random.Random(99)
+    out = []
+    async with httpx.AsyncClient(timeout=a.request_timeout) as client:
+        for i in range(a.check_prompts):
+            body = {"prompt": ids(rng, a.check_tokens), "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            r = await client.post(url + "/v1/completions", json=body,
+                                  headers={"X-Session-ID": f"check-{i}"})
+            r.raise_for_status()
+            out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def layout(name: str, a) -> tuple[list[Instance], list[str]]:
+    base = 24510
+    roles = ["prefill", "decode"] if name == "pd" else ["both", "both"]
+    insts = []
+    for i, role in enumerate(roles):
+        p = base + 10 * i
+        extra = ["--role", role, "--kv-transfer-host", "127.0.0.1"]
+        insts.append(Instance(f"{name}-{role}{i}", p, p + 1,
+                              serve_argv(p, a.kv_mib, a.max_model_len, a.dtype, p + 1, extra)))
+    router_extra = ["--pd-threshold-tokens", str(a.pd_threshold)] if name == "pd" else []
+    return insts, router_extra
+
+
+def router_metrics(url: str) -> list[str]:
+    import httpx
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return []
+    return [ln for ln in text.splitlines() if ln.startswith("loomserve_router")
+            and ("pd" in ln or "requests_total" in ln or "error" in ln)]
+
+
+def run_layout(name: str, a, store: ResultStore) -> None:
+    insts, router_extra = layout(name, a)
+    router = None
+    try:
+        start_instances(insts)
+        router = start_router([i.url for i in insts], 24500, "default", router_extra)
+        row = asyncio.run(drive(router.url, a))
+        if name == "pd":
+            row["greedy_texts"] = asyncio.run(greedy_texts(router.url, a))
+        else:  # the reference: one co-located instance alone
+            row["greedy_texts"] = asyncio.run(greedy_texts(insts[1].url, a))
+        row["router_metrics"] = router_metrics(router.url)
+        row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        row["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+        store.put(name, row)
+    finally:
+        if router is not None:
+            router.stop()
+        stop_all(insts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", nargs="+", default=["pd", "colo"])
+    ap.add_argument("--warm", type=int, default=3, help="warm sessions")
+    ap.add_argument("--warm-context", type=int, default=2048)
+    ap.add_argument("--warm-suffix", type=int, default=32)
+    ap.add_argument("--warm-output", type=int, default=48)
+    ap.add_argument("--think", type=float, default=0.5)
+    ap.add_argument("--cold-tokens", type=int, default=6144)
+    ap.add_argument("--cold-every", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=20.0, help="s before the quiet phase")
+    ap.add_argument("--quiet", type=float, default=40.0)
+    ap.add_argument("--loaded", type=float, default=60.0)
+    ap.add_argument("--pd-threshold", type=int, default=1024)
+    ap.add_argument("--check-prompts", type=int, default=3)
+    ap.add_argument("--check-tokens", type=int, default=3072)
+    ap.add_argument("--kv-mib", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_agentx.json"))
+    a = ap.parse_args()
+    store = ResultStore(a.out, {"host": host_info(), "args": vars(a)})
+    for name in a.layouts:
+        if store.done(name) and not a.force:
+            continue
+        print(f"{name}: starting", file=sys.stderr, flush=True)
+        try:
+            run_layout(name, a, store)
+        except Exception as e:
+            print(f"{name}: FAILED: {e}", file=sys.stderr, flush=True)
+            store.data.setdefault("failed", {})[name] = str(e)[-2000:]
+            store.save()
+    runs = store.data["runs"]
+    for name, r in runs.items():
+        print(name, json.dumps({k: v for k, v in r.items() if k in ("quiet", "cold")}),
+              file=sys.stderr)
+    if "pd" in runs and "colo" in runs:
+        same = sum(x == y for x, y in zip(runs["pd"]["greedy_texts"],
+                                          runs["colo"]["greedy_texts"]))
+        store.data["greedy_identical"] = f"{same}/{len(runs['pd']['greedy_texts'])}"
+        store.save()
+        print("greedy outputs PD vs single instance identical:", store.data["greedy_identical"],
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
