@@ -53,7 +53,7 @@ class StagingArena:
         return out
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        self._free.extend(reversed(slots))  # LIFO: the next alloc takes these, in order
 
     def addr(self, slot: int) -> int:
         return self.base + slot * self.page_bytes
