@@ -232,20 +232,26 @@ class LoadSide:
         its keys in memory): an attention group's page at the first position past the device
         hit is in no tier. A new turn's first uncached block is usually new content, so this
         saves most requests a background lookup and a step of waiting. Exact for full
-        attention (every longer hit reads that page); for a sliding window a longer hit could
-        skip it, which only costs a recompute. Without such a page (the device holds the
-        attention blocks, a state checkpoint is missing) the tiers are asked."""
+        attention (every longer hit reads that page). Without a prefix-closed attention group
+        (sliding windows only: a longer hit skips early pages, e.g. a window handed over by a
+        prefill instance) it is missing when no tier holds any wanted window page. Without
+        such pages (a state checkpoint is missing) the tiers are asked."""
         if not self._all_indexed:
             return False
-        token_groups = self.kv.token_block_groups
+        kv = self.kv
+        token_groups, closed = kv.token_block_groups, kv.prefix_closed_groups
         first = [self.keyspaces[g].key(hashes[p]) for g, p in want
-                 if p == n and token_groups[g]]
-        if not first:
-            return False
-        found = [False] * len(first)
+                 if p == n and token_groups[g] and closed[g]]
+        if first:
+            return not all(self._held_somewhere(first))
+        window = [self.keyspaces[g].key(hashes[p]) for g, p in want if token_groups[g]]
+        return bool(window) and not any(self._held_somewhere(window))
+
+    def _held_somewhere(self, keys: list[bytes]) -> list[bool]:
+        found = [False] * len(keys)
         for t in self.store.tiers:
-            found = [f or c for f, c in zip(found, t.contains(first))]
-        return not all(found)
+            found = [f or c for f, c in zip(found, t.contains(keys))]
+        return found
 
     def _start_load(self, req, st: _Pending) -> str:
         rid = req.request_id
