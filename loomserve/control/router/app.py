@@ -208,7 +208,8 @@ def build_router_app(router: Router, *, api_keys: list[str] | None = None,
                  "cached_blocks": router.index.blocks_of(i.name)} for i in instances.instances]
         ok = any(r["up"] for r in rows)
         return JSONResponse({"status": "ok" if ok else "no healthy instance",
-                             "policy": router.policy.name, "instances": rows},
+                             "policy": router.policy.name,
+                             "tokenizer": router.keys is not None, "instances": rows},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -5,6 +5,9 @@ leading blocks does each instance hold? (Its longest cached prefix, in blocks.) 
 the chain answers it for every instance at once, because a chain's blocks are only hittable as
 a prefix: the walk stops when no instance holds the next block.
 
+Groups: a hybrid model publishes one event per KV group (group_idx); the index follows group
+0 (the full-attention group whose chain decides a prefix hit), others are ignored.
+
 Media: only the engine's own pool (medium "GPU", or no medium) counts as cached. Copies in the
 host/disk tiers still save a recompute but cost a load; they are counted in stats() only, so a
 router never prefers an instance for a prefix it would have to page back in.
@@ -46,6 +49,8 @@ class KVIndex:
         """Apply one batch of `instance`'s events, in order."""
         with self._lock:
             for ev in batch.events:
+                if getattr(ev, "group_idx", None) not in (None, 0):
+                    continue
                 if isinstance(ev, BlockStored):
                     if ev.medium in _COUNTED_MEDIA:
                         self._store(instance, ev.block_hashes)

@@ -1,0 +1,255 @@
+"""The router's parts without servers: the KV index, the policies, the prompt keys, PD."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from loomserve.control.router.instances import Instance, Lease, events_address
+from loomserve.control.router.kv_index import KVIndex
+from loomserve.control.router.pd import (
+    decode_body,
+    prefill_body,
+    should_disaggregate,
+    uncached_tokens,
+)
+from loomserve.control.router.policies import (
+    OVERLOAD_MIN_REQUESTS,
+    Decision,
+    DefaultPolicy,
+    HashRing,
+    KVAware,
+    RouteRequest,
+)
+from loomserve.control.router.routing import session_of
+from loomserve.control.router.tokens import PromptKeys, common_prefix_len
+from loomserve.kv.event_wire import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from loomserve.kv.hashing import hash_chain
+
+TINY_LLAMA = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny-llama")
+
+
+def up(url: str, blocks: float = 0.0, requests: int = 0) -> Instance:
+    inst = Instance(url, info={"role": "both", "block_size": 4})
+    inst.up, inst.active_blocks, inst.active_requests = True, blocks, requests
+    return inst
+
+
+def stored(hashes, medium=MEDIUM_GPU, group=None):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=4, lora_id=None, medium=medium, lora_name=None, group_idx=group)
+
+
+def batch(*events):
+    return KVEventBatch(ts=0.0, events=list(events))
+
+
+# --- KV index -------------------------------------------------------------------------------
+
+def test_index_longest_prefix_per_instance_in_one_walk():
+    idx = KVIndex()
+    chain = [b"h%d" % i for i in range(6)]
+    idx.apply("a", batch(stored(chain[:4])))
+    idx.apply("b", batch(stored(chain[:2])))
+    idx.apply("c", batch(stored(chain[1:6])))  # no block 0: no prefix at all
+    assert idx.overlaps(chain) == {"a": 4, "b": 2}
+    assert idx.overlaps([b"x"] + chain) == {}
+    assert idx.overlaps(chain[:3]) == {"a": 3, "b": 2}
+
+
+def test_index_removal_clear_and_media():
+    idx = KVIndex()
+    chain = [b"h%d" % i for i in range(4)]
+    idx.apply("a", batch(stored(chain), stored([b"zz"], medium=MEDIUM_CPU),
+                         stored([b"g1"], group=1)))
+    assert idx.blocks_of("a") == 4  # host tier copies and other KV groups are not indexed
+    idx.apply("a", batch(BlockRemoved(block_hashes=[chain[2]], medium=MEDIUM_GPU)))
+    assert idx.overlaps(chain) == {"a": 2}
+    idx.apply("a", batch(BlockRemoved(block_hashes=[chain[0]], medium=MEDIUM_CPU)))
+    assert idx.overlaps(chain) == {"a": 2}  # a tier copy going away leaves the device block
+    idx.apply("b", batch(stored(chain)))
+    idx.apply("a", batch(AllBlocksCleared()))
+    assert idx.overlaps(chain) == {"b": 4}
+    idx.clear("b")
+    assert idx.overlaps(chain) == {} and idx.stats()["blocks"] == 0
+
+
+# --- policies -------------------------------------------------------------------------------
+
+def test_consistent_hashing_moves_about_one_nth_of_sessions():
+    ring = HashRing()
+    three = [up(f"http://h{i}:1") for i in range(3)]
+    four = three + [up("http://h3:1")]
+    keys = [f"session-{i}" for i in range(4000)]
+    before = {k: ring.lookup(k, three).name for k in keys}
+    after = {k: ring.lookup(k, four).name for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert 0.15 < len(moved) / len(keys) < 0.35  # ~1/4 with 4 instances
+    assert all(after[k] == "h3:1" for k in moved)  # only onto the new instance
+    shares = [sum(1 for v in after.values() if v == i.name) / len(keys) for i in four]
+    assert min(shares) > 0.15
+
+
+def _kv_request(idx: KVIndex, n_blocks: int, session=None, parent=None):
+    ids = list(range(n_blocks * 4))
+    hashes = hash_chain(ids, 4)
+    return RouteRequest("chat", session, parent, lambda: (ids, hashes)), hashes
+
+
+def test_kv_aware_prefers_overlap_until_load_outweighs_it():
+    idx = KVIndex()
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = KVAware(idx, lambda: 4)
+    req, hashes = _kv_request(idx, 10)
+    idx.store("b:1", hashes[:6])
+    d = policy.choose(req, [a, b])
+    assert (d.instance, d.reason, d.overlap) == (b, "overlap", 6)
+    b.active_blocks = 7.0  # cost b = 4 + 7 > cost a = 10 + 0
+    req, _ = _kv_request(idx, 10)
+    d = policy.choose(req, [a, b])
+    assert (d.instance, d.reason, d.overlap) == (a, "load", 0)
+    d = policy.choose(RouteRequest("chat"), [a, b])  # prompt unknown
+    assert d.reason == "fallback" and d.overlap is None
+
+
+def test_default_sticks_then_moves_only_when_overloaded():
+    idx = KVIndex()
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    req, hashes = _kv_request(idx, 8, session="s1")
+    idx.store("a:1", hashes)
+    assert policy.choose(req, [a, b]).reason == "overlap"
+    calls = []
+    sticky = RouteRequest("chat", "s1", None, lambda: calls.append(1))
+    d = policy.choose(sticky, [a, b])
+    assert (d.instance, d.reason) == (a, "stickiness") and calls == []  # no tokenization
+    a.active_blocks, a.active_requests = 100.0, OVERLOAD_MIN_REQUESTS - 1
+    assert policy.choose(sticky, [a, b]).instance is a  # few requests: not an overload
+    a.active_requests = OVERLOAD_MIN_REQUESTS
+    req, _ = _kv_request(idx, 8, session="s1")
+    d = policy.choose(req, [a, b])
+    assert (d.instance, d.reason) == (b, "load")
+    a.active_blocks, a.active_requests = 0.0, 0
+    assert policy.choose(RouteRequest("chat", "s1"), [a, b]).instance is b  # new home sticks
+
+
+def test_default_subagent_starts_on_parent_and_dead_home_falls_back():
+    idx = KVIndex()
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    policy.sticky["parent"] = "b:1"
+    d = policy.choose(RouteRequest("chat", "child", "parent"), [a, b])
+    assert (d.instance, d.reason) == (b, "stickiness")
+    assert policy.sticky["child"] == "b:1"
+    d = policy.choose(RouteRequest("chat", "child", "parent"), [a])  # b is down
+    assert (d.instance, d.reason) == (a, "fallback")
+    assert policy.sticky["child"] == "a:1"
+
+
+def test_lease_takes_back_exactly_what_it_added():
+    a = up("http://a:1")
+    first, second = Lease(a, 64, 16), Lease(a, 16, 16)
+    first.on_tokens(32)
+    assert (a.active_requests, a.active_blocks) == (2, 7.0)
+    first.release()
+    first.release()
+    assert (a.active_requests, a.active_blocks) == (1, 1.0)
+    second.release()
+    assert (a.active_requests, a.active_blocks) == (0, 0.0)
+
+
+def test_events_address_replaces_wildcard_host():
+    assert events_address("tcp://*:5557", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5557"
+    assert events_address("tcp://0.0.0.0:1", "http://h:8000") == "tcp://h:1"
+    assert events_address("tcp://127.0.0.1:9", "http://h:8000") == "tcp://127.0.0.1:9"
+    assert events_address(None, "http://h:1") is None
+
+
+def test_session_of_follows_the_instances_order():
+    assert session_of("chat", {"prompt_cache_key": "k"}, {"x-session-id": "h"}) == "h"
+    assert session_of("chat", {"prompt_cache_key": "k"}, {"session_id": "c"}) == "k"
+    assert session_of("messages", {"metadata": {"user_id": "u"}}, {}) == "u"
+    assert session_of("responses", {}, {"x-claude-code-session-id": "cc"}) == "cc"
+    assert session_of("completions", {}, {}) is None
+
+
+# --- prompt keys ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keys():
+    if not os.path.isdir(TINY_LLAMA):
+        pytest.skip("tests/fixtures/tiny-llama is missing")
+    return PromptKeys.from_folder(TINY_LLAMA, 4)
+
+
+def _full(keys: PromptKeys, messages, salt=None):
+    fresh = PromptKeys(keys.tok, 4)
+    ids = fresh.prompt_ids("chat", {"messages": messages}, None)
+    return ids, hash_chain(ids, 4, salt)
+
+
+def test_prompt_keys_incremental_turns_equal_a_full_encode(keys):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three looms, with  odd   spacing."}]
+    for turn in range(4):
+        body = {"messages": messages, "cache_salt": "t"}
+        ids, hashes = keys.keys("chat", body, "s")
+        assert (ids, hashes) == _full(keys, messages, "t")
+        messages = messages + [{"role": "assistant", "content": f"answer {turn} ok"},
+                               {"role": "user", "content": f"and then{turn}? é"}]
+    edited = [dict(messages[0], content="You are verbose.")] + messages[1:]
+    assert keys.keys("chat", {"messages": edited}, "s") == _full(keys, edited)
+
+
+def test_prompt_keys_apis(keys):
+    ids, _ = keys.keys("completions", {"prompt": "hello loom"}, None)
+    assert ids == keys.tok.encode("hello loom", add_special_tokens=True)
+    assert keys.keys("completions", {"prompt": [5, 6, 7]}, None)[0] == [5, 6, 7]
+    chat = keys.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]}, None)
+    msgs = keys.prompt_ids("messages", {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"}]}, None)
+    resp = keys.prompt_ids("responses", {"input": "hi"}, None)
+    assert chat == msgs == resp and chat
+    assert keys.keys("responses", {"input": "hi", "previous_response_id": "resp_1"}, None) \
+        is None  # the history lives on the instance
+    assert keys.keys("chat", {"messages": "not a list"}, None) is None
+
+
+def test_common_prefix_len():
+    assert common_prefix_len("abcdef", "abcxef") == 3
+    assert common_prefix_len([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_len("", "x") == 0
+
+
+# --- prefill/decode -------------------------------------------------------------------------
+
+def test_pd_bodies_and_threshold():
+    body = {"messages": [], "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    pre = prefill_body("chat", body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and "stream_options" not in pre
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True}
+    assert body["max_tokens"] == 50 and "kv_transfer_params" not in body  # a copy
+    pre = prefill_body("responses", {"input": "x", "max_output_tokens": 9})
+    assert pre["max_output_tokens"] == 1 and pre["store"] is False
+    assert decode_body(body, {"k": 1})["kv_transfer_params"] == {"k": 1}
+    assert not should_disaggregate(None, 10) and not should_disaggregate(10, 10)
+    assert should_disaggregate(11, 10)
+
+
+def test_uncached_tokens_counts_the_chosen_instance_overlap():
+    idx = KVIndex()
+    a = up("http://a:1")
+    req, hashes = _kv_request(idx, 10)
+    idx.store("a:1", hashes[:7])
+    assert uncached_tokens(req, Decision(a, "stickiness"), idx, 4) == 12
+    assert uncached_tokens(req, Decision(a, "overlap", 10), idx, 4) == 0
+    assert uncached_tokens(RouteRequest("chat"), Decision(a, "load"), idx, 4) is None
