@@ -188,7 +188,8 @@ def test_real_cluster_starts_restarts_and_stops_clean(tmp_path):
         assert all(_healthy(u) for u in urls)
         infos = [httpx.get(u + "/info", timeout=5).json() for u in urls]
         assert [i["role"] for i in infos] == ["both", "both"]
-        assert infos[1]["kv_events"]["endpoint"].endswith(f":{doc['instances'][1]['kv_events_port']}")
+        events_port = doc["instances"][1]["kv_events_port"]
+        assert infos[1]["kv_events"]["endpoint"].endswith(f":{events_port}")
         pgids = [state[n]["pid"] for n in state]
         if HAVE_ROUTER:
             import openai

@@ -31,7 +31,8 @@ def add_cluster_parser(sub) -> None:
     p = sub.add_parser("cluster", help="start N instances and the router on this machine",
                        description=__doc__.splitlines()[0],
                        epilog="Arguments after `--` go to every `loomserve serve`.")
-    p.add_argument("--config", metavar="YAML", help="cluster file (see deploy/cluster.example.yaml)")
+    p.add_argument("--config", metavar="YAML",
+                   help="cluster file (see deploy/cluster.example.yaml)")
     p.add_argument("--node", help="with --config: start only this node's instances (and the "
                                   "router when it is the router's node)")
     p.add_argument("--instances", type=int, default=None, metavar="N",
