@@ -1,0 +1,253 @@
+"""`loomserve router` in front of two real `loomserve serve` instances (tiny-llama, KV events
+on), all as subprocesses, driven through the official openai and anthropic clients.
+
+The last test SIGKILLs one instance: it must leave the router's set within two seconds, its
+in-flight stream must end with an error (not hang), and its session must go on elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+TINY_LLAMA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures",
+                                          "tiny-llama"))
+START_TIMEOUT_S = 300  # engines start slowly on a shared 2-core host
+SYSTEM = ("You are the archivist of a weaving museum. Answer every question about looms, "
+          "shuttles, warps and wefts with care, citing the catalogue number of each object "
+          "you mention, and keep a calm and friendly tone throughout the conversation.")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    url: str
+    proc: subprocess.Popen
+    log: str
+
+    @property
+    def name(self) -> str:
+        return self.url.split("://", 1)[1]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the server and its engine core process
+        except ProcessLookupError:
+            pass
+
+
+def spawn(args: list[str], log: str) -> subprocess.Popen:
+    out = open(log, "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "loomserve", *args], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        out.close()
+
+
+def wait_for(cond, timeout: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.name} exited: {open(p.log).read()[-2000:]}")
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class Cluster:
+    router: str
+    instances: list[Proc]
+
+    def health(self) -> dict:
+        return httpx.get(self.router + "/health", timeout=5).json()
+
+    def row(self, name: str) -> dict:
+        return next(r for r in self.health()["instances"] if r["instance"] == name)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not os.path.isdir(TINY_LLAMA):
+        pytest.skip("tests/fixtures/tiny-llama is missing")
+    logs = tmp_path_factory.mktemp("router")
+    procs: list[Proc] = []
+    try:
+        for i in range(2):
+            port = free_port()
+            log = str(logs / f"instance{i}.log")
+            procs.append(Proc(f"http://127.0.0.1:{port}", spawn(
+                ["serve", TINY_LLAMA, "--port", str(port), "--dtype", "float32",
+                 "--kv-cache-memory", "8MiB", "--kv-events-endpoint", "tcp://127.0.0.1:0",
+                 "--log-level", "warning"], log), log))
+        port = free_port()
+        log = str(logs / "router.log")
+        args = ["router", "--port", str(port), "--log-level", "warning"]
+        for p in procs:
+            args += ["--instance", p.url]
+        router = Proc(f"http://127.0.0.1:{port}", spawn(args, log), log)
+        c = Cluster(router.url, procs)
+
+        def ready():
+            h = c.health()
+            return h["tokenizer"] and all(r["up"] for r in h["instances"])
+        wait_for(ready, START_TIMEOUT_S, "instances up behind the router", procs + [router])
+        yield c
+    finally:
+        for p in procs + ([router] if "router" in locals() else []):
+            p.kill(signal.SIGTERM)
+        for p in procs + ([router] if "router" in locals() else []):
+            try:
+                p.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.proc.wait(timeout=5)
+
+
+def chat(c: Cluster, session: str | None, messages: list[dict], max_tokens: int = 4,
+         **extra) -> httpx.Response:
+    headers = {"x-session-id": session} if session else {}
+    r = httpx.post(c.router + "/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": "tiny-llama", "messages": messages, "max_tokens": max_tokens, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_openai_apis_stream_and_not(cluster):
+    import openai
+    client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    msgs = [{"role": "user", "content": "Hello loom"}]
+    out = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=msgs,
+                                                 max_tokens=5, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    comp = client.completions.create(model="tiny-llama", prompt="The loom", max_tokens=4)
+    assert comp.usage.completion_tokens == 4
+    parts = list(client.completions.create(model="tiny-llama", prompt="The loom", max_tokens=4,
+                                           stream=True))
+    assert parts[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    with pytest.raises(openai.BadRequestError):  # the instance's 400 passes through as is
+        client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
+
+
+def test_anthropic_messages_and_responses_continuation(cluster):
+    import anthropic
+    import openai
+    a = anthropic.Anthropic(base_url=cluster.router, api_key="none", max_retries=0, timeout=60)
+    msg = a.messages.create(model="tiny-llama", max_tokens=4,
+                            messages=[{"role": "user", "content": "Hi"}])
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 4
+    with a.messages.stream(model="tiny-llama", max_tokens=4,
+                           messages=[{"role": "user", "content": "Hi"}]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    o = openai.OpenAI(base_url=cluster.router + "/v1", api_key="none", max_retries=0,
+                      timeout=60)
+    first = o.responses.with_raw_response.create(model="tiny-llama", input="Hi",
+                                                 max_output_tokens=4)
+    resp = first.parse()
+    assert resp.status == "incomplete" and resp.usage.output_tokens == 4
+    home = first.headers["x-loomserve-instance"]
+    for _ in range(3):  # the stored history lives on one instance: continuations go there
+        nxt = o.responses.with_raw_response.create(
+            model="tiny-llama", input="More", previous_response_id=resp.id, max_output_tokens=3)
+        assert nxt.headers["x-loomserve-instance"] == home
+        assert nxt.headers["x-loomserve-route"] == "stickiness"
+    events = list(o.responses.create(model="tiny-llama", input="Hi", max_output_tokens=3,
+                                     stream=True))
+    assert events[-1].type == "response.incomplete"
+
+
+def test_sessions_stick_and_new_sessions_follow_their_prefix(cluster):
+    homes = {}
+    for k in range(2):
+        prefix = [{"role": "system", "content": f"{SYSTEM} Archive wing {k}."},
+                  {"role": "user", "content": "What is a dobby loom?"}]
+        r = chat(cluster, f"owner-{k}", prefix)
+        home = homes[k] = r.headers["x-loomserve-instance"]
+        for turn in range(2):
+            r = chat(cluster, f"owner-{k}", prefix + [
+                {"role": "assistant", "content": "A loom."},
+                {"role": "user", "content": f"Turn {turn}?"}])
+            assert r.headers["x-loomserve-instance"] == home
+            assert r.headers["x-loomserve-route"] == "stickiness"
+        # after the instance's KV events reached the router's index
+        wait_for(lambda: cluster.row(home)["cached_blocks"] >= 6, 30, "KV events")
+    for k in range(2):
+        prefix = [{"role": "system", "content": f"{SYSTEM} Archive wing {k}."},
+                  {"role": "user", "content": "What is a dobby loom?"}]
+        r = chat(cluster, f"newcomer-{k}", prefix)
+        assert r.headers["x-loomserve-instance"] == homes[k]
+        reason, overlap = r.headers["x-loomserve-route"].split("; overlap=")
+        assert reason == "overlap" and int(overlap) >= 6
+
+
+def test_metrics_say_why(cluster):
+    text = httpx.get(cluster.router + "/metrics", timeout=5).text
+    for reason in ("stickiness", "overlap"):
+        assert f'reason="{reason}"' in text
+    for p in cluster.instances:
+        assert f'loomserve_router_instance_up{{instance="{p.name}",role="both"}} 1.0' in text
+    assert "loomserve_router_overlap_blocks_count" in text
+
+
+def test_sigkill_instance_out_within_two_seconds(cluster):
+    import openai
+    prefix = [{"role": "user", "content": "Tell me a very long story about a loom."}]
+    victim_name = chat(cluster, "doomed", prefix).headers["x-loomserve-instance"]
+    victim = next(p for p in cluster.instances if p.name == victim_name)
+    client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="none", max_retries=0,
+                           timeout=60, default_headers={"x-session-id": "doomed"})
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=prefix, max_tokens=200, stream=True,
+        extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)  # the stream is running on the victim
+    outcome: dict = {}
+
+    def drain():
+        try:
+            outcome["chunks"] = sum(1 for _ in it)
+        except openai.APIError as e:
+            outcome["error"] = e
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    victim.kill()
+    killed = time.monotonic()
+    wait_for(lambda: not cluster.row(victim_name)["up"], 5, "the victim marked down")
+    assert time.monotonic() - killed < 2.0
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the in-flight stream hung"
+    # either the stream had already finished before the kill, or it ended with an error event
+    assert "error" in outcome or outcome.get("chunks", 0) >= 150, outcome
+    if "error" in outcome:
+        assert "failed mid-stream" in str(outcome["error"])
+    r = chat(cluster, "doomed", prefix + [{"role": "assistant", "content": "Once"},
+                                         {"role": "user", "content": "Go on"}])
+    assert r.headers["x-loomserve-instance"] != victim_name
+    assert r.headers["x-loomserve-route"].startswith("fallback")
+    assert chat(cluster, "doomed", prefix).headers["x-loomserve-route"] == "stickiness"
+    assert cluster.health()["status"] == "ok"
