@@ -10,8 +10,9 @@ reconnect); sequence numbers make that visible:
   instance") and the stream goes on from there;
 - a sequence number going backwards means the publisher restarted: on_reset, then the new
   stream is followed from its start (replayed from 0 when its first batches were missed).
-A fresh subscriber expects seq 0, so joining late replays the instance's history when the
-buffer still holds it (batch 0 of a loomserve publisher is AllBlocksCleared).
+A fresh subscriber starts by replaying from seq 0, so joining late gives the instance's history
+when the buffer still holds it (batch 0 of a loomserve publisher is AllBlocksCleared), and an
+on_reset first when it does not.
 
 `python -m loomserve.control.kv_events ENDPOINT` prints the decoded batches as JSON lines;
 ENDPOINT is a ZMQ address or an instance's http://host:port (its /info names the sockets).
@@ -84,6 +85,7 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
+            self._catch_up()
             while not self._stop.is_set():
                 if not sub.poll(POLL_MS):
                     continue
@@ -115,6 +117,21 @@ class KVEventSubscriber:
             self._fill_gap(seq, payload)
         else:
             self._apply(seq, payload, "received")
+
+    def _catch_up(self) -> None:
+        """At start: apply the replay buffer now rather than at the next live batch (an idle
+        instance may send none for long). Live batches sent meanwhile wait in the SUB socket;
+        their copies of replayed ones are skipped."""
+        got = self._replay(self._next)
+        if not got:
+            return
+        if got[0][0] != self._next:
+            self._reset()  # the history is gone: what follows is all the consumer will know
+            self._next = got[0][0]
+        for s, p in got:
+            if s == self._next:
+                self._apply(s, p, "replayed")
+        self._dup_after = -1
 
     def _fill_gap(self, seq: int, payload: bytes) -> None:
         """Batches [_next, seq) were missed: replay them (and seq, which the replay repeats)."""
@@ -156,10 +173,11 @@ class KVEventSubscriber:
                 frames = sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     continue
-                _, _, seq, payload = frames
+                _, topic, seq, payload = frames
                 if seq == END_SEQ:
                     return out
-                out.append((seq_of(seq), payload))
+                if not self.topic or topic == self.topic:
+                    out.append((seq_of(seq), payload))
             log.warning("%s: no complete replay from %s within %.1f s", self.name,
                         self.replay_endpoint, self.replay_timeout)
             return None
