@@ -253,3 +253,12 @@ def test_uncached_tokens_counts_the_chosen_instance_overlap():
     assert uncached_tokens(req, Decision(a, "stickiness"), idx, 4) == 12
     assert uncached_tokens(req, Decision(a, "overlap", 10), idx, 4) == 0
     assert uncached_tokens(RouteRequest("chat"), Decision(a, "load"), idx, 4) is None
+
+
+def test_prompt_keys_subagent_starts_from_its_parents_memo(keys):
+    base = [{"role": "system", "content": "Shared context " * 20},
+            {"role": "user", "content": "Parent task"}]
+    keys.keys("chat", {"messages": base}, "parent-1")
+    child = base[:1] + [{"role": "user", "content": "Subtask: grep the loom module"}]
+    assert keys.keys("chat", {"messages": child}, "child-1", "parent-1") == _full(keys, child)
+    assert keys.keys("chat", {"messages": child}, None, "parent-1") == _full(keys, child)

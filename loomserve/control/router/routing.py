@@ -94,9 +94,10 @@ class Router:
 
     def request(self, api: str, body: dict, headers) -> RouteRequest:
         session = session_of(api, body, headers)
+        parent = headers.get("x-parent-session-id")
         keys = self.keys
-        keys_fn = (lambda: keys.keys(api, body, session)) if keys is not None else None
-        return RouteRequest(api, session, headers.get("x-parent-session-id"), keys_fn)
+        keys_fn = (lambda: keys.keys(api, body, session, parent)) if keys is not None else None
+        return RouteRequest(api, session, parent, keys_fn)
 
     def decide(self, req: RouteRequest, body: dict,
                exclude: tuple[Instance, ...] = ()) -> Decision:

@@ -34,14 +34,15 @@ API_CHAT, API_COMPLETIONS, API_MESSAGES, API_RESPONSES = (
 
 @dataclass
 class _Text:
-    """One session's last rendered prompt: text, ids, each id's start offset, and the
-    indices of the ids that are safe restart points (added tokens without lstrip)."""
+    """One session's last rendered prompt: text, ids, each id's start offset, the indices of
+    the ids that are safe restart points (added tokens without lstrip) and where each of those
+    tokens ends in the text (ascending)."""
 
     text: str
     ids: list[int]
     starts: list[int]
-    ends: list[int]
     cuts: list[int]
+    cut_ends: list[int]
 
 
 @dataclass
@@ -93,16 +94,20 @@ class PromptKeys:
         self._texts.pop(session, None)
         self._chains.pop(session, None)
 
-    def keys(self, api: str, body: dict, session: str | None) -> tuple[list[int], list] | None:
+    def keys(self, api: str, body: dict, session: str | None,
+             parent: str | None = None) -> tuple[list[int], list] | None:
         """(prompt ids, block hashes) of the request, or None when the router cannot know
-        them (see the module doc)."""
-        ids = self.prompt_ids(api, body, session)
+        them (see the module doc). A session seen for the first time starts from its parent's
+        memo (a subagent usually repeats its parent's leading context)."""
+        seed = parent if session is None or session not in self._texts else None
+        ids = self.prompt_ids(api, body, session, seed)
         if ids is None:
             return None
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        return ids, self.hashes(ids, salt, session)
+        return ids, self.hashes(ids, salt, session, seed)
 
-    def prompt_ids(self, api: str, body: dict, session: str | None) -> list[int] | None:
+    def prompt_ids(self, api: str, body: dict, session: str | None,
+                   seed: str | None = None) -> list[int] | None:
         try:
             if api == API_COMPLETIONS:
                 return self._completion_ids(body)
@@ -115,13 +120,16 @@ class PromptKeys:
             return None  # the instance answers with the precise 400
         except Exception:  # a template error: the instance reports it the same way
             return None
-        return self._encode(text, session)
+        return self._encode(text, session, seed)
 
-    def hashes(self, ids: list[int], salt: str | None, session: str | None) -> list:
-        """hash_chain(ids, block_size, salt), reusing the session's previous chain for the
-        leading blocks whose tokens did not change."""
+    def hashes(self, ids: list[int], salt: str | None, session: str | None,
+               seed: str | None = None) -> list:
+        """hash_chain(ids, block_size, salt), reusing the session's (else the seed session's)
+        previous chain for the leading blocks whose tokens did not change."""
         bs = self.block_size
         prev = self._chains.get(session) if session is not None else None
+        if prev is None and seed is not None:
+            prev = self._chains.get(seed)
         keep = 0
         if prev is not None and prev.salt == salt:
             keep = min(common_prefix_len(ids, prev.ids) // bs, len(prev.hashes))
@@ -141,30 +149,32 @@ class PromptKeys:
             return list(p)
         return None
 
-    def _encode(self, text: str, session: str | None) -> list[int]:
+    def _encode(self, text: str, session: str | None, seed: str | None = None) -> list[int]:
         prev = self._texts.get(session) if session is not None else None
-        if prev is None:
-            enc = self._backend.encode(text, add_special_tokens=False)
-            ids, starts, ends = list(enc.ids), [o[0] for o in enc.offsets], [
-                o[1] for o in enc.offsets]
-        else:
-            ids, starts, ends = self._encode_from(prev, text)
+        if prev is None and seed is not None:
+            prev = self._texts.get(seed)
+        n, k = 0, 0  # reuse prev.ids[:n], prev.cuts[:k]; encode text from char `start`
+        start = 0
+        if prev is not None:
+            same = common_prefix_len(text, prev.text)
+            k = bisect_right(prev.cut_ends, same) - 1
+            if k >= 0:
+                n = prev.cuts[k]
+                start = prev.starts[n]
+            k = max(k, 0)
+        enc = self._backend.encode(text[start:] if start else text, add_special_tokens=False)
+        new_ids = enc.ids
+        ids = prev.ids[:n] + new_ids if n else list(new_ids)
         if session is not None:
+            offsets = enc.offsets
             cut_ids = self._cut_ids
-            cuts = [i for i, t in enumerate(ids) if t in cut_ids]
-            self._remember(self._texts, session, _Text(text, ids, starts, ends, cuts))
+            fresh = [n + j for j, t in enumerate(new_ids) if t in cut_ids]
+            cuts = prev.cuts[:k] + fresh if n else fresh
+            starts = (prev.starts[:n] if n else []) + [o[0] + start for o in offsets]
+            cut_ends = (prev.cut_ends[:k] if n else []) + [offsets[j - n][1] + start
+                                                           for j in fresh]
+            self._remember(self._texts, session, _Text(text, ids, starts, cuts, cut_ends))
         return ids
-
-    def _encode_from(self, prev: _Text, text: str) -> tuple[list[int], list[int], list[int]]:
-        """Encode `text` reusing prev's ids before the last restart point lying wholly inside
-        the unchanged prefix of the text."""
-        same = common_prefix_len(text, prev.text)
-        k = bisect_right([prev.ends[c] for c in prev.cuts], same) - 1
-        start = prev.starts[prev.cuts[k]] if k >= 0 else 0
-        n = prev.cuts[k] if k >= 0 else 0
-        enc = self._backend.encode(text[start:], add_special_tokens=False)
-        return (prev.ids[:n] + list(enc.ids), prev.starts[:n] + [o[0] + start for o in enc.offsets],
-                prev.ends[:n] + [o[1] + start for o in enc.offsets])
 
     def _remember(self, memo: OrderedDict, session: str, value) -> None:
         memo[session] = value
