@@ -262,3 +262,21 @@ def test_prompt_keys_subagent_starts_from_its_parents_memo(keys):
     child = base[:1] + [{"role": "user", "content": "Subtask: grep the loom module"}]
     assert keys.keys("chat", {"messages": child}, "child-1", "parent-1") == _full(keys, child)
     assert keys.keys("chat", {"messages": child}, None, "parent-1") == _full(keys, child)
+
+
+def test_stream_error_events_in_each_api_shape():
+    import json as _json
+
+    from loomserve.control.router.proxy import sse_error
+
+    def data_of(raw: bytes) -> dict:
+        line = next(x for x in raw.decode().splitlines() if x.startswith("data: "))
+        return _json.loads(line[6:])
+    chat = data_of(sse_error("chat", "boom"))
+    assert chat["error"]["message"] == "boom" and chat["error"]["code"] == "instance_failed"
+    raw = sse_error("messages", "boom")
+    assert b"event: error\n" in raw
+    assert data_of(raw) == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+    resp = data_of(sse_error("responses", "boom"))
+    assert resp["type"] == "error" and resp["message"] == "boom"
+    assert sse_error("chat", "x").startswith(b"\n\n")  # ends a half-relayed event first
