@@ -56,7 +56,7 @@ def serve(*roles: str):
                  "--role", role, "--kv-transfer-backend", "mooncake",
                  "--kv-transfer-timeout", str(TIMEOUT)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # four engines booting at once on a busy host
         for url, proc in procs:
             while True:
                 assert proc.poll() is None, proc.stdout.read()
