@@ -1,0 +1,155 @@
+"""KV transfer bandwidth on this host: the Mooncake Transfer Engine's TCP read (what a decode
+instance's pull of prefilled KV runs on), beside a single-thread memcpy and a loopback TCP
+socket stream.
+
+The Transfer Engine target is a second process (its own engine and registered buffer, as a
+prefill instance is); each size is read as one op, and again as a batch of page-sized ops
+(--page-bytes, how KV pages move: one op per page). The TCP stream sends from a thread of this
+process to a socket read with recv_into. Medians of --reps runs; GB/s = 1e9 bytes per second.
+
+    python benchmarks/kv_transfer_bandwidth.py [--sizes-mib 1 4 16 64] [--page-bytes 262144]
+        [--reps 5] [--out benchmarks/results/kv_transfer_bandwidth.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def serve_target(nbytes: int) -> None:
+    """Child: a Transfer Engine with one registered buffer; prints where, waits for stdin EOF."""
+    from mooncake.engine import TransferEngine
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    assert te.register_memory(buf.data_ptr(), nbytes) == 0
+    print(json.dumps({"session": f"127.0.0.1:{te.get_rpc_port()}", "addr": buf.data_ptr()}),
+          flush=True)
+    sys.stdin.read()
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up (connections, page faults)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_s(n: int, reps: int) -> float:
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    torch.set_num_threads(1)
+    return timed(lambda: dst.copy_(src), reps)
+
+
+def tcp_s(n: int, reps: int) -> float:
+    payload = bytes(n)
+    buf = bytearray(n)
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    out = socket.create_connection(lsock.getsockname())
+    inn, _ = lsock.accept()
+
+    def once():
+        t = threading.Thread(target=out.sendall, args=(payload,))
+        t.start()
+        view, got = memoryview(buf), 0
+        while got < n:
+            got += inn.recv_into(view[got:])
+        t.join()
+    try:
+        return timed(once, reps)
+    finally:
+        for s in (out, inn, lsock):
+            s.close()
+
+
+def mooncake_s(n: int, page: int, reps: int, target: dict, te, dst: torch.Tensor) -> tuple:
+    base, raddr = dst.data_ptr(), target["addr"]
+    sess = target["session"]
+
+    def one_op():
+        assert te.batch_transfer_sync_read(sess, [base], [raddr], [n]) == 0
+
+    k = max(1, n // page)
+    locs = [base + i * page for i in range(k)]
+    rems = [raddr + i * page for i in range(k)]
+    sizes = [page] * k
+
+    def pages():
+        assert te.batch_transfer_sync_read(sess, locs, rems, sizes) == 0
+    return timed(one_op, reps), timed(pages, reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--page-bytes", type=int, default=256 << 10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--serve-target", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_target:
+        return serve_target(args.serve_target)
+    from mooncake.engine import TransferEngine
+    top = max(args.sizes_mib) << 20
+    child = subprocess.Popen([sys.executable, __file__, "--serve-target", str(top)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        target = json.loads(child.stdout.readline())
+        te = TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        dst = torch.empty(top, dtype=torch.uint8)
+        assert te.register_memory(dst.data_ptr(), top) == 0
+        rows = []
+        print(f"{'MiB':>5} {'memcpy GB/s':>12} {'TCP GB/s':>9} {'TE 1 op':>8} "
+              f"{'TE pages':>9}")
+        for mib in args.sizes_mib:
+            n = mib << 20
+            mc, tcp = memcpy_s(n, args.reps), tcp_s(n, args.reps)
+            one, paged = mooncake_s(n, args.page_bytes, args.reps, target, te, dst)
+            row = {"mib": mib, "memcpy_gbps": n / mc / 1e9, "tcp_gbps": n / tcp / 1e9,
+                   "mooncake_gbps": n / one / 1e9, "mooncake_pages_gbps": n / paged / 1e9}
+            rows.append(row)
+            print(f"{mib:>5} {row['memcpy_gbps']:>12.2f} {row['tcp_gbps']:>9.2f} "
+                  f"{row['mooncake_gbps']:>8.2f} {row['mooncake_pages_gbps']:>9.2f}")
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    result = {"cpu": cpu_model(), "cores": os.cpu_count(), "page_bytes": args.page_bytes,
+              "reps": args.reps, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
