@@ -94,6 +94,8 @@ class TieredStore:
         unchanged until the handle is done."""
         rows = rows_list(rows, len(keys))
         self.counters["offered"] += len(keys)
+        if not self._writable:  # e.g. only the read-only PeerTier: nothing to count or write
+            return TierHandle.completed(StoreResult())
         n = self.write_after_seen
         pick = []
         recent = self._recent[self.tiers[0].name]

@@ -65,6 +65,8 @@ class PeerTier(Tier):
         if params.expires_at <= time.time():
             self.counters["expired"] += 1
             return False
+        if params.page_bytes != self.page_bytes:  # another layout: no key could match anyway
+            return False
         with self._lock:
             entry = self._transfers.get(params.transfer_id)
             if entry is not None:
@@ -72,8 +74,6 @@ class PeerTier(Tier):
                 return True
             keys = []
             for key, addr, csum in params.pages():
-                if params.page_bytes != self.page_bytes:
-                    break
                 self._pages[key] = (params.transfer_id, params.remote_engine, addr, csum)
                 keys.append(key)
             self._transfers[params.transfer_id] = (params, keys, 1)
