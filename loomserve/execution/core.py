@@ -151,7 +151,6 @@ class EngineCore:
             self.num_rejected += 1
             return CoreOutput(msg.request_id, [], True, REJECTED, 0)
         req = Request.from_message(msg)
-        self.transfer.on_add(req)
         if req.sampling.structured is not None:
             self.structured_manager().attach(req)
         self.add_request(req)
@@ -166,6 +165,7 @@ class EngineCore:
         return self.structured
 
     def add_request(self, req: Request) -> None:
+        self.transfer.on_add(req)
         self.scheduler.add(req)
         self.prompt_tokens += req.num_prompt_tokens
 
