@@ -81,6 +81,7 @@ def test_cold_long_prompt_is_disaggregated_warm_turn_is_not(pd):
     first = [{"role": "user", "content": PROMPT}]
     r = ask(pd, first, "agent")
     assert r.headers["x-loomserve-instance"] == decode.name
+    assert r.headers["x-loomserve-prefill"] == prefill.name
     assert pd_count(pd, "disaggregated") == 1
     usage = r.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > THRESHOLD  # imported, not computed

@@ -235,6 +235,19 @@ def test_sigkill_instance_out_within_two_seconds(cluster):
             outcome["error"] = e
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
+    plain: dict = {}  # non-streamed requests in flight on the victim: a 502 in the API's shape
+
+    def post(path: str, body: dict) -> None:
+        plain[path] = httpx.post(cluster.router + path, json=body, timeout=60,
+                                 headers={"x-session-id": "doomed"})
+    posts = [threading.Thread(target=post, args=a, daemon=True) for a in (
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": prefix,
+                                  "max_tokens": 200, "ignore_eos": True}),
+        ("/v1/messages", {"model": "tiny-llama", "messages": prefix, "max_tokens": 200,
+                          "ignore_eos": True}))]
+    for t in posts:
+        t.start()
+    time.sleep(0.3)
     victim.kill()
     killed = time.monotonic()
     wait_for(lambda: not cluster.row(victim_name)["up"], 5, "the victim marked down")
@@ -245,9 +258,24 @@ def test_sigkill_instance_out_within_two_seconds(cluster):
     assert "error" in outcome or outcome.get("chunks", 0) >= 150, outcome
     if "error" in outcome:
         assert "failed mid-stream" in str(outcome["error"])
+    for t in posts:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a non-streamed request hung"
+    chat_r, msg_r = plain["/v1/chat/completions"], plain["/v1/messages"]
+    assert chat_r.status_code in (200, 502), chat_r.text
+    if chat_r.status_code == 502:
+        assert chat_r.json()["error"]["code"] == "instance_failed"
+    assert msg_r.status_code in (200, 502), msg_r.text
+    if msg_r.status_code == 502:
+        assert msg_r.json()["type"] == "error" and msg_r.json()["error"]["type"] == "api_error"
+    assert 502 in (chat_r.status_code, msg_r.status_code)
     r = chat(cluster, "doomed", prefix + [{"role": "assistant", "content": "Once"},
                                          {"role": "user", "content": "Go on"}])
-    assert r.headers["x-loomserve-instance"] != victim_name
-    assert r.headers["x-loomserve-route"].startswith("fallback")
+    survivor = r.headers["x-loomserve-instance"]
+    assert survivor != victim_name
+    # re-placed by this request, or already by a request above that arrived after the kill
+    assert r.headers["x-loomserve-route"].split(";")[0] in ("fallback", "stickiness")
+    metrics = httpx.get(cluster.router + "/metrics", timeout=5).text
+    assert f'requests_total{{instance="{survivor}",reason="fallback"}}' in metrics
     assert chat(cluster, "doomed", prefix).headers["x-loomserve-route"] == "stickiness"
     assert cluster.health()["status"] == "ok"

@@ -9,7 +9,8 @@ Failure rules (what a client sees):
   event ending the stream (proxy.py);
 - no healthy instance: 503.
 Every response carries x-loomserve-instance (host:port) and x-loomserve-route (the reason and
-the overlap in blocks when it was looked up).
+the overlap in blocks when it was looked up); a disaggregated one x-loomserve-prefill (the
+prefill instance, "(failed)" when its leg failed and the decode side computed the prompt).
 """
 
 from __future__ import annotations
@@ -84,15 +85,16 @@ class RouterService:
                 self.metrics.errors.labels("no_instance").inc()
                 return _error(503, str(e), path, "no_healthy_instance")
             content = raw
+            extra = {"x-loomserve-instance": d.instance.name, "x-loomserve-route": d.reason + (
+                f"; overlap={d.overlap}" if d.overlap is not None else "")}
             if not pd_done:
                 pd_done = True
                 if (target := self.router.prefill_target(req, d)) is not None:
                     params = await self._prefill(target, api, path, body, headers)
                     content = json.dumps(decode_body(body, params) if params else body).encode()
+                    extra["x-loomserve-prefill"] = target.name + ("" if params else " (failed)")
             tokens = req.known_tokens or len(raw) // CHARS_PER_TOKEN
             lease = Lease(d.instance, tokens, self.router.instances.block_size())
-            extra = {"x-loomserve-instance": d.instance.name, "x-loomserve-route": d.reason + (
-                f"; overlap={d.overlap}" if d.overlap is not None else "")}
             try:
                 resp = await self.upstream.open(d.instance, "POST", path, content, headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:

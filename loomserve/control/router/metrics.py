@@ -25,7 +25,7 @@ class RouterMetrics:
                                 ["instance", "reason"], registry=r)
         self.overlap = Histogram(_P + "overlap_blocks", "Prompt blocks cached on the chosen "
                                  "instance, for requests whose prompt was looked up",
-                                 buckets=OVERLAP_BUCKETS, registry=r)
+                                 ["instance"], buckets=OVERLAP_BUCKETS, registry=r)
         self.decision = Histogram(_P + "decision_seconds", "Time to choose an instance "
                                   "(tokenization, index lookup, cost)",
                                   buckets=DECISION_BUCKETS, registry=r)

@@ -111,7 +111,7 @@ class Router:
         self.metrics.decision.observe(time.perf_counter() - t0)
         self.metrics.requests.labels(d.instance.name, d.reason).inc()
         if d.overlap is not None:
-            self.metrics.overlap.observe(d.overlap)
+            self.metrics.overlap.labels(d.instance.name).observe(d.overlap)
         return d
 
     def prefill_target(self, req: RouteRequest, decision: Decision) -> Instance | None:
