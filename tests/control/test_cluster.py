@@ -223,3 +223,38 @@ def test_an_instance_that_cannot_start_fails_the_cluster_with_its_log(tmp_path):
     assert rc == 1 and "i1 exited with" in out and "no-such-model" in out
     assert _state(log_dir) is None  # never got ready
     assert not _healthy(f"http://127.0.0.1:{doc['instances'][0]['port']}")  # i0 was stopped
+
+
+@pytest.mark.skipif(not (HAVE_ROUTER and os.path.isdir(TINY_LLAMA)),
+                    reason="needs loomserve.control.router and tests/fixtures/tiny-llama")
+def test_pd_cluster_from_a_file_disaggregates_a_long_prompt(tmp_path):
+    """1 prefill + 1 decode instance and the router from one cluster file: a long cold prompt
+    is prefilled on the prefill instance and answered by the decode one from the imported KV
+    (the roles and --kv-transfer-host the file gives reach the instances)."""
+    pytest.importorskip("mooncake.engine")
+    doc = _tiny_doc(2)
+    doc["serve_args"] += ["--kv-transfer-backend", "mooncake", "--kv-transfer-timeout", "5"]
+    doc["instances"][0].update(name="prefill-0", role="prefill")
+    doc["instances"][1].update(name="decode-0", role="decode")
+    doc["router"].update(policy="default", args=["--pd-threshold-tokens", "48"])
+    proc, log_dir = _start(tmp_path, doc)
+    try:
+        _wait(lambda: _state(log_dir), 180, "cluster ready", proc)
+        router = f"http://127.0.0.1:{doc['router']['port']}"
+
+        def router_ready():  # its tokenizer loaded (it counts uncached tokens) and both up
+            h = httpx.get(router + "/health", timeout=5).json()
+            return h.get("tokenizer") and all(r["up"] for r in h["instances"])
+        _wait(router_ready, 60, "router ready", proc)
+        prompt = "Tell me about the quick brown fox that jumps over the lazy dog. " * 6
+        r = httpx.post(router + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-llama", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        ports = {i["name"]: str(i["port"]) for i in doc["instances"]}
+        assert r.headers["x-loomserve-instance"].endswith(ports["decode-0"])
+        assert r.headers["x-loomserve-prefill"].endswith(ports["prefill-0"])
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 48  # imported
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
