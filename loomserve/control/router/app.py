@@ -50,6 +50,15 @@ ROUTES = {"/v1/chat/completions": API_CHAT, "/v1/completions": API_COMPLETIONS,
 CHARS_PER_TOKEN = 4  # load estimate for a prompt the router did not tokenize
 
 
+def prompt_size(api: str, body: dict, raw: bytes) -> int:
+    """Prompt tokens for load accounting when the policy did not tokenize: a token-id prompt's
+    length, else the body's size over CHARS_PER_TOKEN."""
+    prompt = body.get("prompt") if api == API_COMPLETIONS else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return len(raw) // CHARS_PER_TOKEN
+
+
 def _error(status: int, message: str, path: str, code: str) -> JSONResponse:
     kind = {502: "bad_gateway", 503: "service_unavailable_error"}.get(status,
                                                                      "invalid_request_error")
@@ -93,7 +102,7 @@ class RouterService:
                     params = await self._prefill(target, api, path, body, headers)
                     content = json.dumps(decode_body(body, params) if params else body).encode()
                     extra["x-loomserve-prefill"] = target.name + ("" if params else " (failed)")
-            tokens = req.known_tokens or len(raw) // CHARS_PER_TOKEN
+            tokens = req.known_tokens or prompt_size(api, body, raw)
             lease = Lease(d.instance, tokens, self.router.instances.block_size())
             try:
                 resp = await self.upstream.open(d.instance, "POST", path, content, headers)

@@ -7,7 +7,12 @@ import logging
 import sys
 
 from loomserve.control.router.pd import DEFAULT_PD_THRESHOLD_TOKENS
-from loomserve.control.router.policies import OVERLAP_WEIGHT, POLICIES
+from loomserve.control.router.policies import (
+    OVERLAP_WEIGHT,
+    OVERLOAD_FACTOR,
+    OVERLOAD_MIN_REQUESTS,
+    POLICIES,
+)
 
 
 def add_router_parser(sub) -> None:
@@ -30,6 +35,13 @@ def add_router_parser(sub) -> None:
     p.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT,
                    help="weight of a block to prefill against a block decoding in the KV "
                         "cost (default: %(default)s)")
+    p.add_argument("--overload-factor", type=float, default=OVERLOAD_FACTOR,
+                   help="default policy: a session leaves its instance when that one's active "
+                        "blocks exceed this x the mean of the healthy instances... "
+                        "(default: %(default)s)")
+    p.add_argument("--overload-min-requests", type=int, default=OVERLOAD_MIN_REQUESTS,
+                   metavar="N", help="...and it has at least N requests in flight "
+                   "(default: %(default)s)")
     p.add_argument("--pd-threshold-tokens", type=int, default=DEFAULT_PD_THRESHOLD_TOKENS,
                    metavar="N", help="with prefill-role instances: disaggregate a request "
                    "when more than N of its prompt tokens are not cached on its decode "
@@ -62,7 +74,8 @@ def build_from_args(args: argparse.Namespace):
     index = KVIndex()
     instances = InstanceSet(args.instance, index, api_key=args.instance_api_key,
                             interval=args.health_interval)
-    policy = make_policy(args.policy, index, instances.block_size, args.overlap_weight)
+    policy = make_policy(args.policy, index, instances.block_size, args.overlap_weight,
+                         args.overload_factor, args.overload_min_requests)
     router = Router(instances, index, policy, RouterMetrics(), tokenizer=args.tokenizer,
                     pd_threshold_tokens=args.pd_threshold_tokens)
     return build_router_app(router, api_keys=args.api_key,

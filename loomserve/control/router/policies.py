@@ -192,12 +192,13 @@ class KVAware(Policy):
         return Decision(best, "overlap" if ov else "load", ov)
 
 
-def overloaded(inst: Instance, candidates: list[Instance]) -> bool:
+def overloaded(inst: Instance, candidates: list[Instance], factor: float = OVERLOAD_FACTOR,
+               min_requests: int = OVERLOAD_MIN_REQUESTS) -> bool:
     """The default policy's threshold for moving a session off its home (module doc)."""
-    if inst.active_requests < OVERLOAD_MIN_REQUESTS or len(candidates) < 2:
+    if inst.active_requests < min_requests or len(candidates) < 2:
         return False
     mean = sum(i.active_blocks for i in candidates) / len(candidates)
-    return inst.active_blocks > OVERLOAD_FACTOR * mean
+    return inst.active_blocks > factor * mean
 
 
 class DefaultPolicy(Policy):
@@ -206,9 +207,12 @@ class DefaultPolicy(Policy):
 
     name = "default"
 
-    def __init__(self, kv: KVAware, max_sessions: int = MAX_STICKY_SESSIONS) -> None:
+    def __init__(self, kv: KVAware, max_sessions: int = MAX_STICKY_SESSIONS,
+                 overload_factor: float = OVERLOAD_FACTOR,
+                 overload_min_requests: int = OVERLOAD_MIN_REQUESTS) -> None:
         self.kv = kv
         self.max_sessions = max_sessions
+        self.factor, self.min_requests = overload_factor, overload_min_requests
         self.sticky: OrderedDict[str, str] = OrderedDict()
 
     def choose(self, req, candidates):
@@ -216,19 +220,22 @@ class DefaultPolicy(Policy):
         key, moved = req.session, None
         if key is not None and key in self.sticky:
             home = by_name.get(self.sticky[key])
-            if home is not None and not overloaded(home, candidates):
+            if home is not None and not self._overloaded(home, candidates):
                 return self._keep(key, Decision(home, "stickiness"))
             moved = "load" if home is not None else "fallback"
             if home is not None:
                 candidates = [i for i in candidates if i is not home]
         elif req.parent is not None and req.parent in self.sticky:
             home = by_name.get(self.sticky[req.parent])
-            if home is not None and not overloaded(home, candidates):
+            if home is not None and not self._overloaded(home, candidates):
                 return self._keep(key, Decision(home, "stickiness"))
         d = self.kv.choose(req, candidates)
         if moved is not None:
             d.reason = moved
         return self._keep(key, d)
+
+    def _overloaded(self, home: Instance, candidates: list[Instance]) -> bool:
+        return overloaded(home, candidates, self.factor, self.min_requests)
 
     def _keep(self, key: str | None, d: Decision) -> Decision:
         if key is not None:
@@ -246,7 +253,8 @@ class DefaultPolicy(Policy):
 
 
 def make_policy(name: str, index: KVIndex, block_size: Callable[[], int],
-                overlap_weight: float = OVERLAP_WEIGHT) -> Policy:
+                overlap_weight: float = OVERLAP_WEIGHT, overload_factor: float = OVERLOAD_FACTOR,
+                overload_min_requests: int = OVERLOAD_MIN_REQUESTS) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -257,5 +265,6 @@ def make_policy(name: str, index: KVIndex, block_size: Callable[[], int],
     if name == "kv_aware":
         return kv
     if name == "default":
-        return DefaultPolicy(kv)
+        return DefaultPolicy(kv, overload_factor=overload_factor,
+                             overload_min_requests=overload_min_requests)
     raise ValueError(f"unknown policy {name!r}; one of {', '.join(POLICIES)}")
