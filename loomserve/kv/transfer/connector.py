@@ -70,8 +70,8 @@ class KVTransferConnector:
         return self._keyspaces
 
     def tiers_for_store(self) -> list:
-        """The tier to add to a configured TieredStore (decode-capable roles)."""
-        if not self.enabled or self.control.role == "prefill":
+        """The tier to add to a configured TieredStore (every role takes decode legs)."""
+        if not self.enabled:
             return []
         self.peer_attached = True
         return [self.peer]
@@ -108,7 +108,13 @@ class KVTransferConnector:
         from loomserve.kv.tiers import TieredStore
         store = TieredStore([self.peer],
                             op_timeout_s=self.control.kv_transfer_timeout + GUARD_MARGIN_S)
-        self._attach(store)
+        try:
+            self._attach(store)
+        except RuntimeError as e:  # tiers of another origin: this leg computes
+            log.warning("KV transfer: no peer tier (%s)", e)
+            store.close()
+            self._attach = None
+            return False
         self.peer_attached = True
         return True
 
