@@ -84,6 +84,7 @@ class RouterService:
         if not isinstance(body, dict):
             return _error(400, "The body must be a JSON object.", path, "invalid_json")
         req = self.router.request(api, body, request.headers)
+        await self.router.prepare(req)
         headers = request_headers(request.headers, self.instance_api_key)
         tried: tuple[Instance, ...] = ()
         pd_done = False

@@ -92,6 +92,11 @@ class Policy:
     def choose(self, req: RouteRequest, candidates: list[Instance]) -> Decision:
         raise NotImplementedError
 
+    def needs_keys(self, req: RouteRequest) -> bool:
+        """Whether choose() will likely look at the prompt (the router then computes its keys
+        in a worker thread first, off the event loop). A wrong guess costs only that."""
+        return False
+
     def forget(self, session: str) -> None:
         """The session ended (DELETE /v1/sessions/{id})."""
 
@@ -171,6 +176,9 @@ class KVAware(Policy):
         self.weight = overlap_weight
         self._turn = 0
 
+    def needs_keys(self, req):
+        return True
+
     def choose(self, req, candidates):
         self._turn += 1
         keys = req.keys()
@@ -233,6 +241,9 @@ class DefaultPolicy(Policy):
         if moved is not None:
             d.reason = moved
         return self._keep(key, d)
+
+    def needs_keys(self, req):
+        return req.session not in self.sticky and req.parent not in self.sticky
 
     def _overloaded(self, home: Instance, candidates: list[Instance]) -> bool:
         return overloaded(home, candidates, self.factor, self.min_requests)

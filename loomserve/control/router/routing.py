@@ -99,6 +99,14 @@ class Router:
         keys_fn = (lambda: keys.keys(api, body, session, parent)) if keys is not None else None
         return RouteRequest(api, session, parent, keys_fn)
 
+    async def prepare(self, req: RouteRequest) -> None:
+        """Tokenize and hash the prompt in a worker thread when the decision will need it
+        (a cold prompt takes milliseconds: the event loop keeps relaying streams meanwhile)."""
+        if req.keys_fn is None:
+            return
+        if self.policy.needs_keys(req) or prefill_candidates(self.instances.healthy()):
+            await asyncio.to_thread(req.keys)
+
     def decide(self, req: RouteRequest, body: dict,
                exclude: tuple[Instance, ...] = ()) -> Decision:
         """The instance for a client's request (or its decode leg). NoInstance if none."""

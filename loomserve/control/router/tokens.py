@@ -17,6 +17,7 @@ routes without prefix knowledge.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class PromptKeys:
         self._backend = hf.backend_tokenizer
         self._cut_ids = frozenset(i for i, t in hf.added_tokens_decoder.items()
                                   if not getattr(t, "lstrip", False))
+        self._lock = threading.Lock()  # keys() runs in worker threads: one at a time
         self._texts: OrderedDict[str, _Text] = OrderedDict()
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
 
@@ -91,20 +93,22 @@ class PromptKeys:
         return cls(Tokenizer.from_folder(folder), block_size)
 
     def forget(self, session: str) -> None:
-        self._texts.pop(session, None)
-        self._chains.pop(session, None)
+        with self._lock:
+            self._texts.pop(session, None)
+            self._chains.pop(session, None)
 
     def keys(self, api: str, body: dict, session: str | None,
              parent: str | None = None) -> tuple[list[int], list] | None:
         """(prompt ids, block hashes) of the request, or None when the router cannot know
         them (see the module doc). A session seen for the first time starts from its parent's
         memo (a subagent usually repeats its parent's leading context)."""
-        seed = parent if session is None or session not in self._texts else None
-        ids = self.prompt_ids(api, body, session, seed)
-        if ids is None:
-            return None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        return ids, self.hashes(ids, salt, session, seed)
+        with self._lock:
+            seed = parent if session is None or session not in self._texts else None
+            ids = self.prompt_ids(api, body, session, seed)
+            if ids is None:
+                return None
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            return ids, self.hashes(ids, salt, session, seed)
 
     def prompt_ids(self, api: str, body: dict, session: str | None,
                    seed: str | None = None) -> list[int] | None:
