@@ -144,3 +144,18 @@ def test_malformed_params_are_a_value_error(engines):
                  "hashes": ["zz"], "groups": []}):
         with pytest.raises(ValueError, match="kv_transfer_params"):
             a.inputs.make_core_request("bad", [1, 2, 3], GREEDY, kv_transfer_params=bad)
+
+
+def test_decode_with_configured_tiers_pulls_through_the_peer_tier(engines):
+    """With a host tier configured the peer tier sits below it in the same store."""
+    ref, a, _ = engines
+    b = make("tiny-llama", "decode", host_cache_memory="1MiB")
+    try:
+        assert [t.name for t in b.core.tiers.store.tiers] == ["host", "peer"]
+        prompt = tokens(100, 10)
+        params = prefill(a, "p10", prompt)
+        out = leg(b, "d10", prompt, GREEDY, params)
+        assert out.token_ids == reference(ref, prompt, "r10")
+        assert out.num_tier_cached_tokens == 96 and peer_tokens(b) == 96
+    finally:
+        b.close()
