@@ -184,7 +184,7 @@ def test_bad_params_are_a_400_in_the_api_shape(pds):
 
 def test_prefill_killed_between_legs_decode_recomputes(cluster):
     (_, _), (d, _), (single, _), (victim, proc) = cluster
-    prompt = "A prompt the decode instance has never seen. " * 8
+    prompt = "A prompt the decode instance has never seen. " * 4
     want = chat(single, 16, None, prompt=prompt).choices[0].message.content
     params = chat(victim, 1, DO_REMOTE, prompt=prompt).model_extra["kv_transfer_params"]
     assert params is not None
