@@ -123,6 +123,8 @@ class EngineCore:
         peer = (self.transfer.tiers_for_store() if config.tier.enabled and
                 tiers_supported(self.runner.kv_cache_config) else ())
         self.tiers = make_tier_connector(config, self.runner, self.kv, peer)
+        if self.tiers is not None and peer:
+            self.transfer.bound_by(self.tiers.store)
         self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,

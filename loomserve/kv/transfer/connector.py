@@ -76,6 +76,12 @@ class KVTransferConnector:
         self.peer_attached = True
         return [self.peer]
 
+    def bound_by(self, store) -> None:
+        """The peer tier sits in a configured store whose guard times calls out: a pull must
+        end first (a timed-out call would mark the tier down for every prefill instance)."""
+        self.peer.read_timeout_s = min(self.control.kv_transfer_timeout,
+                                       max(0.1, store.op_timeout_s - GUARD_MARGIN_S / 2))
+
     # -- requests -----------------------------------------------------------------------------
     def on_add(self, req) -> None:
         """Before the scheduler sees req: note a prefill leg, register a decode leg's pages."""
