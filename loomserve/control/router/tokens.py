@@ -18,7 +18,6 @@ routes without prefix knowledge.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,15 +34,38 @@ API_CHAT, API_COMPLETIONS, API_MESSAGES, API_RESPONSES = (
 
 @dataclass
 class _Text:
-    """One session's last rendered prompt: text, ids, each id's start offset, the indices of
-    the ids that are safe restart points (added tokens without lstrip) and where each of those
-    tokens ends in the text (ascending)."""
+    """One session's last rendered prompt: text, ids, the indices of the ids that are safe
+    restart points (added tokens without lstrip), and where each of those tokens starts and
+    ends in the text (all ascending)."""
 
     text: str
     ids: list[int]
-    starts: list[int]
     cuts: list[int]
+    cut_starts: list[int]
     cut_ends: list[int]
+
+
+def _last_kept_cut(prev: _Text, text: str) -> int:
+    """The last restart point k of prev whose token lies wholly in the part of `text` equal
+    to prev.text (-1: none). Checked last first (a new turn appends), then by bisection: if
+    the text up to cut k is unchanged, so is the text up to every earlier cut."""
+    ends = prev.cut_ends
+    old = prev.text
+
+    def same(k: int) -> bool:
+        return text.startswith(old[:ends[k]])
+    if not ends:
+        return -1
+    if same(len(ends) - 1):
+        return len(ends) - 1
+    lo, hi = -1, len(ends) - 1  # same(lo) (or lo == -1), not same(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if same(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -53,16 +75,20 @@ class _Chain:
     hashes: list[bytes]
 
 
-def common_prefix_len(a, b) -> int:
+def common_prefix_len(a, b, lo: int = 0) -> int:
     """Length of the common prefix of two sequences (str or list), by bisection on slice
-    equality: O(n log n) element compares done in C instead of a Python loop."""
+    equality: O(n log n) element compares done in C instead of a Python loop. `lo`: a length
+    the caller believes common (checked with one compare; only what follows is bisected)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    lo = min(lo, n)
+    if lo and a[:lo] != b[:lo]:
+        lo = 0
+    if a[lo:n] == b[lo:n]:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    hi = n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid
@@ -84,6 +110,7 @@ class PromptKeys:
         self._cut_ids = frozenset(i for i, t in hf.added_tokens_decoder.items()
                                   if not getattr(t, "lstrip", False))
         self._lock = threading.Lock()  # keys() runs in worker threads: one at a time
+        self._reused = 0  # leading ids the last encode took from its memo
         self._texts: OrderedDict[str, _Text] = OrderedDict()
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
 
@@ -104,11 +131,12 @@ class PromptKeys:
         memo (a subagent usually repeats its parent's leading context)."""
         with self._lock:
             seed = parent if session is None or session not in self._texts else None
+            self._reused = 0
             ids = self.prompt_ids(api, body, session, seed)
             if ids is None:
                 return None
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            return ids, self.hashes(ids, salt, session, seed)
+            return ids, self.hashes(ids, salt, session, seed, self._reused)
 
     def prompt_ids(self, api: str, body: dict, session: str | None,
                    seed: str | None = None) -> list[int] | None:
@@ -127,7 +155,7 @@ class PromptKeys:
         return self._encode(text, session, seed)
 
     def hashes(self, ids: list[int], salt: str | None, session: str | None,
-               seed: str | None = None) -> list:
+               seed: str | None = None, same_hint: int = 0) -> list:
         """hash_chain(ids, block_size, salt), reusing the session's (else the seed session's)
         previous chain for the leading blocks whose tokens did not change."""
         bs = self.block_size
@@ -136,7 +164,7 @@ class PromptKeys:
             prev = self._chains.get(seed)
         keep = 0
         if prev is not None and prev.salt == salt:
-            keep = min(common_prefix_len(ids, prev.ids) // bs, len(prev.hashes))
+            keep = min(common_prefix_len(ids, prev.ids, same_hint) // bs, len(prev.hashes))
         out = prev.hashes[:keep] if keep else []
         hash_chain(ids, bs, salt, out[-1] if keep else None, keep, out=out)
         if session is not None:
@@ -157,27 +185,22 @@ class PromptKeys:
         prev = self._texts.get(session) if session is not None else None
         if prev is None and seed is not None:
             prev = self._texts.get(seed)
-        n, k = 0, 0  # reuse prev.ids[:n], prev.cuts[:k]; encode text from char `start`
-        start = 0
-        if prev is not None:
-            same = common_prefix_len(text, prev.text)
-            k = bisect_right(prev.cut_ends, same) - 1
-            if k >= 0:
-                n = prev.cuts[k]
-                start = prev.starts[n]
-            k = max(k, 0)
+        k = _last_kept_cut(prev, text) if prev is not None else -1
+        n = prev.cuts[k] if k >= 0 else 0  # reuse prev.ids[:n]; encode text from char `start`
+        start = prev.cut_starts[k] if k >= 0 else 0
         enc = self._backend.encode(text[start:] if start else text, add_special_tokens=False)
         new_ids = enc.ids
         ids = prev.ids[:n] + new_ids if n else list(new_ids)
+        self._reused = n  # ids[:n] are prev's: the hash memo's compare can start there
         if session is not None:
             offsets = enc.offsets
             cut_ids = self._cut_ids
-            fresh = [n + j for j, t in enumerate(new_ids) if t in cut_ids]
-            cuts = prev.cuts[:k] + fresh if n else fresh
-            starts = (prev.starts[:n] if n else []) + [o[0] + start for o in offsets]
-            cut_ends = (prev.cut_ends[:k] if n else []) + [offsets[j - n][1] + start
-                                                           for j in fresh]
-            self._remember(self._texts, session, _Text(text, ids, starts, cuts, cut_ends))
+            fresh = [j for j, t in enumerate(new_ids) if t in cut_ids]
+            kept = k if n else 0  # prev's cuts before the restart point (the restart is redone)
+            self._remember(self._texts, session, _Text(
+                text, ids, (prev.cuts[:kept] if kept else []) + [n + j for j in fresh],
+                (prev.cut_starts[:kept] if kept else []) + [offsets[j][0] + start for j in fresh],
+                (prev.cut_ends[:kept] if kept else []) + [offsets[j][1] + start for j in fresh]))
         return ids
 
     def _remember(self, memo: OrderedDict, session: str, value) -> None:
