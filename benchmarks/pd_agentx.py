@@ -39,13 +39,15 @@ from common import RESULTS_DIR, host_info  # noqa: E402
 from common.agent_cluster import (  # noqa: E402
     Instance,
     ResultStore,
+    router_counters,
     serve_argv,
     start_instances,
     start_router,
     stop_all,
 )
 
-VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary token ids of SmolLM2's 49K vocabulary
+VOCAB_LO = 100  # past the special tokens
+VOCAB_HI = [40000]  # below the vocabulary size (--vocab-hi; SmolLM2 has 49K)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -56,7 +58,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+    return [rng.randrange(VOCAB_LO, VOCAB_HI[0]) for _ in range(n)]
 
 
 async def stream(client, url: str, prompt: list[int], max_tokens: int, headers: dict) -> dict:
@@ -113,11 +115,13 @@ def _r(x):
     return None if x is None else round(x, 2)
 
 
-async def warm_session(client, url, a, k: int, stop: asyncio.Event, phases: list) -> None:
+async def warm_session(client, url, a, k: int, stop: asyncio.Event, phases: list,
+                       primed: list) -> None:
     rng = random.Random(1000 + k)
     ctx = ids(rng, a.warm_context)
     hdr = {"X-Session-ID": f"warm-{k}"}
     await stream(client, url, ctx, 1, hdr)  # the primer: the context becomes cached
+    primed.append(k)
     while not stop.is_set():
         ctx = ctx + ids(rng, a.warm_suffix)
         if len(ctx) + a.warm_output > a.max_model_len - 64:
@@ -151,9 +155,13 @@ async def drive(url: str, a) -> dict:
     stop = asyncio.Event()
     phases = [Phase("quiet")]
     async with httpx.AsyncClient(timeout=a.request_timeout) as client:
-        warm = [asyncio.create_task(warm_session(client, url, a, k, stop, phases))
+        primed: list[int] = []
+        warm = [asyncio.create_task(warm_session(client, url, a, k, stop, phases, primed))
                 for k in range(a.warm)]
-        await asyncio.sleep(a.warmup)  # primers done, steady warm traffic
+        deadline = time.monotonic() + a.request_timeout
+        while len(primed) < a.warm and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # every context cached first
+        await asyncio.sleep(a.warmup)  # then steady warm traffic
         phases[0].start = time.monotonic()
         await asyncio.sleep(a.quiet)
         phases[0].end = time.monotonic()
@@ -169,7 +177,8 @@ async def drive(url: str, a) -> dict:
     return {p.name: p.summary() for p in phases}
 
 
-async def greedy_texts(url: str, a) -> list[str]:
+async def greedy_texts(url: str, a, usage: list) -> list[str]:
+    """Greedy answers to --check-prompts fixed prompts (their usage appended to `usage`)."""
     import httpx
     rng = random.Random(99)
     out = []
@@ -181,6 +190,7 @@ async def greedy_texts(url: str, a) -> list[str]:
                                   headers={"X-Session-ID": f"check-{i}"})
             r.raise_for_status()
             out.append(r.json()["choices"][0]["text"])
+            usage.append(r.json().get("usage"))
     return out
 
 
@@ -190,21 +200,13 @@ def layout(name: str, a) -> tuple[list[Instance], list[str]]:
     insts = []
     for i, role in enumerate(roles):
         p = base + 10 * i
-        extra = ["--role", role, "--kv-transfer-host", "127.0.0.1"]
+        extra = ["--role", role, "--kv-transfer-host", "127.0.0.1"] + (
+            [a.model] if a.model else [])
         insts.append(Instance(f"{name}-{role}{i}", p, p + 1,
-                              serve_argv(p, a.kv_mib, a.max_model_len, a.dtype, p + 1, extra)))
+                              serve_argv(p, a.kv_mib * 2**20, a.max_model_len, a.dtype, p + 1,
+                                         extra)))
     router_extra = ["--pd-threshold-tokens", str(a.pd_threshold)] if name == "pd" else []
     return insts, router_extra
-
-
-def router_metrics(url: str) -> list[str]:
-    import httpx
-    try:
-        text = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return []
-    return [ln for ln in text.splitlines() if ln.startswith("loomserve_router")
-            and ("pd" in ln or "requests_total" in ln or "error" in ln)]
 
 
 def run_layout(name: str, a, store: ResultStore) -> None:
@@ -214,11 +216,17 @@ def run_layout(name: str, a, store: ResultStore) -> None:
         start_instances(insts)
         router = start_router([i.url for i in insts], 24500, "default", router_extra)
         row = asyncio.run(drive(router.url, a))
-        if name == "pd":
-            row["greedy_texts"] = asyncio.run(greedy_texts(router.url, a))
-        else:  # the reference: one co-located instance alone
-            row["greedy_texts"] = asyncio.run(greedy_texts(insts[1].url, a))
-        row["router_metrics"] = router_metrics(router.url)
+        before = router_counters(router.url)
+        usage: list = []
+        # PD: through the router (prefill -> decode); co-located: one instance alone, the
+        # reference the PD answers must equal.
+        target = router.url if name == "pd" else insts[1].url
+        row["greedy_texts"] = asyncio.run(greedy_texts(target, a, usage))
+        after = router_counters(router.url)
+        row["check_usage"] = usage
+        row["check_router_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()
+                                     if v != before.get(k, 0.0)}
+        row["router_counters"] = router_counters(router.url)
         row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
         store.put(name, row)
@@ -232,25 +240,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", nargs="+", default=["pd", "colo"])
     ap.add_argument("--warm", type=int, default=3, help="warm sessions")
-    ap.add_argument("--warm-context", type=int, default=2048)
+    ap.add_argument("--warm-context", type=int, default=1024)
     ap.add_argument("--warm-suffix", type=int, default=32)
     ap.add_argument("--warm-output", type=int, default=48)
     ap.add_argument("--think", type=float, default=0.5)
     ap.add_argument("--cold-tokens", type=int, default=6144)
-    ap.add_argument("--cold-every", type=float, default=10.0)
-    ap.add_argument("--warmup", type=float, default=20.0, help="s before the quiet phase")
+    ap.add_argument("--cold-every", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=10.0,
+                    help="s after the primers before the quiet phase")
     ap.add_argument("--quiet", type=float, default=40.0)
-    ap.add_argument("--loaded", type=float, default=60.0)
+    ap.add_argument("--loaded", type=float, default=90.0)
     ap.add_argument("--pd-threshold", type=int, default=1024)
-    ap.add_argument("--check-prompts", type=int, default=3)
-    ap.add_argument("--check-tokens", type=int, default=3072)
+    ap.add_argument("--check-prompts", type=int, default=2)
+    ap.add_argument("--check-tokens", type=int, default=1536)
     ap.add_argument("--kv-mib", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--model", default=None, help="model folder (default: the built-in one)")
+    ap.add_argument("--vocab-hi", type=int, default=40000, help="token ids stay below this")
+    ap.add_argument("--request-timeout", type=float, default=400.0)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_agentx.json"))
     a = ap.parse_args()
+    VOCAB_HI[0] = a.vocab_hi
     store = ResultStore(a.out, {"host": host_info(), "args": vars(a)})
     for name in a.layouts:
         if store.done(name) and not a.force:

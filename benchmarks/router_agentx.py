@@ -35,11 +35,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, host_info  # noqa: E402
 from common.agent_cluster import (  # noqa: E402
-    KV_BYTES_FP32,
     Instance,
     ResultStore,
+    kv_bytes_per_token,
     prepare_traces,
     replay,
+    router_counters,
     serve_argv,
     session_working_set,
     start_instances,
@@ -59,17 +60,20 @@ def pool_plan(a, ws: dict) -> dict:
     """Per-instance pool tokens and MiB for each capacity, with the arithmetic as text."""
     plan = {}
     floor_tokens = a.max_context + 64  # one full-context request must fit
+    per_token = kv_bytes_per_token(a.model)
     for name, frac in FRACTIONS.items():
         want = a.concurrency * frac * ws["mean_tokens"]
         tokens = max(math.ceil(want), floor_tokens)
-        mib = math.ceil(tokens * KV_BYTES_FP32 / 2**20)
-        plan[name] = {"tokens": tokens, "mib": mib, "ideal_mib": 3 * mib,
+        nbytes = tokens * per_token
+        mib = round(nbytes / 2**20, 2)
+        plan[name] = {"tokens": tokens, "bytes": nbytes, "mib": mib,
+                      "sessions_held": round(tokens / ws["mean_tokens"], 2),
                       "text": (f"{name}: {a.concurrency} sessions x {frac} x "
                                f"{ws['mean_tokens']} tokens = {want:.0f} tokens"
                                + (f" -> floor {floor_tokens} (one full context)"
                                   if tokens > want else "")
-                               + f" x {KV_BYTES_FP32} B/token = {mib} MiB per instance; "
-                               f"ideal {3 * mib} MiB")}
+                               + f" x {per_token} B/token = {mib} MiB per instance "
+                               f"({tokens / ws['mean_tokens']:.2f} sessions); ideal 3x")}
     return plan
 
 
@@ -80,13 +84,15 @@ def ports(slot: int) -> tuple[int, list[int]]:
     return base, [base + 10, base + 20, base + 30]
 
 
-def instances_for(policy: str, mib: int, a, slot: int) -> list[Instance]:
+def instances_for(policy: str, nbytes: int, a, slot: int) -> list[Instance]:
     _, ps = ports(slot)
+    model = [a.model] if a.model else []
     if policy == "ideal":  # one instance, 3x the pool, the machine's two cores
         return [Instance("ideal", ps[0], ps[0] + 1,
-                         serve_argv(ps[0], 3 * mib, a.max_context, a.dtype, ps[0] + 1),
+                         serve_argv(ps[0], 3 * nbytes, a.max_context, a.dtype, ps[0] + 1, model),
                          threads=2)]
-    return [Instance(f"inst{i}", p, p + 1, serve_argv(p, mib, a.max_context, a.dtype, p + 1))
+    return [Instance(f"inst{i}", p, p + 1,
+                     serve_argv(p, nbytes, a.max_context, a.dtype, p + 1, model))
             for i, p in enumerate(ps)]
 
 
@@ -128,7 +134,7 @@ def run_one(key: str, a, traces: list[str], plan: dict, slot: int) -> dict:
     fault = kind == "fault"
     cap, policy = (rest, "default") if fault else (kind, rest)
     mib = plan[cap]["mib"]
-    insts = instances_for(policy, mib, a, slot)
+    insts = instances_for(policy, plan[cap]["bytes"], a, slot)
     router = None
     t0 = time.monotonic()
     try:
@@ -144,10 +150,12 @@ def run_one(key: str, a, traces: list[str], plan: dict, slot: int) -> dict:
         out = os.path.join("/tmp", f"router_agentx-{key.replace('/', '-')}.json")
         res = replay(endpoint, traces, a, [i.url for i in insts], out, during=during)
         row = summarize(res)
+        if router is not None and hasattr(router, "server"):
+            row["router_counters"] = router_counters(router.url)
         if fault:
             row["fault"] = {**log, "replay_finished": True,
                             "output_check": check_outputs(res, insts[0].url)}
-        row.update({"kv_cache_mib_per_instance": mib * (3 if policy == "ideal" else 1),
+        row.update({"kv_cache_mib_per_instance": round(mib * (3 if policy == "ideal" else 1), 2),
                     "instances": len(insts), "wall_s": round(time.monotonic() - t0, 1),
                     "loadavg_1m_end": round(os.getloadavg()[0], 2),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
@@ -194,19 +202,21 @@ def main() -> int:
                     help="capacity/policy keys in order (policy 'ideal' = one 3x instance), "
                          "or fault/<capacity> (default policy, needs --kill-at)")
     ap.add_argument("--concurrency", type=int, default=12)
-    ap.add_argument("--duration", type=float, default=150.0)
+    ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--time-scale", type=float, default=0.25)
-    ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--max-output", type=int, default=32)
-    ap.add_argument("--scale", type=int, default=64, help="tokens per (coarse) trace block")
-    ap.add_argument("--weka-k", type=int, default=40,
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--scale", type=int, default=32, help="tokens per (coarse) trace block")
+    ap.add_argument("--weka-k", type=int, default=80,
                     help="64-token weka blocks per coarse block (default: %(default)s)")
     ap.add_argument("--synth-sessions", type=int, default=24)
     ap.add_argument("--forked", type=float, default=0.5, help="forked share of subagents")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--drain-timeout", type=float, default=60.0)
-    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--model", default=None,
+                    help="model folder (default: the built-in SmolLM2-135M)")
+    ap.add_argument("--drain-timeout", type=float, default=45.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--kill-at", type=float, default=60.0,
                     help="fault runs: SIGKILL instance 1 this many s into the replay")
     ap.add_argument("--force", action="store_true", help="redo runs already in the results")

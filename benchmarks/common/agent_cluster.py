@@ -8,8 +8,8 @@ cpu --forked-subagents F` sessions (the AgentX shape at short contexts, forked s
 Coarsening (`coarsen_trace`): k consecutive 64-token blocks become one block of 64*k tokens
 whose id is the k-th id. Ids are chained (an id stands for the whole prefix up to it), so two
 requests share j coarse blocks exactly when they shared j*k fine ones: the sharing structure is
-kept at a coarser grain. Replayed with `--scale 64`, a coarse block is 64 tokens, so a weka
-prompt shrinks by k and a synthetic one (block 64) is sent unscaled.
+kept at a coarser grain. Replayed with `--scale S`, a coarse block is S tokens: a weka prompt
+shrinks by 64*k/S and a synthetic one (block 64) by 64/S.
 
 Invariants: only processes this module started are signalled (their own process groups); every
 wait has a timeout (server start, replay drain, router start).
@@ -32,7 +32,8 @@ from common.servers import ServerProcess
 
 __all__ = ["env", "coarsen_trace", "prepare_traces", "session_working_set", "KV_BYTES_FP32",
            "Instance", "start_instances", "stop_all", "start_router", "replay", "summarize",
-           "ResultStore", "router_available"]
+           "ResultStore", "router_available", "router_counters", "kv_bytes_per_token",
+           "serve_argv"]
 
 # SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 head dim x 4 bytes (float32).
 KV_BYTES_FP32 = 30 * 2 * 3 * 64 * 4
@@ -145,10 +146,23 @@ class Instance:
             self.server.stop()
 
 
-def serve_argv(port: int, kv_mib: int, max_model_len: int, dtype: str,
+def kv_bytes_per_token(model: str | None) -> int:
+    """K and V bytes of one cached position in float32: the built-in SmolLM2-135M, or from a
+    model folder's config.json (layers x 2 x KV heads x head dim x 4)."""
+    if model is None:
+        return KV_BYTES_FP32
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+
+
+def serve_argv(port: int, kv_bytes: int, max_model_len: int, dtype: str,
                events_port: int | None, extra: list[str] | None = None) -> list[str]:
+    """`loomserve serve` argv; a model folder, when wanted, goes in extra."""
     argv = [sys.executable, "-m", "loomserve", "serve", "--port", str(port), "--dtype", dtype,
-            "--kv-cache-memory", f"{kv_mib}MiB", "--max-model-len", str(max_model_len)]
+            "--kv-cache-memory", str(int(kv_bytes)), "--max-model-len", str(max_model_len)]
     if events_port:
         argv += ["--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"]
     return argv + list(extra or [])
@@ -209,7 +223,16 @@ class _RouterHandle:
         self.url = self.server.base_url
 
     def start(self) -> "_RouterHandle":
+        """Healthy, and its tokenizer loaded (until then it routes without prompt knowledge:
+        no KV overlap, no PD decision), or 180 s passed (then say so)."""
         self.server.start()
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            log = self.server.tail(200_000)
+            if "router tokenizer:" in log or "could not load the tokenizer" in log:
+                return self
+            time.sleep(0.5)
+        print("  router tokenizer not loaded after 180 s", file=sys.stderr, flush=True)
         return self
 
     def stop(self) -> None:
@@ -245,8 +268,9 @@ def replay_argv(url: str, traces: list[str], a, metrics_urls: list[str], json_ou
 def replay(url: str, traces: list[str], a, metrics_urls: list[str], json_out: str,
            during=None) -> dict:
     """One `bench agentx` run; `during(proc, t0)` (if given) runs in this thread while the
-    replay runs (the fault injection). The replay must end within duration + drain + 120 s:
-    a hang is an error, not a wait."""
+    replay runs (the fault injection). The replay must end within duration + drain + request
+    timeout + 300 s (the warm-up primers come before --duration starts): a hang is an error,
+    not a wait."""
     cmd = replay_argv(url, traces, a, metrics_urls, json_out)
     print(f"  replay on {url}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
@@ -254,7 +278,7 @@ def replay(url: str, traces: list[str], a, metrics_urls: list[str], json_out: st
     try:
         if during is not None:
             during(proc, t0)
-        rc = proc.wait(timeout=a.duration + a.drain_timeout + 120)
+        rc = proc.wait(timeout=a.duration + a.drain_timeout + a.request_timeout + 300)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise RuntimeError("bench agentx did not finish: a hang") from None
@@ -279,6 +303,21 @@ def summarize(result: dict) -> dict:
             "errors_by_kind": errors, "prompt_tokens": m["tokens"]["prompt"],
             "cached_tokens": m["tokens"]["cached"],
             "hit_by_source": m["hit_rate"].get("by_source")}
+
+
+def router_counters(url: str) -> dict:
+    """The router's request/PD/error counters from its /metrics (name{labels} -> value)."""
+    import httpx
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith("loomserve_router_") and "_total{" in ln:
+            name, _, value = ln.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 class ResultStore:
