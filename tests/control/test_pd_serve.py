@@ -188,8 +188,15 @@ def test_prefill_killed_between_legs_decode_recomputes(cluster):
     want = chat(single, 16, None, prompt=prompt).choices[0].message.content
     params = chat(victim, 1, DO_REMOTE, prompt=prompt).model_extra["kv_transfer_params"]
     assert params is not None
+    core_pid = httpx.get(victim + "/info").json()["pid"]  # the engine core's process
+    assert core_pid != proc.pid  # (it holds the staged KV and the Transfer Engine)
+    os.kill(core_pid, signal.SIGKILL)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{core_pid}/status") and \
+            "zombie" not in open(f"/proc/{core_pid}/status").read():
+        time.sleep(0.05)
     t0 = time.monotonic()
     out = chat(d, 16, params, prompt=prompt)
     assert out.choices[0].message.content == want
