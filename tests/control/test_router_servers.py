@@ -214,6 +214,17 @@ def test_metrics_say_why(cluster):
     assert "loomserve_router_overlap_blocks_count" in text
 
 
+def test_client_gone_mid_stream_releases_the_load(cluster):
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Long tale"}],
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.router + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"x-session-id": "leaver"}) as r:
+        home = r.headers["x-loomserve-instance"]
+        next(r.iter_bytes())  # then leave (the stream may be done already: tiny model)
+    wait_for(lambda: cluster.row(home)["active_requests"] == 0
+             and cluster.row(home)["active_blocks"] == 0, 10, "the lease released")
+
+
 def test_sigkill_instance_out_within_two_seconds(cluster):
     import openai
     prefix = [{"role": "user", "content": "Tell me a very long story about a loom."}]

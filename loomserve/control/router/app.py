@@ -107,6 +107,9 @@ class RouterService:
             lease = Lease(d.instance, tokens, self.router.instances.block_size())
             try:
                 resp = await self.upstream.open(d.instance, "POST", path, content, headers)
+            except asyncio.CancelledError:  # the client went away: nothing holds the lease
+                lease.release()
+                raise
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 lease.release()
                 self.metrics.errors.labels("connect").inc()
@@ -125,11 +128,15 @@ class RouterService:
         remember = ((lambda rid: self.router.remember_response(rid, inst))
                     if api == API_RESPONSES else None)
         if body.get("stream") and resp.status_code == 200:
+            async def on_close() -> None:
+                lease.release()
+                await resp.aclose()
             return ClosingStream(
                 self.upstream.relay(resp, inst, lease, api,
                                     lambda kind: self.metrics.errors.labels(kind).inc(),
                                     remember),
-                status_code=200, headers=hdrs, media_type=resp.headers.get("content-type"))
+                status_code=200, headers=hdrs, media_type=resp.headers.get("content-type"),
+                on_close=on_close)
         try:
             data = await self.upstream.read_all(resp, inst)
         except (httpx.HTTPError, InstanceLost) as e:

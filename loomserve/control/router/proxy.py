@@ -94,8 +94,20 @@ async def until_down(aw: Awaitable, inst: Instance, timeout: float):
 
 
 class ClosingStream(StreamingResponse):
-    """Always closes its body iterator, however the stream ends (a client that vanishes
-    between chunks included), so the upstream request is closed and the lease released."""
+    """Always closes its body iterator and runs `on_close`, however the stream ends (a client
+    that vanishes between chunks, or before the first), so the upstream request is closed
+    and the lease released even when the iterator never started."""
+
+    def __init__(self, *args, on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
 
     async def stream_response(self, send: Send) -> None:
         try:
