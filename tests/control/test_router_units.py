@@ -280,3 +280,10 @@ def test_stream_error_events_in_each_api_shape():
     resp = data_of(sse_error("responses", "boom"))
     assert resp["type"] == "error" and resp["message"] == "boom"
     assert sse_error("chat", "x").startswith(b"\n\n")  # ends a half-relayed event first
+
+
+def test_common_prefix_len_with_a_hint():
+    a, b = list(range(100)), list(range(60)) + [0] * 40
+    assert common_prefix_len(a, b, 50) == 60
+    assert common_prefix_len(a, b, 80) == 60  # a wrong hint is checked, not trusted
+    assert common_prefix_len("abc", "abd", 5) == 2
