@@ -8,7 +8,8 @@ reconnect); sequence numbers make that visible:
 - a gap the replay cannot cover (its buffer rolled over, no replay socket, no answer within
   the timeout), or a batch that does not decode, calls on_reset ("forget everything about this
   instance") and the stream goes on from there;
-- a sequence number going backwards means the publisher restarted: on_reset, then the new
+- a restarted publisher (its sequence went backwards, or after a reconnection the replay
+  socket no longer holds the last batch applied, byte for byte) means on_reset, then the new
   stream is followed from its start (replayed from 0 when its first batches were missed).
 A fresh subscriber starts by replaying from seq 0, so joining late gives the instance's history
 when the buffer still holds it (batch 0 of a loomserve publisher is AllBlocksCleared), and an
@@ -30,6 +31,7 @@ from typing import Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from loomserve.kv.event_wire import END_SEQ, KVEventBatch, batch_decoder, seq_bytes, seq_of
 
@@ -60,6 +62,7 @@ class KVEventSubscriber:
         self._dup_after: int | None = None  # after a replay: live seqs in (this, _next) are copies
         self._counts = dict(received=0, replayed=0, gaps=0, resets=0, duplicates=0)
         self._last_seq = -1
+        self._last_payload = b""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context.instance()
@@ -83,11 +86,20 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Connection events: each (re)connection is checked against the replay socket, since a
+        # restarted publisher's stream could otherwise pass for the old one's continuation.
+        mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
-            self._catch_up()
             while not self._stop.is_set():
-                if not sub.poll(POLL_MS):
+                ready = dict(poller.poll(POLL_MS))
+                if mon in ready:
+                    recv_monitor_message(mon)
+                    self._resync()
+                if sub not in ready:
                     continue
                 frames = sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -100,6 +112,8 @@ class KVEventSubscriber:
         except Exception:
             log.exception("%s: KV event subscriber failed", self.name)
         finally:
+            sub.disable_monitor()
+            mon.close()
             sub.close()
 
     def _on_live(self, seq: int, payload: bytes) -> None:
@@ -118,10 +132,31 @@ class KVEventSubscriber:
         else:
             self._apply(seq, payload, "received")
 
-    def _catch_up(self) -> None:
-        """At start: apply the replay buffer now rather than at the next live batch (an idle
+    def _resync(self) -> None:
+        """The SUB socket (re)connected. First time: catch up. Later: ask the replay socket for
+        the last batch applied; the same bytes mean the same publisher (catch up from there),
+        other bytes or none mean a restart (reset, then follow the new stream from 0)."""
+        if self._last_seq < 0:
+            self._catch_up()
+            return
+        got = self._replay(self._last_seq)
+        if got is None:
+            return  # cannot tell: the sequence checks still catch a restart that goes back
+        if got[:1] == [(self._last_seq, self._last_payload)]:
+            self._catch_up(got[1:])
+            return
+        log.info("%s: reconnected to a different publisher (restarted): reset", self.name)
+        self._reset()
+        self._next = 0
+        self._last_seq = -1
+        self._catch_up()
+
+    def _catch_up(self, got: list[tuple[int, bytes]] | None = None) -> None:
+        """Apply the replay buffer from _next now rather than at the next live batch (an idle
         instance may send none for long). Live batches sent meanwhile wait in the SUB socket;
         their copies of replayed ones are skipped."""
+        if got is None:
+            got = self._replay(self._next)
         got = self._replay(self._next)
         if not got:
             return
@@ -187,6 +222,7 @@ class KVEventSubscriber:
     def _apply(self, seq: int, payload: bytes, kind: str) -> None:
         self._next = seq + 1
         self._last_seq = seq
+        self._last_payload = payload
         try:
             batch = self._decoder.decode(payload)
         except msgspec.DecodeError as e:

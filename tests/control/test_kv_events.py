@@ -166,12 +166,15 @@ def test_gap_past_the_replay_buffer_resets(consumer):
         pub.close()
 
 
-def test_publisher_restart_resets_and_follows_the_new_stream(consumer):
+@pytest.mark.parametrize("before,burst", [(20, 0), (3, 12)], ids=["seq-back", "seq-ahead"])
+def test_publisher_restart_resets_and_follows_the_new_stream(consumer, before, burst):
+    """seq-ahead: the new publisher is past the old one's last seq before the subscriber
+    reconnects, so only the replay check on reconnection can tell it is another stream."""
     pub = publisher()
     endpoint, replay = pub.endpoint, pub.replay_endpoint
     sub = consumer.subscriber(pub)
     try:
-        feed_until(pub, consumer, 0, lambda: len(consumer.markers()) >= 20)
+        feed_until(pub, consumer, 0, lambda: len(consumer.markers()) >= before)
         pub.close()
         pub = None
         deadline = time.monotonic() + 10
@@ -181,7 +184,9 @@ def test_publisher_restart_resets_and_follows_the_new_stream(consumer):
             except ValueError:
                 assert time.monotonic() < deadline, "ports not released"
                 time.sleep(0.05)
-        feed_until(pub, consumer, 1000, lambda: 1003 in consumer.markers())
+        for m in range(1000, 1000 + burst):
+            publish(pub, m)
+        feed_until(pub, consumer, 1000 + burst, lambda: 1003 + burst in consumer.markers())
         seen = consumer.seen
         after = seen[seen.index(RESET) + 1:]
         assert after[0] == CLEARED  # the new instance's batch 0, replayed
