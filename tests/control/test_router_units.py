@@ -287,3 +287,10 @@ def test_common_prefix_len_with_a_hint():
     assert common_prefix_len(a, b, 50) == 60
     assert common_prefix_len(a, b, 80) == 60  # a wrong hint is checked, not trusted
     assert common_prefix_len("abc", "abd", 5) == 2
+
+
+def test_prompt_keys_with_the_instances_chat_template(keys):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    custom = PromptKeys(keys.tok, 4, chat_template=template)
+    ids = custom.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert ids == keys.tok.encode("[user] hi\n", add_special_tokens=False)

@@ -32,6 +32,9 @@ def add_router_parser(sub) -> None:
     p.add_argument("--tokenizer", metavar="PATH",
                    help="model folder whose tokenizer and chat template the router renders "
                         "prompts with (default: the first instance's model_folder)")
+    p.add_argument("--chat-template", metavar="PATH",
+                   help="the Jinja chat template file the instances were started with "
+                        "(their --chat-template), so the router renders prompts as they do")
     p.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT,
                    help="weight of a block to prefill against a block decoding in the KV "
                         "cost (default: %(default)s)")
@@ -76,8 +79,15 @@ def build_from_args(args: argparse.Namespace):
                             interval=args.health_interval)
     policy = make_policy(args.policy, index, instances.block_size, args.overlap_weight,
                          args.overload_factor, args.overload_min_requests)
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template: cannot read {args.chat_template}: {e}") from e
     router = Router(instances, index, policy, RouterMetrics(), tokenizer=args.tokenizer,
-                    pd_threshold_tokens=args.pd_threshold_tokens)
+                    chat_template=template, pd_threshold_tokens=args.pd_threshold_tokens)
     return build_router_app(router, api_keys=args.api_key,
                             instance_api_key=args.instance_api_key,
                             read_timeout=args.read_timeout)

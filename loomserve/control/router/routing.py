@@ -63,12 +63,13 @@ def session_of(api: str, body: dict, headers) -> str | None:
 class Router:
     def __init__(self, instances: InstanceSet, index: KVIndex, policy: Policy,
                  metrics: RouterMetrics, *, tokenizer: str | None = None,
-                 pd_threshold_tokens: int = 2048) -> None:
+                 chat_template: str | None = None, pd_threshold_tokens: int = 2048) -> None:
         self.instances = instances
         self.index = index
         self.policy = policy
         self.metrics = metrics
         self.tokenizer_path = tokenizer
+        self.chat_template = chat_template  # the template's text (the instances' override)
         self.pd_threshold = pd_threshold_tokens
         self.keys: PromptKeys | None = None
         self._prefill_policy = KVAware(index, instances.block_size)
@@ -86,7 +87,7 @@ class Router:
             await asyncio.sleep(0.2)
         try:
             self.keys = await asyncio.to_thread(PromptKeys.from_folder, path,
-                                                self.instances.block_size())
+                                                self.instances.block_size(), self.chat_template)
             logger.info("router tokenizer: %s", path)
         except Exception:
             logger.exception("could not load the tokenizer from %s: routing without prompt "

@@ -98,11 +98,14 @@ def common_prefix_len(a, b, lo: int = 0) -> int:
 class PromptKeys:
     """Prompt ids and block hashes of requests, memoized per session (LRU, max_sessions)."""
 
-    def __init__(self, tokenizer, block_size: int, max_sessions: int = 10_000) -> None:
+    def __init__(self, tokenizer, block_size: int, max_sessions: int = 10_000,
+                 chat_template: str | None = None) -> None:
+        """chat_template: the text of the template the instances were started with
+        (their --chat-template), else the model's."""
         self.tok = tokenizer
         self.block_size = block_size
         self.max_sessions = max_sessions
-        template = tokenizer.chat_template
+        template = chat_template or tokenizer.chat_template
         hf = tokenizer.hf
         self.renderer = (ChatRenderer(template, hf.bos_token or "", hf.eos_token or "")
                          if template else None)
@@ -115,9 +118,10 @@ class PromptKeys:
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
 
     @classmethod
-    def from_folder(cls, folder: str, block_size: int) -> "PromptKeys":
+    def from_folder(cls, folder: str, block_size: int,
+                    chat_template: str | None = None) -> "PromptKeys":
         from loomserve.entrypoints.tokenizer import Tokenizer
-        return cls(Tokenizer.from_folder(folder), block_size)
+        return cls(Tokenizer.from_folder(folder), block_size, chat_template=chat_template)
 
     def forget(self, session: str) -> None:
         with self._lock:
