@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -63,10 +64,11 @@ def timed(fn, reps: int) -> float:
 
 
 def memcpy_s(n: int, reps: int) -> float:
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    torch.set_num_threads(1)
-    return timed(lambda: dst.copy_(src), reps)
+    """One plain memcpy on one thread (numpy's copyto; torch's copy_ would split it across its
+    intra-op threads, see loomserve.kv.tiers.base.copy_page)."""
+    src = np.random.randint(0, 255, n, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return timed(lambda: np.copyto(dst, src), reps)
 
 
 def tcp_s(n: int, reps: int) -> float:
