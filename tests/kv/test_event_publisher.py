@@ -7,6 +7,7 @@ PUB socket too."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -14,6 +15,8 @@ import pytest
 import zmq
 
 from loomserve import LLM, SamplingParams
+from loomserve.kv import events as ev
+from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.event_wire import (
     END_SEQ,
     MEDIUM_CPU,
@@ -27,6 +30,7 @@ from loomserve.kv.event_wire import (
 )
 from loomserve.kv.hashing import hash_chain
 from tests.execution.models.conftest import FIXTURES
+from tests.kv.conftest import make_config
 from tests.kv.connector.conftest import BS, OTHERS, POOL_BLOCKS, A, tiny_page_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -79,12 +83,12 @@ def events_of(batches, cls, medium=None):
 def flushed(llm) -> list:
     """All batches so far, once the publisher thread sent what the last step flushed."""
     llm.core.idle()
-    ev = llm.core.events
+    pub = llm.core.events
     deadline = time.monotonic() + 10
-    while ev.stats()["pending"] and time.monotonic() < deadline:
+    while pub.stats()["pending"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ev.stats()["pending"] == 0 and ev.stats()["failed"] == 0
-    return replay_all(ev.replay_endpoint)
+    assert pub.stats()["pending"] == 0 and pub.stats()["failed"] == 0
+    return replay_all(pub.replay_endpoint)
 
 
 @pytest.fixture
@@ -212,3 +216,49 @@ def test_host_tier_writes_are_medium_cpu():
         assert index_of(batches)[(MEDIUM_CPU, 0)] == set(hashes)
     finally:
         llm.close()
+
+
+class StalledPublisher(KVEventPublisher):
+    """Its thread waits in _send until released: the step outruns it."""
+
+    def __init__(self, *a, **kw) -> None:
+        self.release = threading.Event()
+        super().__init__(*a, **kw)
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        assert self.release.wait(10)
+        super()._send(seq, payload)
+
+
+def test_a_full_queue_drops_and_the_next_batch_clears():
+    """The step never waits for the publisher: past the queue bound a batch is dropped, and the
+    next one that gets through starts with AllBlocksCleared (consumers forget, never go wrong)."""
+    pub = StalledPublisher(EVENTS, EVENTS, make_config(16), max_queue_batches=1)
+    try:
+        deadline = time.monotonic() + 10
+        while pub._queue.qsize() and time.monotonic() < deadline:  # batch 0 is being sent
+            time.sleep(0.005)
+
+        def step(marker: int) -> None:
+            pub.on_pool_event(ev.BlockStored([bytes([marker]) * 16], None, [], 4, 0))
+            pub.flush()
+
+        step(1)  # fills the queue
+        step(2)  # dropped
+        assert pub.stats()["dropped"] == 1
+        pub.release.set()
+        wait_until = time.monotonic() + 10
+        while pub.stats()["pending"] and time.monotonic() < wait_until:
+            time.sleep(0.005)
+        step(3)
+        while pub.stats()["pending"] and time.monotonic() < wait_until:
+            time.sleep(0.005)
+        batches = replay_all(pub.replay_endpoint)
+        kinds = [[type(e).__name__ + (e.block_hashes[0][:1].hex() if e.block_hashes else "")
+                  if isinstance(e, BlockStored) else type(e).__name__ for e in b.events]
+                 for _, b in batches]
+        assert kinds == [["AllBlocksCleared"], ["BlockStored01"],
+                         ["AllBlocksCleared", "BlockStored03"]]
+    finally:
+        pub.release.set()
+        pub.close()
