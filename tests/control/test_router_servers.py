@@ -149,6 +149,9 @@ def test_openai_apis_stream_and_not(cluster):
                                            stream=True))
     assert parts[-1].choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     with pytest.raises(openai.BadRequestError):  # the instance's 400 passes through as is
         client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
 
@@ -212,6 +215,25 @@ def test_metrics_say_why(cluster):
     for p in cluster.instances:
         assert f'loomserve_router_instance_up{{instance="{p.name}",role="both"}} 1.0' in text
     assert "loomserve_router_overlap_blocks_count" in text
+
+
+def test_router_api_key_in_each_api_shape(cluster):
+    from fastapi.testclient import TestClient
+
+    from loomserve.control.router.cli import build_from_args
+    from loomserve.entrypoints.cli import build_parser
+    args = build_parser().parse_args(["router", "--api-key", "sekret", "--log-level", "warning"]
+                                     + [a for p in cluster.instances for a in ("--instance",
+                                                                                p.url)])
+    with TestClient(build_from_args(args)) as c:
+        assert c.get("/health").status_code == 200  # open, like the instances'
+        r = c.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": []})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = c.post("/v1/messages", json={})
+        assert r.status_code == 401 and r.json()["type"] == "error"
+        r = c.post("/v1/completions", headers={"Authorization": "Bearer sekret"},
+                   json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_client_gone_mid_stream_releases_the_load(cluster):

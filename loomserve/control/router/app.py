@@ -241,6 +241,10 @@ def build_router_app(router: Router, *, api_keys: list[str] | None = None,
     async def models(request: Request) -> Response:
         return await svc.forward(request, None)
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Response:
+        return await svc.forward(request, None)
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         return await svc.forward(request, None)
