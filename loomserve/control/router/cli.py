@@ -97,6 +97,8 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the health checks alone would be 2 lines/s/instance
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         app = build_from_args(args)
     except ValueError as e:
