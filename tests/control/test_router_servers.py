@@ -206,6 +206,12 @@ def test_sessions_stick_and_new_sessions_follow_their_prefix(cluster):
         assert r.headers["x-loomserve-instance"] == homes[k]
         reason, overlap = r.headers["x-loomserve-route"].split("; overlap=")
         assert reason == "overlap" and int(overlap) >= 6
+    # an ended session is forgotten: its next request is placed again, not sticky
+    r = httpx.delete(cluster.router + "/v1/sessions/newcomer-0", timeout=10)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    prefix = [{"role": "system", "content": f"{SYSTEM} Archive wing 0."},
+              {"role": "user", "content": "What is a dobby loom?"}]
+    assert chat(cluster, "newcomer-0", prefix).headers["x-loomserve-route"].startswith("overlap")
 
 
 def test_metrics_say_why(cluster):
