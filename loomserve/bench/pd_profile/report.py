@@ -87,13 +87,15 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for phase, key, color in (("prefill", "prefill_tps", "tab:blue"),
-                              ("decode", "decode_tps", "tab:orange")):
+    lines = []
+    for phase, key, style, color in (("prefill", "prefill_tps", "o-", "tab:blue"),
+                                     ("decode", "decode_tps", "s--", "tab:orange")):
         lv = result[phase]["levels"]
-        ax = a1 if phase == "prefill" else a1.twinx()
-        ax.plot([x["concurrency"] for x in lv], [x[key] for x in lv], "o-", color=color,
-                label=f"{phase}-only")
+        ax = a1 if phase == "prefill" else a1.twinx()  # own axis: the scales differ a lot
+        lines += ax.plot([x["concurrency"] for x in lv], [x[key] for x in lv], style,
+                         color=color, label=f"{phase}-only ({phase} tok/s)")
         ax.set_ylabel(f"{phase} tok/s", color=color)
+    a1.legend(handles=lines, loc="best", fontsize=8)
     _ticks(a1, [x["concurrency"] for x in result["prefill"]["levels"] + result["decode"]["levels"]])
     a1.set_xlabel("concurrency")
     a1.set_title(f"Phase 1: saturation (P:D = {result['ratio']['prefill_per_decode']:.2f})")
