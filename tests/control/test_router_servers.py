@@ -242,6 +242,44 @@ def test_router_api_key_in_each_api_shape(cluster):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def _fake_instance():
+    """An HTTP server that passes for an instance (/health, /info) until it is stopped."""
+    import uvicorn
+    from fastapi import FastAPI
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    app.get("/info")(lambda: {"role": "both", "block_size": 16, "model_folder": TINY_LLAMA,
+                              "kv_events": None})
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    wait_for(lambda: srv.started, 30, "the fake instance")
+    return f"http://127.0.0.1:{port}", srv, thread
+
+
+def test_unreachable_choice_is_retried_on_the_next(cluster):
+    from fastapi.testclient import TestClient
+
+    from loomserve.control.router.cli import build_from_args
+    from loomserve.entrypoints.cli import build_parser
+    fake_url, srv, thread = _fake_instance()
+    args = build_parser().parse_args([
+        "router", "--policy", "round_robin", "--health-interval", "60", "--instance", fake_url,
+        "--instance", cluster.instances[0].url])
+    with TestClient(build_from_args(args)) as c:
+        assert all(r["up"] for r in c.get("/health").json()["instances"])
+        srv.should_exit = True  # gone, and the health checker will not notice for a minute
+        thread.join(timeout=10)
+        for _ in range(2):  # round robin: one of the two picks the dead one first
+            r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": "Hi",
+                                                "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-loomserve-instance"] == cluster.instances[0].name
+        assert 'loomserve_router_errors_total{kind="connect"} 1.0' in c.get("/metrics").text
+        assert not c.get("/health").json()["instances"][0]["up"]
+
+
 def test_client_gone_mid_stream_releases_the_load(cluster):
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Long tale"}],
             "max_tokens": 200, "ignore_eos": True, "stream": True}
