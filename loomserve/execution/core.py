@@ -125,7 +125,6 @@ class EngineCore:
         self.tiers = make_tier_connector(config, self.runner, self.kv, peer)
         if self.tiers is not None and peer:
             self.transfer.bound_by(self.tiers.store)
-        self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.long_prefill_threshold, self.tiers)
@@ -146,6 +145,8 @@ class EngineCore:
         self.generation_tokens = 0
         self.num_rejected = 0
         self.structured: StructuredManager | None = None
+        # Last: its sockets are bound only once nothing else in the constructor can fail.
+        self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
 
     def add(self, msg: EngineCoreRequest) -> CoreOutput | None:
         """Queue a front end's request; a finished REJECTED output when the queue is full."""
