@@ -136,7 +136,7 @@ def test_default_sticks_then_moves_only_when_overloaded():
     a.active_requests = OVERLOAD_MIN_REQUESTS
     req, _ = _kv_request(idx, 8, session="s1")
     d = policy.choose(req, [a, b])
-    assert (d.instance, d.reason) == (b, "load")
+    assert (d.instance, d.reason, d.moved_from) == (b, "load", a)
     a.active_blocks, a.active_requests = 0.0, 0
     assert policy.choose(RouteRequest("chat", "s1"), [a, b]).instance is b  # new home sticks
 

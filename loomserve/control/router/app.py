@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -73,6 +74,7 @@ class RouterService:
         self.metrics = router.metrics
         self.instance_api_key = instance_api_key
         self.upstream = Upstream(read_timeout)
+        self._background: set[asyncio.Task] = set()  # held until done (tasks are weak refs)
 
     async def generate(self, request: Request, api: str) -> Response:
         path = request.url.path
@@ -94,6 +96,8 @@ class RouterService:
             except NoInstance as e:
                 self.metrics.errors.labels("no_instance").inc()
                 return _error(503, str(e), path, "no_healthy_instance")
+            if d.moved_from is not None and req.session is not None:
+                self._release_session(d.moved_from, req.session, headers)
             content = raw
             extra = {"x-loomserve-instance": d.instance.name, "x-loomserve-route": d.reason + (
                 f"; overlap={d.overlap}" if d.overlap is not None else "")}
@@ -121,6 +125,21 @@ class RouterService:
                 return self._failed(d.instance, e, path)
             return await self._answer(resp, d.instance, lease, api, body, extra, path)
         return _error(502, "No instance could be reached.", path, "instance_unreachable")
+
+    def _release_session(self, home: Instance, session: str, headers: dict) -> None:
+        """A session left its overloaded home: unpin its blocks there (in the background; a
+        failure only leaves them to the instance's own eviction)."""
+        async def release() -> None:
+            try:
+                await self.upstream.client.delete(
+                    f"{home.url}/v1/sessions/{quote(session, safe='')}", timeout=5,
+                    headers={k: v for k, v in headers.items()
+                             if k.lower() in ("authorization", "x-api-key")})
+            except httpx.HTTPError as e:
+                logger.debug("releasing session %s on %s failed: %s", session, home.name, e)
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _answer(self, resp: httpx.Response, inst: Instance, lease: Lease, api: str,
                       body: dict, extra: dict, path: str) -> Response:

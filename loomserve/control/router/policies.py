@@ -22,7 +22,9 @@ Policies:
   a subagent's first request (X-Parent-Session-ID) starts on its parent's instance. A session
   moves only when its home is down, or overloaded: its active blocks exceed OVERLOAD_FACTOR
   (1.5) x the mean over healthy instances AND it has at least OVERLOAD_MIN_REQUESTS (4)
-  requests in flight (both: one long request alone is not an overload).
+  requests in flight (both: one long request alone is not an overload). The router then ends
+  the session on the home it left (DELETE /v1/sessions/{id} there: its pinned blocks become
+  evictable, which is what the overloaded instance needs).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Decision:
     instance: Instance
     reason: str
     overlap: int | None = None  # prompt blocks cached on `instance`, None: not looked up
+    moved_from: Instance | None = None  # the overloaded home a session just left
 
 
 def least_loaded(candidates: list[Instance], start: int = 0) -> Instance:
@@ -231,6 +234,7 @@ class DefaultPolicy(Policy):
             if home is not None and not self._overloaded(home, candidates):
                 return self._keep(key, Decision(home, "stickiness"))
             moved = "load" if home is not None else "fallback"
+            left = home
             if home is not None:
                 candidates = [i for i in candidates if i is not home]
         elif req.parent is not None and req.parent in self.sticky:
@@ -239,7 +243,7 @@ class DefaultPolicy(Policy):
                 return self._keep(key, Decision(home, "stickiness"))
         d = self.kv.choose(req, candidates)
         if moved is not None:
-            d.reason = moved
+            d.reason, d.moved_from = moved, left
         return self._keep(key, d)
 
     def needs_keys(self, req):
