@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         base, port = a.endpoint.rsplit(":", 1)
         replay = f"{base}:{int(port) + 1}"
     endpoint, replay, topic = _resolve(a.endpoint, replay, a.topic)
+    endpoint, replay = reachable(endpoint, "127.0.0.1"), reachable(replay, "127.0.0.1")
 
     def on_batch(batch: KVEventBatch) -> None:
         line = {"seq": sub.stats()["last_seq"], "ts": batch.ts,
