@@ -172,25 +172,29 @@ def test_live_pub_socket_gets_the_batches(small):
         sub.close()
 
 
-def test_hybrid_groups_carry_index_and_kind():
-    llm = LLM(str(FIXTURES / "tiny-qwen3-next"), dtype="float32", device="cpu", block_size=4,
+@pytest.mark.parametrize("model,want", [
+    ("tiny-qwen3-next", {"full_attention", "mamba"}),  # Gated DeltaNet state groups
+    ("tiny-gemma3", {"full_attention", "sliding_window"})])
+def test_hybrid_groups_carry_index_and_kind(model, want):
+    llm = LLM(str(FIXTURES / model), dtype="float32", device="cpu", block_size=4,
               kv_cache_memory="1MiB", kv_events_endpoint=EVENTS)
     try:
-        prompt = list(range(3, 43))
+        prompt = list(range(3, 83))
         llm.generate(prompt, GREEDY)
         batches = flushed(llm)
         groups = llm.core.runner.kv_cache_config.groups
-        kinds = {"full_attention": "full_attention", "linear_state": "mamba"}
+        kinds = {"full_attention": "full_attention", "sliding_window": "sliding_window",
+                 "linear_state": "mamba"}
         seen = {}
         for e in events_of(batches, BlockStored):
-            assert e.kv_cache_spec_kind == kinds[groups[e.group_idx].spec.kind]
-            assert e.block_size == 4
-            seen[e.group_idx] = e.kv_cache_spec_kind
-        assert set(seen.values()) == {"full_attention", "mamba"}, seen
-        for e in events_of(batches, BlockStored):  # a state checkpoint has no token list
-            n = len(e.token_ids)
+            spec = groups[e.group_idx].spec
+            assert e.kv_cache_spec_kind == kinds[spec.kind] and e.block_size == 4
+            assert e.kv_cache_spec_sliding_window == getattr(spec, "sliding_window", None)
+            n = len(e.token_ids)  # a state checkpoint has no token list
             assert n == 4 * len(e.block_hashes) if e.kv_cache_spec_kind != "mamba" else n == 0
-        assert index_of(batches) == pool_index(llm)
+            seen[e.group_idx] = e.kv_cache_spec_kind
+        assert set(seen.values()) == want and len(seen) >= 2, seen
+        assert index_of(batches) == pool_index(llm)  # per group
     finally:
         llm.close()
 
