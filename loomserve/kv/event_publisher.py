@@ -31,7 +31,7 @@ import zmq
 
 from loomserve.kv import event_wire as wire
 from loomserve.kv import events as ev
-from loomserve.kv.spec import KVCacheConfig, LinearStateSpec, SlidingWindowSpec
+from loomserve.kv.spec import KVCacheConfig, SlidingWindowSpec
 from loomserve.kv.tiers.base import PagesRemoved
 
 log = logging.getLogger("loomserve.kv.events")
@@ -48,13 +48,12 @@ class WireConverter:
     """In-process pool and tier events -> vLLM wire events, for one KV cache layout."""
 
     def __init__(self, kv_config: KVCacheConfig) -> None:
-        self.groups = []
+        self.groups: list[tuple[int, str, int | None]] = []
         for g in kv_config.groups:
             spec = g.spec
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            self.groups.append((spec.block_size, _SPEC_KIND.get(spec.kind, "unknown"), window,
-                                isinstance(spec, LinearStateSpec)))
-        self.block_size = kv_config.block_size
+            # (block_size, vLLM's spec kind, window): what every BlockStored of the group says
+            self.groups.append((spec.block_size, _SPEC_KIND.get(spec.kind, "unknown"), window))
         self.fingerprints: dict[bytes, int] = {}  # tier key prefix -> group index
         self.fp_len = 0
         self.media: dict[str, str] = {}  # tier name -> MEDIUM_CPU | MEDIUM_STORAGE
@@ -67,7 +66,7 @@ class WireConverter:
 
     def pool_event(self, e) -> wire.KVCacheEvent:
         if isinstance(e, ev.BlockStored):
-            bs, kind, window, _ = self.groups[e.group_id]
+            bs, kind, window = self.groups[e.group_id]
             return wire.BlockStored(
                 block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
                 token_ids=e.token_ids, block_size=e.block_size or bs, lora_id=None,
@@ -95,7 +94,7 @@ class WireConverter:
                 out.append(wire.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=g,
                                              ownership=e.tier))
                 continue
-            bs, kind, window, _ = self.groups[g]
+            bs, kind, window = self.groups[g]
             out.append(wire.BlockStored(
                 block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=bs,
                 lora_id=None, medium=medium, lora_name=None, group_idx=g,
