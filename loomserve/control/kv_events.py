@@ -190,9 +190,10 @@ class KVEventSubscriber:
         self._dup_after = seq
 
     def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from `start` on, or None (no replay socket, or no complete
-        answer within replay_timeout). A fresh DEALER per request, so a late answer to an
-        abandoned request can never be read as the answer to a later one."""
+        """Every buffered batch from `start` on, or None (no replay socket, or the answer
+        stalled: replay_timeout without a frame, so a long replay that keeps coming is waited
+        for). A fresh DEALER per request, so a late answer to an abandoned request can never be
+        read as the answer to a later one."""
         if not self.replay_endpoint:
             return None
         sock = self._ctx.socket(zmq.DEALER)
@@ -206,6 +207,7 @@ class KVEventSubscriber:
                 if not sock.poll(POLL_MS):
                     continue
                 frames = sock.recv_multipart()
+                deadline = time.monotonic() + self.replay_timeout
                 if len(frames) != 4 or len(frames[2]) != 8:
                     continue
                 _, topic, seq, payload = frames
@@ -213,7 +215,7 @@ class KVEventSubscriber:
                     return out
                 if not self.topic or topic == self.topic:
                     out.append((seq_of(seq), payload))
-            log.warning("%s: no complete replay from %s within %.1f s", self.name,
+            log.warning("%s: replay from %s stalled for %.1f s", self.name,
                         self.replay_endpoint, self.replay_timeout)
             return None
         finally:
