@@ -185,6 +185,10 @@ class InstanceSet:
         if self.events:
             self._start_events(inst)
         logger.info("instance %s is up (role %s)", inst.name, inst.role)
+        sizes = {i.block_size for i in self.instances if i.block_size}
+        if len(sizes) > 1:
+            logger.warning("instances disagree on the block size (%s): KV-aware routing uses "
+                           "%d and misses on the others", sorted(sizes), min(sizes))
         for cb in self.on_change:
             cb(inst)
 
