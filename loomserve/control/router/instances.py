@@ -3,8 +3,8 @@ how loaded they are (the router's own accounting), and what they cache (their KV
 
 Health: GET /health every `interval` seconds with a `timeout`; a refused connection marks an
 instance down at once, any other failure (timeout, non-200) twice in a row does. So a dead
-instance is out within interval + 2 x timeout (1.5 s with the defaults), well under two
-seconds. A down instance is probed on the same schedule and comes back on its first 200, after
+process is out at the next check (within `interval`, 0.5 s by default) and a hung one after
+two timed-out checks (within 2 x (interval + timeout), 2 s by default). A down instance is probed on the same schedule and comes back on its first 200, after
 its /info is read again (it may have restarted with other event endpoints).
 
 Load: the router counts what it sent and has not seen finish: in-flight requests and their
