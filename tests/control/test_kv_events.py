@@ -268,3 +268,29 @@ def test_replay_socket_answers_a_raw_dealer():
     finally:
         sock.close()
         pub.close()
+
+
+def test_a_silent_replay_socket_resets_and_the_stream_goes_on(consumer):
+    """The replay socket takes requests but never answers (a wedged publisher thread): after
+    replay_timeout the gap counts as lost (on_reset) and live batches are applied from there."""
+    pub = publisher(replay=None)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    for m in range(5):
+        publish(pub, m)
+    settled(pub)
+    sub = KVEventSubscriber(pub.endpoint, silent.getsockopt_string(zmq.LAST_ENDPOINT),
+                            consumer.on_batch, consumer.on_reset, replay_timeout=0.3)
+    sub.start()
+    try:
+        last = feed_until(pub, consumer, 5, lambda: len(consumer.markers()) >= 3) - 1
+        wait_for(lambda: consumer.markers()[-1] == last)
+        assert consumer.seen[0] == RESET and consumer.seen.count(RESET) == 1
+        got = consumer.markers()
+        assert got == list(range(got[0], last + 1)) and got[0] >= 5
+        assert silent.poll(0)  # it was asked
+    finally:
+        sub.close()
+        pub.close()
+        silent.close()
