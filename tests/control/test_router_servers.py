@@ -291,6 +291,37 @@ def test_client_gone_mid_stream_releases_the_load(cluster):
              and cluster.row(home)["active_blocks"] == 0, 10, "the lease released")
 
 
+def test_hung_instance_fails_its_stream_then_comes_back(cluster):
+    """SIGSTOP (a hang, not a death): out after two timed-out health checks, the stream in
+    flight ends with an error event instead of waiting on the silent socket; SIGCONT: back."""
+    import openai
+    prefix = [{"role": "user", "content": "A long story about a shuttle, please."}]
+    name = chat(cluster, "frozen", prefix).headers["x-loomserve-instance"]
+    victim = next(p for p in cluster.instances if p.name == name)
+    client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="none", max_retries=0,
+                           timeout=60, default_headers={"x-session-id": "frozen"})
+    it = iter(client.chat.completions.create(model="tiny-llama", messages=prefix,
+                                             max_tokens=200, stream=True,
+                                             extra_body={"ignore_eos": True}))
+    next(it)
+    victim.kill(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: not cluster.row(name)["up"], 10, "the hung instance marked down")
+        assert time.monotonic() - stopped < 3.0  # 2 x (interval + timeout) + polling slack
+        chunks, error = 0, None
+        try:
+            for _ in it:
+                chunks += 1
+        except openai.APIError as e:
+            error = e
+        assert error is not None or chunks >= 150  # (had it finished before the stop)
+    finally:
+        victim.kill(signal.SIGCONT)
+    wait_for(lambda: cluster.row(name)["up"], 15, "the instance back up")
+    assert chat(cluster, None, prefix).status_code == 200
+
+
 def test_sigkill_instance_out_within_two_seconds(cluster):
     import openai
     prefix = [{"role": "user", "content": "Tell me a very long story about a loom."}]
