@@ -8,7 +8,11 @@ prefill instance is); each size is read as one op, and again as a batch of page-
 process to a socket read with recv_into. Medians of --reps runs; GB/s = 1e9 bytes per second.
 
     python benchmarks/kv_transfer_bandwidth.py [--sizes-mib 1 4 16 64] [--page-bytes 262144]
-        [--reps 5] [--out benchmarks/results/kv_transfer_bandwidth.json]
+        [--reps 5] [--out FILE.json] [--handshake [--model M] [--prompt-tokens 2048]]
+
+--handshake first times the prefill/decode handshake between two engines of this process
+(Mooncake backend, loopback TCP): a decode leg's time to its first token when it imports the
+prompt's KV against when it computes it (medians of 3 prompts; outputs checked equal).
 """
 
 from __future__ import annotations
@@ -111,16 +115,69 @@ def mooncake_s(n: int, page: int, reps: int, target: dict, te, dst: torch.Tensor
     return timed(one_op, reps), timed(pages, reps)
 
 
+def handshake(model: str | None, prompt_tokens: int, reps: int) -> dict:
+    """Two engines of this process with the Mooncake backend (loopback TCP): the time to the
+    first token of a decode leg that imports the prompt's KV, against one that computes it."""
+    import random
+
+    from loomserve import LLM, SamplingParams
+    from loomserve.entrypoints.processor import RequestState
+
+    kw = dict(kv_transfer_backend="mooncake", kv_cache_memory="512MiB")
+    a, b = LLM(model, role="prefill", **kw), LLM(model, role="decode", **kw)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(0)
+
+    def leg(llm, rid, prompt, params):
+        msg = llm.inputs.make_core_request(rid, prompt, one, kv_transfer_params=params)
+        state = RequestState(rid, msg.prompt_token_ids, one, llm.tokenizer)
+        t0 = time.perf_counter()
+        llm.core.add(msg)
+        out = None
+        while llm.core.has_work():
+            for o in llm.core.step():
+                out = state.process([o])
+        return time.perf_counter() - t0, out
+
+    rows = []
+    for i in range(reps):
+        prompt = [rng.randrange(100, 20000) for _ in range(prompt_tokens)]
+        t_prefill, out = leg(a, f"p{i}", prompt, {"do_remote_decode": True})
+        params = out.kv_transfer_params
+        b.core.kv.reset_prefix_cache()
+        t_import, got = leg(b, f"d{i}", prompt, params)
+        b.core.kv.reset_prefix_cache()
+        t_compute, ref = leg(b, f"c{i}", prompt, None)
+        assert got.token_ids == ref.token_ids and got.num_tier_cached_tokens > 0
+        pages = sum(len(g["addrs"]) for g in params["groups"])
+        rows.append({"prefill_s": t_prefill, "decode_import_s": t_import,
+                     "decode_compute_s": t_compute, "imported_tokens": got.num_cached_tokens,
+                     "bytes": pages * params["page_bytes"]})
+    a.close()
+    b.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"prompt {prompt_tokens} tokens, KV {med['bytes'] / 2**20:.1f} MiB: prefill leg "
+          f"{med['prefill_s']:.2f} s; decode leg to first token {med['decode_import_s']:.3f} s "
+          f"importing, {med['decode_compute_s']:.2f} s computing")
+    return {"model": model or "default", "prompt_tokens": prompt_tokens, "median": med,
+            "runs": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--page-bytes", type=int, default=256 << 10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--handshake", action="store_true",
+                    help="also time a decode leg that imports its prompt's KV vs computes it")
+    ap.add_argument("--model", default=None, help="for --handshake (default: the default model)")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--serve-target", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_target:
         return serve_target(args.serve_target)
+    hs = handshake(args.model, args.prompt_tokens, 3) if args.handshake else None
     from mooncake.engine import TransferEngine
     top = max(args.sizes_mib) << 20
     child = subprocess.Popen([sys.executable, __file__, "--serve-target", str(top)],
@@ -147,7 +204,8 @@ def main() -> None:
         child.stdin.close()
         child.wait(10)
     result = {"cpu": cpu_model(), "cores": os.cpu_count(), "page_bytes": args.page_bytes,
-              "reps": args.reps, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+              "reps": args.reps, "date": time.strftime("%Y-%m-%d"), "rows": rows,
+              "handshake": hs}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
