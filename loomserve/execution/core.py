@@ -46,10 +46,9 @@ from loomserve.kv.transfer import KVTransferConnector
 log = logging.getLogger("loomserve.execution")
 
 
-def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
-                        extra: tuple = ()) -> TierConnector | None:
-    """The KV tiers the config asks for (then `extra`, the PeerTier of prefill/decode
-    disaggregation), connected to the pool; None when off or unsupported."""
+def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
+                        ) -> TierConnector | None:
+    """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
     if not config.tier.enabled:
         return None
     if not config.cache.enable_prefix_caching:
@@ -60,7 +59,7 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
                     "(%s)", ", ".join(kinds))
         return None
-    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes, tuple(extra))
+    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes)
     model_id = model_identity(runner.model_name, runner.model_folder,
                               config.model.resolved_cache_dir)
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
@@ -89,7 +88,8 @@ def make_transfer_connector(core: "EngineCore") -> KVTransferConnector:
     identity = lambda: model_identity(r.model_name, r.model_folder,  # noqa: E731
                                       c.model.resolved_cache_dir)
     attach = core.attach_tiers if tiers_supported(kc) else None
-    return KVTransferConnector(c.control, core.kv, r.kv_buffer, identity, attach)
+    return KVTransferConnector(c.control, core.kv, r.kv_buffer, identity, attach,
+                               lambda: core.tiers)
 
 
 def retention_config(config: EngineConfig) -> RetentionConfig:
@@ -119,12 +119,8 @@ class EngineCore:
                                  enable_caching=config.cache.enable_prefix_caching,
                                  retention=retention_config(config), eviction=config.cache.eviction,
                                  flop_model=flop_model(self.runner))
+        self.tiers = make_tier_connector(config, self.runner, self.kv)
         self.transfer = make_transfer_connector(self)
-        peer = (self.transfer.tiers_for_store() if config.tier.enabled and
-                tiers_supported(self.runner.kv_cache_config) else ())
-        self.tiers = make_tier_connector(config, self.runner, self.kv, peer)
-        if self.tiers is not None and peer:
-            self.transfer.bound_by(self.tiers.store)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.long_prefill_threshold, self.tiers)

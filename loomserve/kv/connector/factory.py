@@ -36,9 +36,8 @@ def tiers_supported(kv_config: KVCacheConfig) -> bool:
     return all(g.spec.kind in TIERED_KINDS for g in kv_config.groups)
 
 
-def build_tiered_store(config: TierConfig, page_bytes: int, extra: tuple = ()):
-    """A TieredStore from the tier config (host -> disk -> remote, then `extra`, e.g. the
-    prefill/decode PeerTier), or None when the config asks for no tier."""
+def build_tiered_store(config: TierConfig, page_bytes: int):
+    """A TieredStore from the tier config (host -> disk -> remote), or None."""
     from loomserve.kv.tiers import DiskTier, HostTier, TieredStore
     tiers = []
     if config.host_cache_memory:
@@ -53,7 +52,6 @@ def build_tiered_store(config: TierConfig, page_bytes: int, extra: tuple = ()):
         tiers.append(RedisTier(page_bytes, url=config.remote_cache))
     if not tiers:
         return None
-    tiers += list(extra)
     return TieredStore(tiers, write_after_seen=config.tier_write_after_seen)
 
 

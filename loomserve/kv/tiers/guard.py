@@ -31,10 +31,15 @@ class TierGuard:
                  on_fail: Callable[[Tier], None] = lambda tier: None) -> None:
         self.op_timeout_s = op_timeout_s
         self._on_fail = on_fail
+        self._backoff_s = backoff_s
+        self._threads: dict[str, ThreadPoolExecutor] = {}
         for t in tiers:
-            t.health.base_s, t.health.max_s = backoff_s
-        self._threads = {t.name: ThreadPoolExecutor(1, thread_name_prefix=f"tier-{t.name}")
-                         for t in tiers}
+            self.add(t)
+
+    def add(self, tier: Tier) -> None:
+        """Guard one more tier (its own thread, the store's backoff)."""
+        tier.health.base_s, tier.health.max_s = self._backoff_s
+        self._threads[tier.name] = ThreadPoolExecutor(1, thread_name_prefix=f"tier-{tier.name}")
 
     @staticmethod
     def ok(tier: Tier) -> None:

@@ -34,7 +34,7 @@ from loomserve.kv.tiers.handles import (
 )
 from loomserve.kv.tiers.host import HostTier
 from loomserve.kv.tiers.prefetch import SessionPrefetcher
-from loomserve.kv.tiers.write_path import WritePath
+from loomserve.kv.tiers.write_path import RecentKeys, WritePath
 
 # A tier's answer for the keys still missing: one bool per key, or None for no answer.
 Probe = Callable[[Tier, list[int]], "list[bool] | None"]
@@ -303,6 +303,19 @@ class TieredStore:
         """Tier events (PagesStored / PagesRemoved with the tier's name), from worker threads."""
         for t in self.tiers:
             t.subscribe(fn)
+
+    def add_tier(self, tier: Tier) -> None:
+        """Append a read-only tier below the others while the store runs (the PeerTier of
+        prefill/decode disaggregation, added at an instance's first decode leg). The lists are
+        replaced, not mutated, so a worker walking the old ones finishes undisturbed."""
+        if not tier.readonly or tier.page_bytes != self.page_bytes:
+            raise ValueError("only a read-only tier of the store's page size can be added")
+        if any(t.name == tier.name for t in self.tiers):
+            raise ValueError(f"the store already has a tier named {tier.name!r}")
+        self._guard.add(tier)
+        self._recent[tier.name] = RecentKeys(1024)  # never written: only misses discard here
+        self.lower = [*self.lower, tier]
+        self.tiers = [*self.tiers, tier]
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

@@ -8,9 +8,9 @@ before the scheduler sees the request; the tier connector's load path pulls what
 lacks; `on_admit` / `on_finish` drop the registration and tell the prefill side it may free
 its staging (once per request).
 
-The transfer backend starts at the first transfer (a plain `serve` opens no port); an
-instance without configured tiers gets a peer-only TieredStore attached at its first decode
-leg (`attach`).
+The transfer backend starts at the first transfer (a plain `serve` opens no port), and the
+PeerTier joins the engine's tiers at the first decode leg: below the configured tiers
+(TieredStore.add_tier), or in a peer-only TieredStore attached then when there are none.
 
 Invariants:
 - Malformed or unusable params never fail a request: it computes its prefix instead.
@@ -33,15 +33,17 @@ GUARD_MARGIN_S = 1.0
 
 
 class KVTransferConnector:
-    def __init__(self, control, kv, kv_buffer, identity, attach=None) -> None:
+    def __init__(self, control, kv, kv_buffer, identity, attach=None,
+                 tiers=lambda: None) -> None:
         """control: ControlConfig; identity(): the model identity for tier keys (lazy: it
         digests the weights once); attach(store): connect a TieredStore when the engine has
-        none."""
+        none; tiers(): the engine's TierConnector or None."""
         self.control = control
         self.kv = kv
         self.kv_buffer = kv_buffer
         self._identity = identity
         self._attach = attach
+        self._tiers = tiers
         self.enabled = kv.enable_caching  # pages are named by block hashes
         self._transfer = None
         self._keyspaces = None
@@ -68,13 +70,6 @@ class KVTransferConnector:
             self._keyspaces = [KeySpace(fingerprint_for(self.kv.config, model_id, g))
                                for g in range(len(self.kv.config.groups))]
         return self._keyspaces
-
-    def tiers_for_store(self) -> list:
-        """The tier to add to a configured TieredStore (every role takes decode legs)."""
-        if not self.enabled:
-            return []
-        self.peer_attached = True
-        return [self.peer]
 
     def bound_by(self, store) -> None:
         """The peer tier sits in a configured store whose guard times calls out: a pull must
@@ -107,21 +102,22 @@ class KVTransferConnector:
             self.counters["decode_legs"] += 1
 
     def _ensure_peer(self) -> bool:
+        """At the first decode leg: the PeerTier joins the engine's tiers below the configured
+        ones, or a store of its own is attached when there are none."""
         if self.peer_attached:
             return True
-        if self._attach is None:
+        if self._attach is None:  # a layer kind without tier support: decode legs compute
             return False
-        from loomserve.kv.tiers import TieredStore
-        store = TieredStore([self.peer],
-                            op_timeout_s=self.control.kv_transfer_timeout + GUARD_MARGIN_S)
-        try:
-            self._attach(store)
-        except RuntimeError as e:  # tiers of another origin: this leg computes
-            log.warning("KV transfer: no peer tier (%s)", e)
-            store.close()
-            self._attach = None
-            return False
+        conn = self._tiers()
+        if conn is not None:
+            conn.store.add_tier(self.peer)
+            self.bound_by(conn.store)
+        else:
+            from loomserve.kv.tiers import TieredStore
+            self._attach(TieredStore([self.peer], op_timeout_s=self.control.kv_transfer_timeout
+                                     + GUARD_MARGIN_S))
         self.peer_attached = True
+        log.info("KV transfer: the peer tier is in the engine's tiers")
         return True
 
     def on_admit(self, req) -> None:

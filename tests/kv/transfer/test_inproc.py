@@ -147,14 +147,15 @@ def test_malformed_params_are_a_value_error(engines):
 
 
 def test_decode_with_configured_tiers_pulls_through_the_peer_tier(engines):
-    """With a host tier configured the peer tier sits below it in the same store."""
+    """With a host tier configured the peer tier joins below it at the first decode leg."""
     ref, a, _ = engines
     b = make("tiny-llama", "decode", host_cache_memory="1MiB")
     try:
-        assert [t.name for t in b.core.tiers.store.tiers] == ["host", "peer"]
+        assert [t.name for t in b.core.tiers.store.tiers] == ["host"]
         prompt = tokens(100, 10)
         params = prefill(a, "p10", prompt)
         out = leg(b, "d10", prompt, GREEDY, params)
+        assert [t.name for t in b.core.tiers.store.tiers] == ["host", "peer"]
         assert out.token_ids == reference(ref, prompt, "r10")
         assert out.num_tier_cached_tokens == 96 and peer_tokens(b) == 96
     finally:
