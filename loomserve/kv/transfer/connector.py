@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 
 from loomserve.kv.transfer.backend import make_transfer
 from loomserve.kv.transfer.params import is_prefill_leg, parse
@@ -46,6 +47,7 @@ class KVTransferConnector:
         self._tiers = tiers
         self.enabled = kv.enable_caching  # pages are named by block hashes
         self._transfer = None
+        self._lock = threading.Lock()
         self._keyspaces = None
         self.source: TransferSource | None = None
         self.peer = PeerTier(kv.config.page_bytes, lambda: self.transfer,
@@ -56,11 +58,15 @@ class KVTransferConnector:
 
     @property
     def transfer(self):
-        if self._transfer is None:
-            c = self.control
-            self._transfer = make_transfer(c.kv_transfer_backend, c.kv_transfer_host)
-            log.info("KV transfer: %s at %s", self._transfer.name, self._transfer.session_id)
-        return self._transfer
+        """The backend, started at first use (the engine thread stages, the peer tier's
+        thread pulls: one backend for both, made once under a lock)."""
+        with self._lock:
+            if self._transfer is None:
+                c = self.control
+                self._transfer = make_transfer(c.kv_transfer_backend, c.kv_transfer_host)
+                log.info("KV transfer: %s at %s", self._transfer.name,
+                         self._transfer.session_id)
+            return self._transfer
 
     @property
     def keyspaces(self) -> list:
@@ -92,7 +98,8 @@ class KVTransferConnector:
         except ValueError as e:  # the front end validates: only a raw core client gets here
             log.warning("request %s: kv_transfer_params ignored: %s", req.request_id, e)
             params = None
-        if params is None or not self.enabled or params.backend != self.transfer.name:
+        if params is None or not self.enabled or \
+                params.backend != self.control.kv_transfer_backend:
             self.counters["unusable_params"] += 1
             return
         if not self._ensure_peer():
@@ -132,8 +139,8 @@ class KVTransferConnector:
         if tid is None:
             return
         params = self.peer.drop(tid)
-        if params is not None and params.notify:
-            self.transfer.notify(params.notify, tid.encode())
+        if params is not None and params.notify and self._transfer is not None:
+            self._transfer.notify(params.notify, tid.encode())  # (no backend: nothing pulled)
 
     def on_freed(self, req, finished_ok: bool) -> None:
         """After the KV manager freed req: a prefill leg's pages go to staging and its params

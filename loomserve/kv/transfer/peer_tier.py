@@ -146,7 +146,8 @@ class PeerTier(Tier):
             self._staging = None  # a late read may still write into it: never reused
             log.warning("KV pull from %s timed out after %.1fs: computing instead", peer,
                         self.read_timeout_s)
-        except (TransferFailed, RuntimeError, ValueError) as e:
+        except (TransferFailed, RuntimeError, ValueError, ImportError) as e:  # ImportError:
+            # the backend cannot start here (e.g. Mooncake not installed)
             log.warning("KV pull from %s failed (%s): computing instead", peer, e)
         self.counters["failed_reads"] += 1
         return None

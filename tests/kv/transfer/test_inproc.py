@@ -124,6 +124,12 @@ def test_unknown_engine_or_wrong_layout_never_imports(engines):
     fresh(b)
     out = leg(b, "d7b", prompt, GREEDY, gone)
     assert out.token_ids == want and out.num_cached_tokens == 0
+    unusable = b.core.transfer.counters["unusable_params"]
+    other_backend = dict(params, transfer_id="mc", backend="mooncake")
+    fresh(b)
+    out = leg(b, "d7c", prompt, GREEDY, other_backend)
+    assert out.token_ids == want and out.num_cached_tokens == 0
+    assert b.core.transfer.counters["unusable_params"] == unusable + 1
 
 
 def test_different_prompt_does_not_import(engines):
