@@ -117,6 +117,9 @@ def _add_serve(sub) -> None:
     d.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
                    help="ZMQ ROUTER address answering replay requests for missed events "
                         "(default: the events port + 1)")
+    d.add_argument("--kv-events-buffer-steps", type=int,
+                   default=_DEFAULTS["kv_events_buffer_steps"], metavar="N",
+                   help="event batches kept for replay (default: %(default)s)")
     d.add_argument("--kv-events-topic", default=_DEFAULTS["kv_events_topic"],
                    help="topic frame of every event message (default: empty)")
     d.add_argument("--kv-transfer-backend", choices=["mooncake", "inproc"],
