@@ -184,3 +184,37 @@ def test_injected_step_fault_makes_serve_exit_nonzero_with_the_traceback_logged(
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_sigkill_of_the_front_end_mid_step_takes_the_core_with_it():
+    """The core must never outlive its front end, even inside a long step (where the loop's
+    own parent check cannot run): the kernel kills it (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    proc, _ = start_serve(port, {"LOOMSERVE_STEP_DELAY_MS": "3000"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        info = httpx.get(url + "/info").json()
+        core_pid = info["pid"]
+        assert core_pid != proc.pid
+        model = info["model"]
+        with httpx.Client(timeout=ANSWER_S) as c:
+            with c.stream("POST", url + "/v1/completions", json=long_body(model, True, 8)):
+                time.sleep(0.5)  # the core is now inside its 3 s step delay
+                proc.kill()
+        proc.wait(timeout=ANSWER_S)
+        deadline = time.monotonic() + 2.0  # well inside the 3 s step
+        while time.monotonic() < deadline and _alive(core_pid):
+            time.sleep(0.05)
+        assert not _alive(core_pid), "the engine core outlived its killed front end"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
