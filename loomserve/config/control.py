@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loomserve.config.units import parse_bytes
+
 ROLES = ("both", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "inproc")
 
@@ -31,6 +33,9 @@ class ControlConfig:
     kv_transfer_backend: str = "mooncake"  # mooncake (Transfer Engine, TCP/RDMA) | inproc (tests)
     kv_transfer_host: str = "127.0.0.1"  # the address peers reach this instance's transfers at
     kv_transfer_timeout: float = 30.0  # seconds a prefilled KV waits for its decode; a pull's cap
+    # Host memory a prefill instance stages finished prompts' pages in (made at the first
+    # prefill leg; at most the pool's size). A prompt that does not fit gets null params.
+    kv_transfer_buffer: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,5 +45,6 @@ class ControlConfig:
                              f" got {self.kv_transfer_backend!r}")
         if self.kv_events_endpoint and self.kv_events_replay_endpoint is None:
             self.kv_events_replay_endpoint = _replay_default(self.kv_events_endpoint)
+        self.kv_transfer_buffer = parse_bytes(self.kv_transfer_buffer, "kv-transfer-buffer")
         if self.kv_events_buffer_steps < 1 or self.kv_transfer_timeout <= 0:
             raise ValueError("kv-events-buffer-steps and kv-transfer-timeout must be positive")

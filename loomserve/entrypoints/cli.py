@@ -129,6 +129,9 @@ def _add_serve(sub) -> None:
     d.add_argument("--kv-transfer-host", default=_DEFAULTS["kv_transfer_host"],
                    help="address peer instances reach this one's KV transfers at "
                         "(default: %(default)s)")
+    d.add_argument("--kv-transfer-buffer", default=_DEFAULTS["kv_transfer_buffer"], metavar="BYTES",
+                   help="host memory a prefill instance stages finished prompts' KV in for their "
+                        "decode instances, e.g. 4GiB (default: 1 GiB, at most the pool's size)")
     d.add_argument("--kv-transfer-timeout", type=float, default=_DEFAULTS["kv_transfer_timeout"],
                    metavar="SECONDS",
                    help="how long a prefilled KV waits for its decode instance, and the most a "

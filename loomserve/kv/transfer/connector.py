@@ -154,7 +154,8 @@ class KVTransferConnector:
             if self.source is None:
                 self.source = TransferSource(self.kv, self.kv_buffer, self.transfer,
                                              self.keyspaces, self.transfer.name,
-                                             self.control.kv_transfer_timeout)
+                                             self.control.kv_transfer_timeout,
+                                             self.control.kv_transfer_buffer)
             req.kv_transfer_result = self.source.stage(req)
         except Exception:  # a backend that cannot start: the decode side computes
             log.exception("request %s: KV staging failed", req.request_id)

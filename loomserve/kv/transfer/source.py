@@ -28,7 +28,7 @@ from loomserve.kv.transfer.params import GroupPages, TransferParams
 
 log = logging.getLogger(__name__)
 
-ARENA_BYTES = 256 << 20  # staging arena ceiling; at most the pool's size
+ARENA_BYTES = 1 << 30  # default staging arena ceiling (--kv-transfer-buffer); at most the pool's size
 GRACE_S = 2.0  # an expired transfer's slots wait this much longer (a read may be finishing)
 
 
@@ -63,7 +63,7 @@ class TransferSource:
     """Stages finished prefill legs (`stage`) and frees them on notice or expiry (`poll`)."""
 
     def __init__(self, kv, kv_buffer: torch.Tensor, transfer, keyspaces: list, backend: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, arena_bytes: int = ARENA_BYTES) -> None:
         self.kv = kv
         self.kv_buffer = kv_buffer
         self.transfer = transfer
@@ -71,7 +71,7 @@ class TransferSource:
         self.backend = backend
         self.timeout_s = timeout_s
         page_bytes = kv.config.page_bytes
-        pages = max(1, min(kv.num_blocks, ARENA_BYTES // page_bytes))
+        pages = max(1, min(kv.num_blocks, arena_bytes // page_bytes))
         self.arena = StagingArena(pages, page_bytes)
         transfer.register(self.arena.buffer)
         self.staged: dict[str, tuple[list[int], float]] = {}  # id -> (slots, reuse after)

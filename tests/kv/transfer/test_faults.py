@@ -7,15 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
-from loomserve.kv.transfer import InProcTransfer, source
+from loomserve.kv.transfer import InProcTransfer
 from tests.kv.transfer.conftest import GREEDY, ONE, leg, make, tokens
 
 
-def test_no_room_to_stage_gives_null_params(monkeypatch):
+def test_no_room_to_stage_gives_null_params():
     a = make("tiny-llama", "prefill")
     try:
         page = a.core.runner.kv_cache_config.page_bytes
-        monkeypatch.setattr(source, "ARENA_BYTES", 2 * page)  # two pages: a 6-block prompt
+        a.core.config.control.kv_transfer_buffer = 2 * page  # two pages: a 6-block prompt
         out = leg(a, "p", tokens(100, 1), ONE, {"do_remote_decode": True})
         assert out.finished and out.kv_transfer_params is None
         assert a.core.transfer.source.counters["no_room"] == 1
