@@ -227,9 +227,10 @@ def run_layout(name: str, a, store: ResultStore) -> None:
         row["check_router_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()
                                      if v != before.get(k, 0.0)}
         row["router_counters"] = router_counters(router.url)
+        row["args"] = {k: v for k, v in vars(a).items() if k not in ("force", "out")}
         row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-        store.put(name, row)
+        store.put(name + a.key_suffix, row)
     finally:
         if router is not None:
             router.stop()
@@ -244,7 +245,11 @@ def main() -> int:
     ap.add_argument("--warm-suffix", type=int, default=32)
     ap.add_argument("--warm-output", type=int, default=48)
     ap.add_argument("--think", type=float, default=0.5)
-    ap.add_argument("--cold-tokens", type=int, default=6144)
+    ap.add_argument("--cold-tokens", type=int, default=5632,
+                    help="fresh prompt tokens (default: %(default)s: with float32 SmolLM2, "
+                         "46 KB/token, the largest ~6K prompt under the prefill side's 256 MiB "
+                         "staging arena; 6144 does not fit and is recomputed on decode)")
+    ap.add_argument("--key-suffix", default="", help="store the layouts as NAME+suffix")
     ap.add_argument("--cold-every", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=10.0,
                     help="s after the primers before the quiet phase")
@@ -265,7 +270,7 @@ def main() -> int:
     VOCAB_HI[0] = a.vocab_hi
     store = ResultStore(a.out, {"host": host_info(), "args": vars(a)})
     for name in a.layouts:
-        if store.done(name) and not a.force:
+        if store.done(name + a.key_suffix) and not a.force:
             continue
         print(f"{name}: starting", file=sys.stderr, flush=True)
         try:
