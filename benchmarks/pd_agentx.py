@@ -245,10 +245,10 @@ def main() -> int:
     ap.add_argument("--warm-suffix", type=int, default=32)
     ap.add_argument("--warm-output", type=int, default=48)
     ap.add_argument("--think", type=float, default=0.5)
-    ap.add_argument("--cold-tokens", type=int, default=5632,
-                    help="fresh prompt tokens (default: %(default)s: with float32 SmolLM2, "
-                         "46 KB/token, the largest ~6K prompt under the prefill side's 256 MiB "
-                         "staging arena; 6144 does not fit and is recomputed on decode)")
+    ap.add_argument("--cold-tokens", type=int, default=6144,
+                    help="fresh prompt tokens (default: %(default)s; float32 SmolLM2 takes "
+                         "46 KB/token, 270 MiB here: the prefill side's --kv-transfer-buffer "
+                         "must hold it, else the decode side recomputes)")
     ap.add_argument("--key-suffix", default="", help="store the layouts as NAME+suffix")
     ap.add_argument("--cold-every", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=10.0,
