@@ -232,7 +232,10 @@ def test_router_api_key_in_each_api_shape(cluster):
                                      + [a for p in cluster.instances for a in ("--instance",
                                                                                 p.url)])
     with TestClient(build_from_args(args)) as c:
-        assert c.get("/health").status_code == 200  # open, like the instances'
+        deadline = time.monotonic() + 60  # open, like the instances'; 200 once ready
+        while (h := c.get("/health")).status_code != 200:
+            assert h.status_code == 503 and time.monotonic() < deadline, h.text
+            time.sleep(0.1)
         r = c.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": []})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = c.post("/v1/messages", json={})

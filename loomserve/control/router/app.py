@@ -7,7 +7,7 @@ Failure rules (what a client sees):
 - an instance failing after that: 502 in the API's error shape (OpenAI {"error": {...}},
   Anthropic {"type": "error", ...} under /v1/messages), or, once a stream started, an error
   event ending the stream (proxy.py);
-- no healthy instance: 503.
+- no healthy instance: 503 (and GET /health is 503 until the tokenizer has loaded).
 Every response carries x-loomserve-instance (host:port) and x-loomserve-route (the reason and
 the overlap in blocks when it was looked up); a disaggregated one x-loomserve-prefill (the
 prefill instance, "(failed)" when its leg failed and the decode side computed the prompt).
@@ -244,8 +244,12 @@ def build_router_app(router: Router, *, api_keys: list[str] | None = None,
         rows = [{"instance": i.name, "url": i.url, "up": i.up, "role": i.role,
                  "active_requests": i.active_requests, "active_blocks": round(i.active_blocks, 2),
                  "cached_blocks": router.index.blocks_of(i.name)} for i in instances.instances]
-        ok = any(r["up"] for r in rows)
-        return JSONResponse({"status": "ok" if ok else "no healthy instance",
+        # Ready once an instance is up and the tokenizer settled: before that, KV-aware
+        # placement and the prefill/decode split would run blind (a readiness probe waits).
+        up = any(r["up"] for r in rows)
+        ok = up and router.tokenizer_settled
+        status = "ok" if ok else ("loading the tokenizer" if up else "no healthy instance")
+        return JSONResponse({"status": status,
                              "policy": router.policy.name,
                              "tokenizer": router.keys is not None, "instances": rows},
                             status_code=200 if ok else 503)

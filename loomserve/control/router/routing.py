@@ -72,6 +72,7 @@ class Router:
         self.chat_template = chat_template  # the template's text (the instances' override)
         self.pd_threshold = pd_threshold_tokens
         self.keys: PromptKeys | None = None
+        self.tokenizer_settled = False  # loaded, or failed for good: /health waits for it
         self._prefill_policy = KVAware(index, instances.block_size)
         self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> instance name
 
@@ -92,6 +93,8 @@ class Router:
         except Exception:
             logger.exception("could not load the tokenizer from %s: routing without prompt "
                              "knowledge (round robin / least loaded fallbacks)", path)
+        finally:
+            self.tokenizer_settled = True
 
     def request(self, api: str, body: dict, headers) -> RouteRequest:
         session = session_of(api, body, headers)
