@@ -5,7 +5,8 @@
 #
 # Like vllm_env.sh, the peer venv borrows loomserve's venv (torch, transformers, pydantic, ...)
 # through a .pth written last, so pip only ever sees and writes the peer venv. The package list
-# below was found by trial import against loomserve's venv; VLLM_EVENTS_EXTRA_PKGS overrides it.
+# below was found by trial import against a clean `make install` of loomserve (openai-harmony and
+# llguidance are not loomserve dependencies: vllm.reasoning imports them); VLLM_EVENTS_EXTRA_PKGS overrides it.
 # Re-runs are cheap (pip skips what the peer has); the venv is ready once its marker exists.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"          # benchmarks/
@@ -41,7 +42,7 @@ fi
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
   ${VLLM_EVENTS_EXTRA_PKGS:-msgspec pyzmq psutil cbor2 pybase64 cachetools cloudpickle uvloop \
-  py-cpuinfo partial-json-parser}
+  py-cpuinfo partial-json-parser openai-harmony llguidance}
 echo "$base_site" > "$peer_site/_loomserve_base.pth"
 "$venv/bin/python" -c 'import vllm.distributed.kv_events; print("vllm.distributed.kv_events importable")'
 touch "$venv/.ready"
