@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -31,18 +30,12 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.host import host_info  # noqa: E402
+
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def serve_target(nbytes: int) -> None:
@@ -203,7 +196,7 @@ def main() -> None:
     finally:
         child.stdin.close()
         child.wait(10)
-    result = {"cpu": cpu_model(), "cores": os.cpu_count(), "page_bytes": args.page_bytes,
+    result = {"cpu": host_info()["cpu"], "cores": os.cpu_count(), "page_bytes": args.page_bytes,
               "reps": args.reps, "date": time.strftime("%Y-%m-%d"), "rows": rows,
               "handshake": hs}
     if args.out:

@@ -25,9 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.host import host_info  # noqa: E402
 
 from loomserve.control.router.instances import InstanceSet
 from loomserve.control.router.kv_index import KVIndex
@@ -40,15 +43,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = " ".join(f"Rule {i}: keep the build green and explain each change." for i in range(60))
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def conversation(s: int, turns: int, filler: int) -> list[dict]:
@@ -126,7 +120,7 @@ def run(args) -> dict:
                 (m, {"x-session-id": f"cold{s}"}) for s, m in enumerate(convs[:args.cold])])
     prompt_tokens = len(make_router("kv_aware", args.tokenizer, 1, args.block_size).keys.keys(
         "chat", {"messages": convs[0]}, None)[0])
-    return {"cpu": cpu_model(), "sessions": args.sessions, "instances": args.instances,
+    return {"cpu": host_info()["cpu"], "sessions": args.sessions, "instances": args.instances,
             "prompt_tokens": prompt_tokens, "block_size": args.block_size,
             "tokenizer": os.path.relpath(args.tokenizer, os.path.dirname(HERE)),
             "date": time.strftime("%Y-%m-%d"), "load_avg_1m": os.getloadavg()[0],

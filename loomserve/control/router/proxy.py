@@ -18,12 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import httpx
-from starlette.responses import StreamingResponse
-from starlette.types import Send
 
 from loomserve.control.router.instances import Instance, Lease
 from loomserve.control.router.tokens import API_MESSAGES, API_RESPONSES
 from loomserve.entrypoints.server.errors import anthropic_error_body, error_body
+from loomserve.entrypoints.server.handler import ClosingStreamingResponse
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",
@@ -93,7 +92,7 @@ async def until_down(aw: Awaitable, inst: Instance, timeout: float):
     raise InstanceLost(f"instance {inst.name} {why}")
 
 
-class ClosingStream(StreamingResponse):
+class ClosingStream(ClosingStreamingResponse):
     """Always closes its body iterator and runs `on_close`, however the stream ends (a client
     that vanishes between chunks, or before the first), so the upstream request is closed
     and the lease released even when the iterator never started."""
@@ -109,14 +108,6 @@ class ClosingStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.on_close()
 
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
 
 
 class Upstream:

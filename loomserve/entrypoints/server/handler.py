@@ -46,15 +46,13 @@ class ClientGone(Exception):
     pass
 
 
-class SSEResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, however the stream ends.
 
     Starlette leaves the iterator suspended when the client vanishes between two chunks; closing
-    it here runs the generator's `finally`, which aborts the engine request at once instead of
-    whenever the garbage collector gets to it.
+    it here runs the generator's `finally` at once (aborting the engine request, or the router's
+    upstream request) instead of whenever the garbage collector gets to it.
     """
-
-    media_type = "text/event-stream"
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -64,6 +62,10 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+
+
+class SSEResponse(ClosingStreamingResponse):
+    media_type = "text/event-stream"
 
 
 class Handler:
