@@ -18,7 +18,7 @@ from loomserve.config.cache import (
     CacheConfig,
 )
 from loomserve.config.control import ROLES, ControlConfig
-from loomserve.config.model import DTYPES, ModelConfig
+from loomserve.config.model import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, ModelConfig
 from loomserve.config.parallel import ParallelConfig
 from loomserve.config.scheduler import SchedulerConfig
 from loomserve.config.tier import TierConfig
@@ -75,7 +75,7 @@ def flat_defaults() -> dict[str, Any]:
     return out
 
 
-__all__ = ["DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION", "DTYPES", "EVICTION_POLICIES",
+__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION", "DTYPES", "EVICTION_POLICIES",
            "CacheConfig", "ControlConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
            "SchedulerConfig", "TierConfig", "flat_defaults", "flat_fields", "parse_bytes",
            "parse_memory"]

@@ -11,7 +11,15 @@ import argparse
 import os
 import sys
 
-from loomserve.config import DTYPES, EVICTION_POLICIES, EngineConfig, flat_defaults, flat_fields
+from loomserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EVICTION_POLICIES,
+    QUANTIZATIONS,
+    EngineConfig,
+    flat_defaults,
+    flat_fields,
+)
 from loomserve.entrypoints.server.response_store import DEFAULT_MAX_SIZE as DEFAULT_STORE_SIZE
 from loomserve.entrypoints.server.response_store import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
 
@@ -45,7 +53,15 @@ def _add_serve(sub) -> None:
                    default=_DEFAULTS["long_prefill_threshold"],
                    help="per-request prefill tokens per step (0 disables the cap) (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
-                   help="weights and KV cache dtype (default: %(default)s)")
+                   help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU "
+                        "(default: %(default)s)")
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=_DEFAULTS["quantization"],
+                   help="weight quantization: none, gguf (keep a .gguf file's own blocks), int8 or "
+                        "int4 (weight-only, quantized at load) (default: %(default)s)")
+    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                   default=_DEFAULTS["attention_backend"],
+                   help="auto: in-place paged kernels where the device has them, else torch "
+                        "(default: %(default)s)")
     p.add_argument("--device", default=_DEFAULTS["device"],
                    help="auto, cpu, cuda, cuda:1, ... (default: %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],

@@ -290,7 +290,7 @@ class EngineCore:
             block_size=self.config.cache.block_size, kv_capacity_tokens=kc.capacity_tokens,
             kv_blocks_total=kc.num_blocks, max_waiting_requests=self.max_waiting_requests,
             num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
-            dtype=self.config.model.dtype,
+            dtype=self.config.model.resolved_dtype,
             tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
             pid=os.getpid(), role=self.config.control.role,
             **(self.events_ready() if self.events is not None else {}))
