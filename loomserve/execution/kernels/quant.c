@@ -1,0 +1,236 @@
+/* Quantized-weight matrix products for the CPU: y[M,N] = x[M,K] @ W^T (+ bias), W never
+ * dequantized to floats.
+ *
+ * Weight format (loomserve/execution/layers/quant.py): groups of G=32 along K; value
+ * w[n,k] = s[n,g] * q[n,k] + m[n,g] (m optional), s and m fp16 [N, K/32].
+ *   bits=4: q in 0..15, 16 bytes per group, GGUF Q4_0 nibble order (byte j: q[j] | q[j+16] << 4).
+ *   bits=8: q int8, 32 bytes per group.
+ * The llama.cpp way: each row of x is quantized once per call to int8 per 32-block
+ * (dx = max|x| / 127, xq = round(x / dx)); then per group an integer dot product,
+ * y = sum_g s*dx*dot(q, xq) + m*dx*sum(xq). Error: the weights' own rounding plus x's int8
+ * rounding (relative ~0.4% of each block's max |x|).
+ *
+ * Memory traffic: OpenMP splits N into tiles of 4 weight rows; each tile is read from memory
+ * once and every x row is multiplied with it from L1 (x, K bytes per row, stays in L2; rows
+ * come in chunks of 64 so a long prefill's x does not overflow it). int4 tiles are unpacked
+ * to bytes once per tile when M > 1, so the unpacking is not repeated per x row.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define NR 4
+#define MC 64
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* x row -> int8 per 32-block; dx[b] the block scale, dxs[b] = dx[b] * sum(xq) (mins term). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float *dxs) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            xq[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        dx[b] = d;
+        dxs[b] = d * (float)sum;
+    }
+}
+
+/* Weight-row kinds: packed int4 (16 B/group), unpacked int4 as bytes (32 B), int8 (32 B). */
+enum { PACKED4 = 0, BYTES4 = 1, INT8 = 2 };
+
+static void unpack4(const uint8_t *p, int64_t nb, uint8_t *out) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < 16; j++) {
+            out[b * QK + j] = p[b * 16 + j] & 0x0f;
+            out[b * QK + j + 16] = p[b * 16 + j] >> 4;
+        }
+}
+
+#if defined(__AVX2__)
+static inline __m256i load_w(int kind, const uint8_t *w, int64_t b) {
+    if (kind == PACKED4) {
+        __m128i p = _mm_loadu_si128((const __m128i *)(w + b * 16));
+        __m256i v = _mm256_set_m128i(_mm_srli_epi16(p, 4), p);
+        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    }
+    return _mm256_loadu_si256((const __m256i *)(w + b * QK));
+}
+
+/* 8 int32 partial sums of w . x as floats; int4 is unsigned (maddubs takes it directly),
+ * int8 is signed: |w| times x with w's sign, as llama.cpp does (max 2*128*127 < 2^15). */
+static inline __m256 dot32(int kind, __m256i w, __m256i x) {
+    __m256i p;
+    if (kind == INT8)
+        p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    else
+        p = _mm256_maddubs_epi16(w, x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* out[r] = sum_b sf[r][b] * dx[b] * dot(w[r] block b, xq block b), r < NR. */
+static inline __attribute__((always_inline)) void tile_dot(
+        int kind, const uint8_t *const *w, const int8_t *xq, const float *dx, int64_t nb,
+        const float *sf, float *out) {
+#if defined(__AVX2__)
+    __m256 acc[NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        for (int r = 0; r < NR; r++) {
+            __m256 p = dot32(kind, load_w(kind, w[r], b), xv);
+            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(sf[r * nb + b] * dx[b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum(acc[r]);
+#else
+    for (int r = 0; r < NR; r++) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int j = 0; j < QK; j++) {
+                int q;
+                if (kind == PACKED4)
+                    q = j < 16 ? (w[r][b * 16 + j] & 0x0f) : (w[r][b * 16 + j - 16] >> 4);
+                else if (kind == BYTES4)
+                    q = w[r][b * QK + j];
+                else
+                    q = ((const int8_t *)w[r])[b * QK + j];
+                s += q * xq[b * QK + j];
+            }
+            acc += sf[r * nb + b] * dx[b] * (float)s;
+        }
+        out[r] = acc;
+    }
+#endif
+}
+
+static void tile_dot_kind(int kind, const uint8_t *const *w, const int8_t *xq, const float *dx,
+                          int64_t nb, const float *sf, float *out) {
+    switch (kind) {  /* constant kinds: each call below is specialized by the compiler */
+        case PACKED4: tile_dot(PACKED4, w, xq, dx, nb, sf, out); break;
+        case BYTES4: tile_dot(BYTES4, w, xq, dx, nb, sf, out); break;
+        default: tile_dot(INT8, w, xq, dx, nb, sf, out); break;
+    }
+}
+
+void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *s,
+                  const uint16_t *mins, int64_t N, int bits, const float *bias, float *y,
+                  int nthreads) {
+    const int64_t nb = K / QK, row_bytes = bits == 4 ? K / 2 : K, ntiles = (N + NR - 1) / NR;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *dxs = malloc(sizeof(float) * (size_t)(M * nb));
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, dx + m * nb, dxs + m * nb);
+        uint8_t *wbuf = (bits == 4 && M > 1) ? malloc((size_t)(NR * K)) : NULL;
+        float *sf = malloc(sizeof(float) * (size_t)(NR * nb)), *mf = malloc(sizeof(float) * (size_t)(NR * nb));
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            int64_t m1 = m0 + MC < M ? m0 + MC : M;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < ntiles; t++) {
+                int64_t n0 = t * NR;
+                int nr = N - n0 < NR ? (int)(N - n0) : NR;
+                const uint8_t *w[NR];
+                int kind = bits == 8 ? INT8 : (wbuf ? BYTES4 : PACKED4);
+                for (int r = 0; r < NR; r++) {
+                    int64_t n = n0 + (r < nr ? r : nr - 1);  /* a short tile repeats its last row */
+                    for (int64_t b = 0; b < nb; b++) {
+                        sf[r * nb + b] = fp16_to_fp32(s[n * nb + b]);
+                        mf[r * nb + b] = mins ? fp16_to_fp32(mins[n * nb + b]) : 0.f;
+                    }
+                    w[r] = q + n * row_bytes;
+                    if (wbuf && r < nr) {
+                        unpack4(w[r], nb, wbuf + r * K);
+                        w[r] = wbuf + r * K;
+                    } else if (wbuf) {
+                        w[r] = wbuf + (nr - 1) * K;
+                    }
+                }
+                for (int64_t m = m0; m < m1; m++) {
+                    float out[NR];
+                    tile_dot_kind(kind, w, xq + m * K, dx + m * nb, nb, sf, out);
+                    for (int r = 0; r < nr; r++) {
+                        float v = out[r];
+                        if (mins)
+                            for (int64_t b = 0; b < nb; b++) v += mf[r * nb + b] * dxs[m * nb + b];
+                        y[m * N + n0 + r] = bias ? v + bias[n0 + r] : v;
+                    }
+                }
+            }
+        }
+        free(wbuf);
+        free(sf);
+        free(mf);
+    }
+    free(xq);
+    free(dx);
+    free(dxs);
+}
+
+/* Embedding lookup: out[i, :] = dequantized row ids[i] of W (fp32). */
+void quant_gather(const uint8_t *q, const uint16_t *s, const uint16_t *mins, int bits, int64_t K,
+                  const int64_t *ids, int64_t n_ids, float *out, int nthreads) {
+    const int64_t nb = K / QK, row_bytes = bits == 4 ? K / 2 : K;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n_ids > 16)
+    for (int64_t i = 0; i < n_ids; i++) {
+        const int64_t n = ids[i];
+        const uint8_t *row = q + n * row_bytes;
+        float *o = out + i * K;
+        for (int64_t b = 0; b < nb; b++) {
+            float sc = fp16_to_fp32(s[n * nb + b]), mn = mins ? fp16_to_fp32(mins[n * nb + b]) : 0.f;
+            for (int j = 0; j < QK; j++) {
+                int v;
+                if (bits == 4)
+                    v = j < 16 ? (row[b * 16 + j] & 0x0f) : (row[b * 16 + j - 16] >> 4);
+                else
+                    v = ((const int8_t *)row)[b * QK + j];
+                o[b * QK + j] = sc * (float)v + mn;
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+"""Quantized linear layers and embeddings: 4-bit / 8-bit weights that stay quantized in memory.
+
+One format for every source (HF checkpoints quantized here, GGUF blocks read as they are):
+a weight [N, K] in groups of G=32 along K, value w[n, k] = s[n, g] * q[n, k] + m[n, g].
+- bits=4: q in 0..15, packed two per byte in GGUF's Q4_0 nibble order (per group, byte j holds
+  q[j] in its low and q[j+16] in its high nibble): uint8 [N, K/2].
+- bits=8: q int8 [N, K].
+- s, m: fp16 [N, K/32]; m is None for symmetric formats (Q8_0, int8).
+GGUF Q4_0 (s=d, m=-8d), Q4_1 (s=d, m=m), Q8_0 (s=d), Q5_0/Q5_1 (as int8) map onto it exactly;
+Q4_K (s=d*sc, m=-dmin*mn) up to rounding s and m to fp16 (relative 2^-11).
+
+Row slicing and concatenation keep the format (groups run along K), so fused q|k|v and gate|up
+projections are the parts' rows stacked, and llama.cpp's Q/K row permutation is a row gather.
+
+On CPU the product runs in kernels/quant.c (x quantized per 32-block to int8, integer dot
+products, never a float copy of W); elsewhere, or with the kernels off, a torch fallback
+dequantizes W per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loomserve.execution import kernels
+
+GROUP = 32
+_lib_cache: list = []
+
+
+def _lib():
+    """The quant kernel library with argtypes set, or None (then the torch path runs)."""
+    if not _lib_cache:
+        lib = kernels.load("quant")
+        if lib is not None:
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            lib.quant_matmul.argtypes = [p, i64, i64, p, p, p, i64, i32, p, p, i32]
+            lib.quant_matmul.restype = None
+            lib.quant_gather.argtypes = [p, p, p, i32, i64, p, i64, p, i32]
+            lib.quant_gather.restype = None
+        _lib_cache.append(lib)
+    return _lib_cache[0]
+
+
+# --- the format ---------------------------------------------------------------------------------
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] with values 0..15 -> uint8 [N, K/2] in Q4_0 nibble order."""
+    n, k = q.shape
+    g = q.to(torch.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4."""
+    n, half = p.shape
+    g = p.reshape(n, half // (GROUP // 2), 1, GROUP // 2)
+    return torch.cat([g & 0x0F, g >> 4], dim=2).reshape(n, half * 2)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [N, K] the format represents (computed in fp32: s*q, then + m)."""
+    qf = (unpack_int4(q) if bits == 4 else q).to(torch.float32)
+    n, k = qf.shape
+    w = qf.view(n, k // GROUP, GROUP) * scales.to(torch.float32).unsqueeze(-1)
+    if mins is not None:
+        w = w + mins.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, bits: int, group: int = GROUP):
+    """A float weight [N, K] -> (q, scales, mins): int8 symmetric (s = max|w|/127, no mins) or
+    int4 asymmetric (s = (max-min)/15, m = min) per group; s and m are rounded to fp16 first, so
+    q is the nearest level of the scale actually stored."""
+    if group != GROUP:
+        raise ValueError(f"only group={GROUP} is supported")
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
+    g = w.detach().to(torch.float32).reshape(n, k // GROUP, GROUP)
+    if bits == 8:
+        s = (g.abs().amax(-1) / 127).to(torch.float16)
+        inv = torch.where(s > 0, 1 / s.float(), torch.zeros((), dtype=torch.float32))
+        q = torch.round(g * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return q.reshape(n, k).contiguous(), s.contiguous(), None
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        s, m = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+        inv = torch.where(s > 0, 1 / s.float(), torch.zeros((), dtype=torch.float32))
+        q = torch.round((g - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15)
+        return pack_int4(q.reshape(n, k).to(torch.uint8)), s.contiguous(), m.contiguous()
+    raise ValueError(f"bits must be 4 or 8, not {bits}")
+
+
+# --- modules ------------------------------------------------------------------------------------
+
+class QuantLinear(nn.Module):
+    """A frozen linear layer over a quantized weight (see the module docstring)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, not {bits}")
+        self.bits = bits
+        self.out_features, groups = scales.shape
+        self.in_features = groups * GROUP
+        self.dtype = dtype  # the activations' dtype: outputs are cast back to it
+        want = (self.out_features, self.in_features // 2 if bits == 4 else self.in_features)
+        if tuple(q.shape) != want:
+            raise ValueError(f"q shape {tuple(q.shape)} != {want} for {bits}-bit scales {tuple(scales.shape)}")
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
+        q, s, m = quantize_weight(linear.weight, bits)
+        return cls(q, s, m, bits, linear.bias, linear.weight.dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.q, self.scales, self.mins, self.bits, dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        lib = _lib() if x.device.type == "cpu" else None
+        if lib is None:
+            y = F.linear(x2.to(torch.float32), self.dequantized(), self.bias)
+        else:
+            y = self._kernel(lib, x2)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def _kernel(self, lib, x2: torch.Tensor) -> torch.Tensor:
+        xf = x2.to(torch.float32).contiguous()
+        y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
+        if xf.shape[0] == 0:
+            return y
+        ptr = kernels.ptr
+        lib.quant_matmul(ptr(xf), xf.shape[0], self.in_features, ptr(self.q), ptr(self.scales),
+                         None if self.mins is None else ptr(self.mins), self.out_features, self.bits,
+                         None if self.bias is None else ptr(self.bias), ptr(y), torch.get_num_threads())
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group={GROUP}, mins={self.mins is not None}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(QuantLinear):
+    """An embedding table in the quantized format: forward gathers rows (dequantized to the
+    model dtype); `project` multiplies by the table, for a tied LM head."""
+
+    def __init__(self, q, scales, mins, bits, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(q, scales, mins, bits, None, dtype)
+        self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding, bits: int) -> "QuantEmbedding":
+        q, s, m = quantize_weight(embedding.weight, bits)
+        return cls(q, s, m, bits, embedding.weight.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        lib = _lib() if self.q.device.type == "cpu" else None
+        if lib is None:
+            rows = dequantize(self.q[flat], self.scales[flat],
+                              None if self.mins is None else self.mins[flat], self.bits)
+        else:
+            rows = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+            ptr = kernels.ptr
+            lib.quant_gather(ptr(self.q), ptr(self.scales), None if self.mins is None else ptr(self.mins),
+                             self.bits, self.in_features, ptr(flat), flat.numel(), ptr(rows),
+                             torch.get_num_threads())
+        return rows.to(self.dtype).view(*ids.shape, self.in_features)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return QuantLinear.forward(self, hidden)
