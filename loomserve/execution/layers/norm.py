@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.layers import fused as _fused
+
 GATES = (None, "before", "after")
 
 
@@ -61,6 +63,16 @@ class RMSNorm(nn.Module):
         opts += [f"gate={self.gate}"] if self.gate else []
         opts += [f"groups={self.groups}"] if self.groups > 1 else []
         return ", ".join(opts)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(self(x + residual), x + residual) in one C call where the kernel applies, else
+        forward's torch ops (layers/fused.py); (self(x), None) without residual. x is consumed:
+        its buffer may receive the sum. forward stays the bit-exact torch reference.
+        Ungated, ungrouped variants only."""
+        if self.gate is not None or self.groups > 1:
+            raise ValueError("fused() covers the ungated, ungrouped RMSNorm")
+        return _fused.rms_norm(x, self.weight, self.eps, scale_in_fp32=self.scale_in_fp32,
+                               zero_centered=self.zero_centered, residual=residual, reference=self.forward)
 
     # --- the forward functions __init__ chooses from --------------------------------------------
 

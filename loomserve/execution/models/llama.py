@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
+from loomserve.execution.layers.fused import rope_qk_
 from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
@@ -50,9 +51,11 @@ class Attention(nn.Module):
         h, kvh = self.num_heads, self.num_kv_heads
         cos, sin, half = rope
         if self.q_norm is None:
-            # q and k rotate together: one set of elementwise ops for both.
-            qk = apply_rope(qkv[:, :h + kvh], cos, sin, half)
-            q, k = qk[:, :h], qk[:, h:]
+            if rope_qk_(qkv, h + kvh, cos, sin, half):  # one C call, in place on the fresh qkv
+                q, k = qkv[:, :h], qkv[:, h:h + kvh]
+            else:  # q and k rotate together: one set of elementwise ops for both.
+                qk = apply_rope(qkv[:, :h + kvh], cos, sin, half)
+                q, k = qk[:, :h], qk[:, h:]
         else:
             q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin, half)
             k = apply_rope(self.k_norm(qkv[:, h:h + kvh]), cos, sin, half)
@@ -70,8 +73,20 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rope, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.forward_residual(x, None, rope, meta)
+        return residual + h
+
+    def forward_residual(self, x, residual, rope, meta):
+        """vLLM's layout: the layer's input is x + residual (x alone when residual is None); returns
+        (mlp output, residual stream), whose sum is the layer's output. Handing the sum on
+        unmade lets the next norm add it in the same C call (RMSNorm.fused). Never writes x
+        when residual is None, so a caller's input survives."""
+        if residual is None:
+            h, residual = self.input_layernorm.fused(x)[0], x
+        else:
+            h, residual = self.input_layernorm.fused(x, residual)
+        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int] | None = None  # KV group per layer, from the runner
+        # Llama's own layers hand the residual stream on (DecoderLayer.forward_residual); other
+        # families built on this class (gpt-oss) keep x = layer(x).
+        self.carries_residual = all(hasattr(layer, "forward_residual") for layer in self.model.layers)
 
     def _build_model(self, cfg: ArchConfig) -> nn.Module:
         return LlamaModel(cfg)
@@ -151,9 +169,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         rope = (cos, sin, self.rotary.half)
         x = self.model.embed_tokens(input_ids)
+        if not self.carries_residual:
+            for layer, meta in zip(self.model.layers, self.layer_metadata(attn_meta)):
+                x = layer(x, rope, meta)
+            return self.model.norm(x)
+        residual = None
         for layer, meta in zip(self.model.layers, self.layer_metadata(attn_meta)):
-            x = layer(x, rope, meta)
-        return self.model.norm(x)
+            x, residual = layer.forward_residual(x, residual, rope, meta)
+        return self.model.norm.fused(x, residual)[0]
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

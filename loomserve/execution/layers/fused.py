@@ -1,0 +1,122 @@
+"""Fused elementwise ops of a decoder layer, each one C call (kernels/fused.c) instead of 4-8
+small torch kernels: residual add + RMSNorm, RoPE on q and k in place, SiLU(gate) * up.
+
+Every op has its torch reference beside it and falls back to it whenever the C kernel does not
+apply: kernels off (LOOMSERVE_KERNELS=0) or not built, `USE` False, a device other than the
+CPU, a dtype other than fp32/bf16, a layout the kernel lacks. The reference is the exact
+composition the model code ran before this module (same ops, same rounding points).
+
+Invariants: the C path gives the reference's values up to fp32 summation order and FMA
+contraction (fp32), or bit for bit but for an occasional expf ulp (bf16). `calls` counts the
+C calls per op, so tests can assert the fused path ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+
+import torch
+from torch.nn import functional as F
+
+from loomserve.execution import kernels
+
+USE = True  # the switch benchmarks flip to time the torch path in the same process
+calls: Counter = Counter()
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_NORM_SCALE_FP32, _NORM_ZERO_CENTERED = 1, 2
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+def library() -> ctypes.CDLL | None:
+    """The bound kernel library, or None when the torch path must run."""
+    global _lib, _loaded
+    if not _loaded:
+        lib = kernels.load("fused")
+        if lib is not None:
+            lib.rms_norm.argtypes = [_P, _L, _P, _P, _P, _P, _L, _L, _F, _I, _I, _I]
+            lib.rope_inplace.argtypes = [_P, _L, _L, _L, _L, _P, _P, _I, _I]
+            lib.silu_and_mul.argtypes = [_P, _L, _P, _L, _L, _I, _I]
+            for fn in (lib.rms_norm, lib.rope_inplace, lib.silu_and_mul):
+                fn.restype = None
+        _lib, _loaded = lib, True
+    return _lib if USE else None
+
+
+def _code(*ts: torch.Tensor) -> int | None:
+    """The kernel's dtype code when every tensor is a CPU tensor of one supported dtype."""
+    t0 = ts[0]
+    code = _DTYPES.get(t0.dtype)
+    if code is None or t0.device.type != "cpu":
+        return None
+    for t in ts[1:]:
+        if t.dtype != t0.dtype or t.device.type != "cpu":
+            return None
+    return code
+
+
+# --- RMSNorm (+ residual) ---------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False,
+             zero_centered: bool = False, residual: torch.Tensor | None = None,
+             reference=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm(x + residual) * w, x + residual) over the last dim, vLLM's fused_add_rms_norm;
+    without residual: (norm(x) * w, None). x is consumed: on the C path its buffer receives the
+    sum (so no tensor is written but the one it hands over). `reference(h)` is the
+    torch norm to fall back to (the module's own forward)."""
+    lib = library()
+    d = x.shape[-1]
+    code = None if lib is None else _code(x, weight) if residual is None else _code(x, weight, residual)
+    if (code is None or x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (d,) or not weight.is_contiguous()
+            or (residual is not None and not (residual.is_contiguous() and x.is_contiguous()
+                                              and residual.shape == x.shape))):
+        if residual is not None:
+            x = residual = residual + x
+        return reference(x), residual
+    n = x.shape[0]
+    out = torch.empty((n, d), dtype=x.dtype)
+    flags = (_NORM_SCALE_FP32 if scale_in_fp32 else 0) | (_NORM_ZERO_CENTERED if zero_centered else 0)
+    res = None if residual is None else residual.data_ptr()
+    lib.rms_norm(x.data_ptr(), x.stride(0), res, x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, d, eps,
+                 code, flags, torch.get_num_threads())
+    calls["rms_norm"] += 1
+    return out, None if residual is None else x
+
+
+# --- RoPE ---------------------------------------------------------------------------------------
+
+def rope_qk_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, half: int) -> bool:
+    """Rotate the first `heads` heads of qkv ([tokens, all heads, head_dim], rows contiguous)
+    in place; cos/sin: [tokens, 1, head_dim] (RotaryEmbedding.lookup). False (nothing done)
+    when the kernel does not apply: the caller then runs the torch rotation (rotary.apply_rope)."""
+    lib = library()
+    if lib is None:
+        return False
+    n, _, d = qkv.shape
+    code = _code(qkv, cos, sin)
+    if (code is None or d != 2 * half or d > 1024 or qkv.stride(2) != 1 or qkv.stride(1) != d
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape != (n, 1, d) or sin.shape != (n, 1, d)):
+        return False
+    lib.rope_inplace(qkv.data_ptr(), qkv.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), code,
+                     torch.get_num_threads())
+    calls["rope"] += 1
+    return True
+
+
+# --- SiLU(gate) * up ------------------------------------------------------------------------------
+
+def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate_up[..., :inter]) * gate_up[..., inter:], rounded as torch's two kernels."""
+    lib = library()
+    code = None if lib is None else _code(gate_up)
+    if code is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1 or gate_up.shape[-1] != 2 * inter:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+    n = gate_up.shape[0]
+    out = torch.empty((n, inter), dtype=gate_up.dtype)
+    lib.silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), n, inter, code, torch.get_num_threads())
+    calls["silu_and_mul"] += 1
+    return out
