@@ -1,0 +1,272 @@
+"""One-shot check of loomserve on an NVIDIA GPU (under 10 minutes): correctness, then speed.
+
+For each model fixture in tests/fixtures/ (every folder with a config.json) and the built-in
+default model (SmolLM2-135M-Instruct):
+  agreement   greedy outputs (same prompts, ignore_eos, fp32 on both sides) on CUDA vs CPU:
+              the share of prompts whose token ids are all equal, and the first position
+              where each differing pair parts (fp32 kernels differ in summation order, so a
+              late near-tie can flip; an early one is a bug)
+  speed       on CUDA in bf16 (dtype auto): prefill tok/s (--prefill-streams prompts of
+              --prompt-len tokens, max_tokens 1) and decode tok/s at 1 and --streams streams:
+              decode tok/s = streams * (n - 1) / (t(n tokens) - t(1 token)), every call on
+              fresh random prompts with prefix caching off, so both times hold the same prefill
+  limits      beside them: decode tok/s <= streams * HBM bandwidth / weight bytes (bandwidth of
+              a measured device-to-device copy), prefill tok/s <= matmul rate / (2 * params)
+              (a measured bf16 torch.mm rate); KV reads are left out, so these are ceilings
+
+Exit status: 0 when every model ran and every CUDA/CPU pair agreed, 1 when something failed or
+disagreed, 3 (with one line on stderr, no traceback, no JSON written) when no CUDA device is
+present. `--cpu-only` runs the same logic with the CPU standing in for the GPU (fp32, small
+sizes, tiny-llama by default) to prove the script on a machine without one.
+
+Run:    python benchmarks/gpu_check.py [--models tiny-llama default] [--out gpu_check.json]
+        python benchmarks/gpu_check.py --cpu-only       # dry run here: results/gpu_check-cpu.json
+Needs:  the loomserve venv with a CUDA build of torch (for the real run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import REPO_ROOT, host_info, write_json  # noqa: E402
+
+NO_CUDA_EXIT = 3
+FIXTURES_DIR = os.path.join(REPO_ROOT, "tests", "fixtures")
+AGREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+                 "1, 2, 3, 4,", "The quick brown fox", "In the beginning"]
+
+
+def model_names() -> list[str]:
+    found = sorted(d for d in os.listdir(FIXTURES_DIR)
+                   if os.path.exists(os.path.join(FIXTURES_DIR, d, "config.json")))
+    return found + ["default"]
+
+
+def model_path(name: str) -> str | None:
+    return None if name == "default" else os.path.join(FIXTURES_DIR, name)
+
+
+def make_llm(name: str, device: str, dtype: str, kv: str, **extra):
+    from loomserve import LLM
+
+    return LLM(model_path(name), device=device, dtype=dtype, kv_cache_memory=kv, **extra)
+
+
+def release(llm, device: str) -> None:
+    """Drop an engine and give its device memory back before the next one loads."""
+    import torch
+
+    llm.close()
+    del llm
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def greedy(llm, prompts: Sequence[Any], n: int) -> list[list[int]]:
+    from loomserve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(list(prompts), sp)]
+
+
+def agreement(name: str, device: str, ref_device: str, n: int, kv: str) -> dict[str, Any]:
+    """Greedy token ids on ``device`` vs ``ref_device``, fp32 on both."""
+    outs = {}
+    for dev in (device, ref_device):
+        llm = make_llm(name, dev, "float32", kv)
+        outs[dev] = greedy(llm, AGREE_PROMPTS, n)
+        release(llm, dev)
+    parted = []
+    for a, b in zip(outs[device], outs[ref_device]):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                     None if len(a) == len(b) else min(len(a), len(b)))
+        parted.append(first)
+    equal = sum(p is None for p in parted)
+    return {"prompts": len(AGREE_PROMPTS), "tokens": n, "equal": equal,
+            "agree_rate": round(equal / len(AGREE_PROMPTS), 3),
+            "first_difference_at": [p for p in parted if p is not None]}
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    low = min(100, vocab // 2)  # past the special tokens most tokenizers put first
+    return torch.randint(low, vocab, (count, length), generator=g).tolist()
+
+
+def timed(llm, prompts: list[list[int]], n: int, sync) -> float:
+    from loomserve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    sync()
+    dt = time.perf_counter() - t0
+    short = [len(o.token_ids) for o in outs if len(o.token_ids) != n]
+    if short:
+        raise RuntimeError(f"{len(short)} outputs stopped short of {n} tokens: {short[:4]}")
+    return dt
+
+
+def speed(name: str, device: str, dtype: str, args, hw: dict[str, float]) -> dict[str, Any]:
+    """Prefill and decode rates on ``device`` in ``dtype``, beside their limits."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    llm = make_llm(name, device, dtype, args.kv_memory, enable_prefix_caching=False,
+                   max_num_seqs=max(args.streams, args.prefill_streams))
+    ready = llm.core.ready()
+    plen = min(args.prompt_len, ready.max_model_len // 2)
+    gen = min(args.decode_tokens, ready.max_model_len - plen - 1)
+    seed = iter(range(10_000, 1_000_000, 97))
+    out: dict[str, Any] = {"dtype": ready.dtype, "num_params": ready.num_params,
+                           "weight_bytes": ready.weight_bytes, "prompt_len": plen,
+                           "decode_tokens": gen, "decode": {}}
+    try:
+        timed(llm, random_prompts(2, plen, ready.vocab_size, next(seed)), 4, sync)  # warm-up
+        ps = random_prompts(args.prefill_streams, plen, ready.vocab_size, next(seed))
+        t = timed(llm, ps, 1, sync)
+        out["prefill"] = {"streams": len(ps), "tok_per_s": round(len(ps) * plen / t, 1),
+                          "flop_limit_tok_per_s": round(hw["matmul_tflops"] * 1e12
+                                                        / (2 * ready.num_params), 1)}
+        for c in sorted({1, args.streams}):
+            t1 = timed(llm, random_prompts(c, plen, ready.vocab_size, next(seed)), 1, sync)
+            tn = timed(llm, random_prompts(c, plen, ready.vocab_size, next(seed)), gen, sync)
+            rate = c * (gen - 1) / max(tn - t1, 1e-9)
+            limit = c * hw["bandwidth_gbs"] * 1e9 / ready.weight_bytes
+            out["decode"][str(c)] = {"tok_per_s": round(rate, 1),
+                                     "bandwidth_limit_tok_per_s": round(limit, 1),
+                                     "pct_of_limit": round(100 * rate / limit, 1)}
+    finally:
+        release(llm, device)
+    return out
+
+
+def measure_hardware(device: str, dtype: str) -> dict[str, Any]:
+    """Copy bandwidth (read + write bytes / time) and a large matmul's rate on ``device``."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    dt = getattr(torch, dtype if dtype != "auto" else "bfloat16")
+    size, n = (1 << 30, 8192) if device.startswith("cuda") else (1 << 28, 1024)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    mats = [torch.randn(n, n, device=device, dtype=dt) for _ in range(2)]
+
+    def best(fn, reps: int = 5) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    bw = 2 * size / best(lambda: bufs[1].copy_(bufs[0])) / 1e9
+    tflops = 2 * n ** 3 / best(lambda: torch.mm(mats[0], mats[1])) / 1e12
+    return {"bandwidth_gbs": round(bw, 1), "matmul_tflops": round(tflops, 2),
+            "matmul_dtype": str(dt).replace("torch.", ""), "device_name": device_name(device)}
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return host_info()["cpu"]
+
+
+def check_model(name: str, args, device: str, ref: str, hw) -> dict[str, Any]:
+    entry: dict[str, Any] = {"model": name}
+    t0 = time.perf_counter()
+    for part, fn in (("agreement", lambda: agreement(name, device, ref, args.agree_tokens,
+                                                      args.kv_memory)),
+                     ("speed", lambda: speed(name, device, args.dtype, args, hw))):
+        try:
+            entry[part] = fn()
+        except Exception as e:  # noqa: BLE001 - one model's failure is reported, the rest run
+            entry.setdefault("errors", []).append(f"{part}: {type(e).__name__}: {e}")
+    entry["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(f"[gpu_check] {name}: {json.dumps({k: v for k, v in entry.items() if k != 'model'})}",
+          file=sys.stderr, flush=True)
+    return entry
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-only", action="store_true",
+                    help="dry run: the CPU stands in for the GPU (fp32, small sizes)")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help="fixture names and/or 'default' (all; tiny-llama with --cpu-only)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="speed dtype (auto: bf16 on CUDA)")
+    ap.add_argument("--streams", type=int, default=None, help="decode streams (64; 4 on CPU)")
+    ap.add_argument("--prefill-streams", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--decode-tokens", type=int, default=None)
+    ap.add_argument("--agree-tokens", type=int, default=None)
+    ap.add_argument("--kv-memory", default=None)
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="skip the remaining models past this many seconds")
+    ap.add_argument("--out", default=None, help="result file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    cpu = args.cpu_only
+    for key, gpu_v, cpu_v in (("streams", 64, 4), ("prefill_streams", 64, 4),
+                              ("prompt_len", 128, 32), ("decode_tokens", 64, 8),
+                              ("agree_tokens", 32, 8), ("kv_memory", "4GiB", "64MiB"),
+                              ("dtype", "auto", "float32"),
+                              ("out", "gpu_check.json", "gpu_check-cpu.json")):
+        if getattr(args, key) is None:
+            setattr(args, key, cpu_v if cpu else gpu_v)
+    args.models = args.models or (["tiny-llama"] if cpu else model_names())
+    if cpu:
+        args.device = "cpu"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not args.cpu_only and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}, "
+              f"torch.cuda.is_available() is False); nothing checked, no result written. "
+              f"Use --cpu-only for a dry run on the CPU.", file=sys.stderr)
+        return NO_CUDA_EXIT
+    hw = measure_hardware(args.device, args.dtype)
+    print(f"[gpu_check] {args.device} ({hw['device_name']}): {hw}", file=sys.stderr, flush=True)
+    t0, results = time.perf_counter(), []
+    for name in args.models:
+        if time.perf_counter() - t0 > args.budget_s:
+            results.append({"model": name, "errors": ["skipped: past --budget-s"]})
+            continue
+        results.append(check_model(name, args, args.device, "cpu", hw))
+    ok = all(not r.get("errors") and r["agreement"]["agree_rate"] == 1.0 for r in results)
+    payload = {"description": "loomserve on a GPU: CUDA vs CPU greedy agreement, bf16 speed "
+                              "(benchmarks/gpu_check.py)",
+               "cpu_only_dry_run": args.cpu_only, "device": args.device, "hardware": hw,
+               "host": host_info(), "torch": torch.__version__,
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "wall_s": round(time.perf_counter() - t0, 1), "all_ok": ok,
+               "settings": {k: getattr(args, k) for k in ("streams", "prefill_streams",
+                                                           "prompt_len", "decode_tokens",
+                                                           "agree_tokens", "dtype")},
+               "models": results}
+    print("wrote", write_json(args.out, payload), file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
