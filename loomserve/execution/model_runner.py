@@ -24,7 +24,7 @@ import torch
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
-from loomserve.execution.layers.attention import GatherWorkspace, build_metadata
+from loomserve.execution.attention import BlockTables, GatherWorkspace, build_metadata, select_backend
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
 from loomserve.execution.sampler import Sampler
@@ -74,6 +74,8 @@ class ModelRunner:
                                    or grp.spec.dtype != self.dtype for grp in groups)
         self.sampler = Sampler(self.device, mcfg.seed)
         self.workspace = GatherWorkspace()
+        self.attention = select_backend(mcfg.attention_backend, self.device, self.dtype)
+        self.block_tables = BlockTables()
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -145,14 +147,16 @@ class ModelRunner:
         groups = self.kv_cache_config.groups
         attn_meta: list = [None] * len(groups)
         positions = None
+        self._forget(inp, seqs)
+        tables = self.block_tables
         for g in self.attn_groups:
             spec = groups[g].spec
             meta, positions = build_metadata(
-                [(s.start_pos, s.block_ids[g]) for s in decodes],
-                [(s.start_pos, len(s.token_ids), s.block_ids[g]) for s in prefills],
-                self.block_size, self.device, self.dtype,
-                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None)
-            meta.workspace = self.workspace
+                [(s.start_pos, tables.get(s.request_id, g, s.block_ids[g])) for s in decodes],
+                [(s.start_pos, len(s.token_ids), tables.get(s.request_id, g, s.block_ids[g]))
+                 for s in prefills],
+                self.block_size, self.device, self.dtype, self.attention,
+                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None, self.workspace)
             if self.zero_new_blocks:
                 fresh = meta.slot_blocks[meta.slot_offsets == 0]
                 if fresh.numel():
@@ -173,6 +177,13 @@ class ModelRunner:
             return [], torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
+
+    def _forget(self, inp: ModelInput, seqs: list[ScheduledSeq]) -> None:
+        """Drop the block tables of finished requests; bound what aborts may leave behind."""
+        if inp.finished_request_ids:
+            self.block_tables.drop(inp.finished_request_ids)
+        if len(self.block_tables) > 4 * max(64, len(seqs)):
+            self.block_tables.keep_only({s.request_id for s in seqs})
 
     # --- linear-state groups ------------------------------------------------------------------
 

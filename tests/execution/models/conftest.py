@@ -22,11 +22,12 @@ if (os.cpu_count() or 1) <= 2:
     torch.set_num_threads(1)
 
 
-def tiny_runner(name: str, block_size: int = 4, dtype: str = "float32"):
+def tiny_runner(name: str, block_size: int = 4, dtype: str = "float32", attention_backend: str = "auto"):
     from loomserve.execution.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / name), dtype=dtype, device="cpu",
-                                    block_size=block_size, kv_cache_memory="2MB"))
+                                    block_size=block_size, kv_cache_memory="2MB",
+                                    attention_backend=attention_backend))
 
 
 class Blocks:

@@ -164,14 +164,19 @@ def test_execute_greedy_matches_hf_generate(model):
     assert out == hf
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
 @pytest.mark.parametrize("name", MODELS)
-def test_bfloat16_matches_hf_bfloat16(name):
+def test_bfloat16_matches_hf_bfloat16(name, backend):
     """bf16 rounding points (Gemma's embed scale and fp32 (1 + w) norms) as transformers has them;
     gpt-oss keeps its norms and sinks in fp32 where transformers does not, so it is held to the
-    fp32 reference instead."""
+    fp32 reference instead. The torch backend runs transformers' own SDPA and must match it; the
+    in-place decode kernel accumulates in fp32 where SDPA's bf16 math path rounds scores and
+    probabilities, so its decode is held to the fp32 model instead: no further from it than
+    transformers' bf16 is (plus bf16's rounding of the logits)."""
     from transformers import AutoModelForCausalLM
 
-    runner = tiny_runner(name, dtype="bfloat16")
+    runner = tiny_runner(name, dtype="bfloat16", attention_backend=backend)
+    assert runner.attention.name == backend
     ref_dtype, tol = (torch.float32, 0.03) if name == "tiny-gpt-oss" else (torch.bfloat16, 0.01)
     ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=ref_dtype).eval()
     full = _tokens(51, 6)
@@ -180,4 +185,11 @@ def test_bfloat16_matches_hf_bfloat16(name):
     got = logits_of(runner, [_seq("a", full[:50], 0, t.cover(50))])
     torch.testing.assert_close(got["a"], want[49], atol=tol, rtol=tol)
     got = logits_of(runner, [_seq("a", full[50:], 50, t.cover(51))])
-    torch.testing.assert_close(got["a"], want[50], atol=tol, rtol=tol)
+    if backend == "torch" or ref_dtype == torch.float32:
+        torch.testing.assert_close(got["a"], want[50], atol=tol, rtol=tol)
+        return
+    fp32 = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32).eval()
+    truth = ref_logits(fp32, full)[50].float()
+    ours, theirs = (got["a"].float() - truth).abs().max(), (want[50].float() - truth).abs().max()
+    assert ours <= theirs + 0.01, (ours, theirs)
+    torch.testing.assert_close(got["a"], want[50], atol=0.05, rtol=0.05)

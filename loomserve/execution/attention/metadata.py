@@ -1,0 +1,78 @@
+"""What one step's attention needs, built once per step per KV group (not per layer).
+
+A step's tokens are flattened into one sequence, decode tokens first and prefill chunks after,
+so every layer sees one contiguous slice per kind. The metadata holds small integer arrays only:
+where each new K/V row goes (slot blocks and offsets), each decode's key count and block table,
+each prefill chunk's start position and block table. Tables are the runner's incrementally grown
+int32 arrays (BlockTables), passed by reference: building metadata is O(sequences + new tokens),
+whatever the context length. Anything a backend derives from them (pointer arrays for the C
+kernel, padded tables and masks for the torch path) it builds on the first layer that needs it
+and keeps in `derived`, so the other layers of the group reuse it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flattened batch
+    end: int
+    start_pos: int
+    table: np.ndarray  # int32 block table covering positions < start_pos + (end - start)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [tokens] block id each new K/V row is written to
+    slot_offsets: torch.Tensor  # [tokens] offset inside that block
+    block_size: int
+    backend: Any  # an AttentionBackend (loomserve.execution.attention.backends)
+    num_decode: int = 0
+    decode_lens: np.ndarray | None = None  # int32 [decodes]: keys per decode (its position + 1)
+    decode_tables: list[np.ndarray] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sliding_window: int | None = None  # W: a query at p sees keys p - W + 1 .. p
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    workspace: Any = None  # the runner's GatherWorkspace, reused across steps
+    derived: dict = field(default_factory=dict)  # per-step, built by backends on first use
+
+
+def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[int, int, np.ndarray]],
+                   block_size: int, device: torch.device, dtype: torch.dtype, backend,
+                   sliding_window: int | None = None, workspace=None) -> tuple[AttentionMetadata, torch.Tensor]:
+    """decodes: (position, table) per decode token, in batch order, before the prefills.
+    prefills: (start_pos, num_tokens, table) per chunk. Returns metadata and positions."""
+    d = len(decodes)
+    dec_pos = np.fromiter((p for p, _ in decodes), dtype=np.int64, count=d)
+    parts_pos, parts_blk = [dec_pos], [np.fromiter((t[p // block_size] for p, t in decodes),
+                                                    dtype=np.int64, count=d)]
+    chunks, row = [], d
+    for start_pos, n, table in prefills:
+        pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
+        parts_pos.append(pos)
+        parts_blk.append(table[pos // block_size].astype(np.int64))
+        chunks.append(PrefillChunk(row, row + n, start_pos, table))
+        row += n
+    positions = np.concatenate(parts_pos) if len(parts_pos) > 1 else dec_pos
+    blocks = np.concatenate(parts_blk) if len(parts_blk) > 1 else parts_blk[0]
+    pos_t = torch.from_numpy(positions)
+    meta = AttentionMetadata(
+        slot_blocks=torch.from_numpy(blocks).to(device),
+        slot_offsets=(pos_t % block_size).to(device),
+        block_size=block_size, backend=backend, num_decode=d,
+        decode_lens=(dec_pos + 1).astype(np.int32) if d else None,
+        decode_tables=[t for _, t in decodes], prefills=chunks,
+        sliding_window=sliding_window, dtype=dtype, device=device, workspace=workspace)
+    return meta, pos_t.to(device)
+
+
+def first_visible(pos: int, window: int | None) -> int:
+    """The first key position a query at `pos` sees."""
+    return 0 if window is None else max(0, pos - window + 1)

@@ -1,0 +1,315 @@
+/* Decode attention that reads the paged KV cache in place (no gather, no mask).
+ *
+ * One query token per sequence. The cache of one layer is addressed as
+ *   K(b, t, h, :) = k_base + b * block_stride + (t * kv_heads + h) * head_dim
+ * (V likewise from v_base): block b's tokens are contiguous [block_size, kv_heads, head_dim],
+ * and consecutive blocks are block_stride elements apart (the packed page size).
+ *
+ * Work is split over (sequence, kv head, split of the context): each split walks its blocks
+ * through the sequence's block table with a flash-style online softmax, for all the query
+ * heads of its kv head at once (GQA: each K/V row is read once per kv head), and leaves a
+ * partial (max, sum, acc). A merge pass combines the splits of a (sequence, query head), with
+ * the attention sink (gpt-oss) joining the denominator there.
+ *
+ * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 =
+ * all). Nothing else is read, so blocks outside that range may hold anything.
+ * Cache dtypes: 0 = float32, 1 = bfloat16. q, out and sinks are float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 1024
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row of head_dim values as float32 (bf16 widened into buf). */
+static inline const float *row_f32(const void *base, int64_t off, int dtype, int d, float *buf) {
+    if (dtype == 0) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+#pragma omp simd
+    for (int j = 0; j < d; j++) buf[j] = bf16_to_f32(src[j]);
+    return buf;
+}
+
+/* Round to the nearest bfloat16 (ties to even), kept as float: bf16 caches weight V by
+ * probabilities rounded to bf16, as torch's flash kernels do, so outputs round alike. */
+static inline float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    float s = 0.f;
+#pragma omp simd reduction(+:s)
+    for (int j = 0; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is scalar without
+ * -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 Taylor polynomial
+ * (relative error ~1.2e-7, as fp32 rounding), times 2^n built in the exponent bits. */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    float t = x * 1.44269504f;
+    float n = __builtin_floorf(t + 0.5f);
+    float r = x - n * 0.693147181f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* One split: keys [k0, k1) of one sequence for one kv head, walked a block at a time. Writes
+ * group partials of (head_dim + 2) floats each: acc[head_dim], max, sum. */
+static void split_attend(const float *q, const void *k_base, const void *v_base,
+                         int64_t block_stride, int block_size, int kv_heads, int head_dim,
+                         int group, const int32_t *table, int64_t k0, int64_t k1, int h,
+                         float scale, int dtype, float *part) {
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_BLOCK], kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
+    const int stride = head_dim + 2;
+    const int64_t row = (int64_t)kv_heads * head_dim;
+    for (int g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(part + g * stride, 0, sizeof(float) * head_dim);
+    }
+    for (int64_t a = k0; a < k1;) {
+        int64_t blk = a / block_size, first = a % block_size;
+        int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
+        int64_t off0 = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            float mb = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                const float *k = row_f32(k_base, off0 + t * row, dtype, head_dim, kbuf);
+                s[t] = dot(qg, k, head_dim) * scale;
+                mb = s[t] > mb ? s[t] : mb;
+            }
+            float *acc = part + g * stride;
+            if (mb > m[g]) {  /* rescale what came before to the new max */
+                float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
+                l[g] *= alpha;
+#pragma omp simd
+                for (int j = 0; j < head_dim; j++) acc[j] *= alpha;
+                m[g] = mb;
+            }
+            float sum = 0.f, mg = m[g];
+#pragma omp simd reduction(+:sum)
+            for (int t = 0; t < n; t++) {
+                s[t] = exp_neg(s[t] - mg);
+                sum += s[t];
+            }
+            l[g] += sum;
+            if (dtype == 1) {
+                for (int t = 0; t < n; t++) s[t] = round_bf16(s[t]);
+            }
+            for (int t = 0; t < n; t++) {
+                const float *v = row_f32(v_base, off0 + t * row, dtype, head_dim, vbuf);
+                float p = s[t];
+#pragma omp simd
+                for (int j = 0; j < head_dim; j++) acc[j] += p * v[j];
+            }
+        }
+        a += n;
+    }
+    for (int g = 0; g < group; g++) {
+        part[g * stride + head_dim] = m[g];
+        part[g * stride + head_dim + 1] = l[g];
+    }
+}
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* [sum(a[0]), ..., sum(a[7])]: eight dot-product accumulators reduced at once. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* exp_neg on eight lanes. */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* split_attend for head_dim a multiple of 8: keys eight at a time, scores of the eight
+ * reduced together, probabilities through a vector exp, V accumulated row by row. */
+static void split_attend_avx2(const float *q, const void *k_base, const void *v_base,
+                              int64_t block_stride, int block_size, int kv_heads, int head_dim,
+                              int group, const int32_t *table, int64_t k0, int64_t k1, int h,
+                              float scale, int dtype, float *part) {
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float kbuf[8 * MAX_HEAD_DIM], vbuf[8 * MAX_HEAD_DIM];
+    const float *kr[8], *vr[8];
+    const int stride = head_dim + 2;
+    const int64_t row = (int64_t)kv_heads * head_dim;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(part + g * stride, 0, sizeof(float) * head_dim);
+    }
+    for (int64_t a = k0; a < k1;) {
+        int64_t blk = a / block_size, first = a % block_size;
+        int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
+        int64_t off0 = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
+        for (int t0 = 0; t0 < n; t0 += 8) {
+            int c = n - t0 < 8 ? n - t0 : 8;
+            for (int t = 0; t < 8; t++) {
+                int64_t off = off0 + (int64_t)(t0 + (t < c ? t : 0)) * row;
+                kr[t] = row_f32(k_base, off, dtype, head_dim, kbuf + t * head_dim);
+                vr[t] = row_f32(v_base, off, dtype, head_dim, vbuf + t * head_dim);
+            }
+            __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)c), _CMP_LT_OQ);
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                __m256 dots[8];
+                for (int t = 0; t < 8; t++) dots[t] = _mm256_setzero_ps();
+                for (int j = 0; j < head_dim; j += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + j);
+                    for (int t = 0; t < 8; t++)
+                        dots[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + j), dots[t]);
+                }
+                __m256 sc = _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(scale));
+                sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, live);
+                float mb = hmax8(sc);
+                float *acc = part + g * stride;
+                if (mb > m[g]) {
+                    float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
+                    __m256 av = _mm256_set1_ps(alpha);
+                    l[g] *= alpha;
+                    for (int j = 0; j < head_dim; j += 8)
+                        _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), av));
+                    m[g] = mb;
+                }
+                __m256 p = _mm256_and_ps(exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(m[g]))), live);
+                l[g] += hsum8(p);
+                float pf[8];
+                if (dtype == 1) {
+                    for (int t = 0; t < 8; t++) pf[t] = round_bf16(((float *)&p)[t]);
+                } else {
+                    _mm256_storeu_ps(pf, p);
+                }
+                for (int j = 0; j < head_dim; j += 8) {
+                    __m256 o = _mm256_loadu_ps(acc + j);
+                    for (int t = 0; t < c; t++)
+                        o = _mm256_fmadd_ps(_mm256_set1_ps(pf[t]), _mm256_loadu_ps(vr[t] + j), o);
+                    _mm256_storeu_ps(acc + j, o);
+                }
+            }
+        }
+        a += n;
+    }
+    for (int g = 0; g < group; g++) {
+        part[g * stride + head_dim] = m[g];
+        part[g * stride + head_dim + 1] = l[g];
+    }
+}
+#endif
+
+/* Returns 0, or -1 when a size exceeds the kernel's fixed limits (the caller falls back). */
+int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t block_stride,
+                 int block_size, int kv_heads, int head_dim, int heads, int num_seqs,
+                 const int32_t *const *tables, const int32_t *seq_lens, int window,
+                 const float *sinks, float scale, float *out, float *scratch, int max_splits,
+                 int split_tokens, int dtype, int nthreads) {
+    const int group = heads / kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK
+        || group * kv_heads != heads) return -1;
+    const int pstride = group * (head_dim + 2);
+    /* Every (seq, kv head, split) is one task; a split past a short seq's end does nothing. */
+    const int64_t tasks = (int64_t)num_seqs * kv_heads * max_splits;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t t = 0; t < tasks; t++) {
+        int sp = (int)(t % max_splits);
+        int h = (int)((t / max_splits) % kv_heads);
+        int i = (int)(t / ((int64_t)max_splits * kv_heads));
+        int64_t len = seq_lens[i];
+        int64_t lo = (window > 0 && len > window) ? len - window : 0;
+        int64_t k0 = lo + (int64_t)sp * split_tokens;
+        if (k0 >= len) continue;
+        int64_t k1 = k0 + split_tokens < len ? k0 + split_tokens : len;
+        const float *qi = q + ((int64_t)i * heads + (int64_t)h * group) * head_dim;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (head_dim % 8 == 0) {
+            split_attend_avx2(qi, k_base, v_base, block_stride, block_size, kv_heads, head_dim,
+                              group, tables[i], k0, k1, h, scale, dtype, scratch + t * pstride);
+            continue;
+        }
+#endif
+        split_attend(qi, k_base, v_base, block_stride, block_size, kv_heads, head_dim, group,
+                     tables[i], k0, k1, h, scale, dtype, scratch + t * pstride);
+    }
+    /* Merge the splits of each (seq, query head). */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < (int64_t)num_seqs * heads; r++) {
+        int i = (int)(r / heads), hq = (int)(r % heads);
+        int h = hq / group, g = hq % group;
+        int64_t len = seq_lens[i];
+        int64_t lo = (window > 0 && len > window) ? len - window : 0;
+        int nsplit = (int)((len - lo + split_tokens - 1) / split_tokens);
+        const float *first = scratch + ((int64_t)(i * kv_heads + h) * max_splits) * pstride
+                             + g * (head_dim + 2);
+        float mx = sinks ? sinks[hq] : -INFINITY;
+        for (int sp = 0; sp < nsplit; sp++) {
+            float ms = first[(int64_t)sp * pstride + head_dim];
+            if (ms > mx) mx = ms;
+        }
+        float denom = sinks ? expf(sinks[hq] - mx) : 0.f;
+        float *o = out + r * head_dim;
+        memset(o, 0, sizeof(float) * head_dim);
+        for (int sp = 0; sp < nsplit; sp++) {
+            const float *p = first + (int64_t)sp * pstride;
+            float w = expf(p[head_dim] - mx);
+            denom += p[head_dim + 1] * w;
+#pragma omp simd
+            for (int j = 0; j < head_dim; j++) o[j] += p[j] * w;
+        }
+        float inv = 1.f / denom;
+#pragma omp simd
+        for (int j = 0; j < head_dim; j++) o[j] *= inv;
+    }
+    return 0;
+}

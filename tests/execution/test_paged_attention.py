@@ -1,0 +1,164 @@
+"""The attention backends against a dense reference written from the definition.
+
+Property tests draw random block tables (blocks scattered over a pool whose other pages hold
+garbage), block sizes, head shapes (head_dim multiple of 8 or not: the kernel's vector and
+scalar paths), windows, sinks, dtypes, and batches mixing decodes with fresh and continued
+prefill chunks; every backend must give the reference's output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loomserve.execution.attention import (
+    BlockTables,
+    build_metadata,
+    paged_attention,
+    select_backend,
+    tables_from_lists,
+)
+
+CPU = torch.device("cpu")
+
+
+def reference(q, keys, values, positions, window, scale, sinks):
+    """Per query row: softmax over keys 0..p (p - W + 1 .. p with a window) [+ sink]."""
+    heads, kv_heads = q.shape[1], keys[0].shape[1]
+    group = heads // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r, (seq, p) in enumerate(positions):
+        lo = 0 if window is None else max(0, p - window + 1)
+        k = keys[seq][lo:p + 1].double().repeat_interleave(group, 1)  # [keys, heads, hd]
+        v = values[seq][lo:p + 1].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,khd->hk", q[r].double(), k) * scale
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
+        pr = torch.softmax(s, dim=1)[:, :k.shape[0]]
+        out[r] = torch.einsum("hk,khd->hd", pr, v)
+    return out
+
+
+def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed):
+    """seqs: (context_before, new_tokens) per seq; new_tokens == 1 with context > 0 is a decode.
+    Returns (ours, reference) outputs for every new token."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    need = sum((c + n + block_size - 1) // block_size for c, n in seqs)
+    num_blocks = need + 7
+    pages = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    pages[pages.abs() > 3.5] = 1e4  # garbage that would show if a stray page were read
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    keys, values, tables, at = [], [], [], 0
+    for c, n in seqs:
+        nb = (c + n + block_size - 1) // block_size
+        tables.append(order[at:at + nb])
+        at += nb
+        keys.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+        values.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+        for pos in range(c):  # the cached context, written where the table says
+            b, o = tables[-1][pos // block_size], pos % block_size
+            pages[b, 0, o], pages[b, 1, o] = keys[-1][pos], values[-1][pos]
+    order_idx = sorted(range(len(seqs)), key=lambda i: not (seqs[i][1] == 1 and seqs[i][0] > 0))
+    decodes = [(seqs[i][0], tables[i]) for i in order_idx if seqs[i][1] == 1 and seqs[i][0] > 0]
+    prefills = [(seqs[i][0], seqs[i][1], tables[i]) for i in order_idx
+                if not (seqs[i][1] == 1 and seqs[i][0] > 0)]
+    dec_t = tables_from_lists([t for _, t in decodes])
+    pre_t = tables_from_lists([t for _, _, t in prefills])
+    meta, _ = build_metadata([(p, t) for (p, _), t in zip(decodes, dec_t)],
+                             [(s, n, t) for (s, n, _), t in zip(prefills, pre_t)],
+                             block_size, CPU, dtype, backend, window)
+    rows = [(i, seqs[i][0] + j) for i in order_idx for j in range(seqs[i][1])]
+    q = torch.randn(len(rows), heads, head_dim, generator=g).to(dtype)
+    k = torch.stack([keys[i][p] for i, p in rows])
+    v = torch.stack([values[i][p] for i, p in rows])
+    ours = paged_attention(q, k, v, pages[:, 0], pages[:, 1], meta, head_dim ** -0.5, sinks)
+    return ours, reference(q, keys, values, rows, window, head_dim ** -0.5, sinks)
+
+
+seq_st = st.tuples(st.integers(0, 90), st.integers(1, 12))
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu_paged"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=st.lists(seq_st, min_size=1, max_size=5), block_size=st.sampled_from([1, 4, 16, 32]),
+       kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([8, 12, 32]), window=st.sampled_from([None, 5, 40]),
+       with_sinks=st.booleans(), bf16=st.booleans(), seed=st.integers(0, 1000))
+def test_backend_matches_reference(name, seqs, block_size, kv_heads, group, head_dim, window,
+                                   with_sinks, bf16, seed):
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    backend = select_backend(name, CPU, dtype)
+    assert backend.name == name
+    sinks = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
+    ours, ref = run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed)
+    tol = 3e-2 if bf16 else 2e-5
+    torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+
+
+def test_cpu_kernel_runs_for_decodes_and_long_contexts():
+    """Contexts long enough to split over many tasks, GQA, both dtypes: the C kernel (not the
+    fallback) serves the decodes, the tiled path the continued prefill."""
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = select_backend("cpu_paged", CPU, dtype)
+        seqs = [(3000, 1), (700, 1), (1, 1), (2500, 9)]
+        ours, ref = run_case(backend, seqs, 16, 2, 4, 64, None, None, dtype, 3)
+        torch.testing.assert_close(ours.double(), ref, atol=3e-2 if dtype == torch.bfloat16 else 2e-5,
+                                   rtol=3e-2 if dtype == torch.bfloat16 else 2e-5)
+        assert backend.calls["decode_kernel"] == 1 and backend.calls["decode_fallback"] == 0
+        assert backend.calls["prefill_tiled"] == 1
+
+
+def test_prefill_tiles_cover_long_cached_context(monkeypatch):
+    from loomserve.execution.attention import cpu_backend
+    monkeypatch.setattr(cpu_backend, "TILE_TOKENS", 48)  # many tiles, edges inside blocks
+    backend = select_backend("cpu_paged", CPU, torch.float32)
+    ours, ref = run_case(backend, [(301, 17), (0, 30)], 16, 1, 4, 32, None, torch.randn(4), torch.float32, 5)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_metadata_does_not_grow_with_context():
+    """A decode at a 200K context: the step's metadata holds the runner's table by reference and
+    no tensor sized by the context (no padded table, no mask)."""
+    backend = select_backend("cpu_paged", CPU, torch.float32)
+    tables = BlockTables()
+    ids = list(range(200_000 // 16 + 1))
+    table = tables.get("r", 0, ids)
+    meta, _ = build_metadata([(200_000, table)], [], 16, CPU, torch.float32, backend)
+    assert meta.decode_tables[0] is table
+    sizes = [v.numel() for v in vars(meta).values() if isinstance(v, torch.Tensor)]
+    assert max(sizes) == 1
+
+
+def test_block_tables_grow_incrementally_and_rebuild_on_new_lists():
+    tables = BlockTables()
+    ids = [5, 6]
+    t1 = tables.get("a", 0, ids)
+    ids.extend(range(7, 100))  # the scheduler's list grows in place
+    t2 = tables.get("a", 0, ids)
+    assert t1.tolist() == [5, 6] and t2.tolist() == ids
+    again = tables.get("a", 0, ids)
+    assert again.ctypes.data == t2.ctypes.data  # nothing new: same array, nothing copied
+    fresh = [9, 8, 7]  # preempted and re-admitted: a new list object, maybe shorter
+    assert tables.get("a", 0, fresh).tolist() == fresh
+    longer = [1] * 200  # a new list object as long as the old one: still rebuilt
+    assert tables.get("a", 0, longer).tolist() == longer
+    tables.get("b", 1, [3])
+    tables.drop(["a"])
+    assert len(tables) == 1
+    tables.keep_only(set())
+    assert len(tables) == 0
+
+
+def test_auto_picks_the_kernel_on_cpu_and_torch_elsewhere(monkeypatch):
+    assert select_backend("auto", CPU, torch.float32).name == "cpu_paged"
+    assert select_backend("auto", CPU, torch.float16).name == "torch"
+    monkeypatch.setenv("LOOMSERVE_KERNELS", "0")
+    from loomserve.execution import kernels
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert select_backend("auto", CPU, torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="cpu_paged is unavailable"):
+        select_backend("cpu_paged", CPU, torch.float32)
