@@ -97,6 +97,30 @@ def test_rope_in_place_on_q_and_k(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["llama", "zero_centered"])  # Qwen3's q/k norms, Gemma 3's
+def test_qk_norm_then_rope_in_place(dtype, variant):
+    d, h, kvh = 32, 5, 2
+    cfg = ArchConfig("llama", hidden_size=h * d, num_layers=1, num_heads=h, num_kv_heads=kvh,
+                     head_dim=d, intermediate_size=8, vocab_size=8)
+    rot = RotaryEmbedding(cfg, 512, torch.device("cpu"), dtype)
+    q_norm, k_norm = (RMSNorm(d, 1e-6, **VARIANTS[variant]).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        q_norm.weight.copy_(_rand(d, dtype, 1) * 0.3 + 1.0)
+        k_norm.weight.copy_(_rand(d, dtype, 2) * 0.3)
+    for seed, n in enumerate(TOKENS):
+        cos, sin = rot.lookup(torch.arange(n) * 7 % 512)
+        qkv = _rand((n, h + 2 * kvh, d), dtype, seed, 5.0)
+        got = qkv.clone()
+        assert fused.rope_qk_(got, h + kvh, cos, sin, rot.half, q_norm, k_norm, h)
+        _close(got[:, :h], apply_rope(q_norm(qkv[:, :h]), cos, sin, rot.half))
+        _close(got[:, h:h + kvh], apply_rope(k_norm(qkv[:, h:h + kvh]), cos, sin, rot.half))
+        assert torch.equal(got[:, h + kvh:], qkv[:, h + kvh:])
+    # Unlike norms (or a dtype mismatch) are left to the torch path.
+    assert not fused.rope_qk_(got, h + kvh, cos, sin, rot.half, q_norm, RMSNorm(d, 1e-5).to(dtype), h)
+    assert fused.calls["rope"] == len(TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_silu_and_mul(dtype):
     for seed, (n, inter) in enumerate(zip(TOKENS, [1536, 13, 1537, 8])):
         gate_up = _rand((n, 2 * inter), dtype, seed, 4.0)
@@ -126,12 +150,13 @@ def test_torch_path_is_the_reference_exactly():
         RMSNorm(8, EPS, gate="after").fused(x)
 
 
-def test_model_forward_runs_the_fused_ops_and_matches_the_torch_path():
-    """A Llama forward (prefill then decode) calls each fused op per layer, and its logits
-    agree with the all-torch forward."""
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])  # plain, q/k-normed attention
+def test_model_forward_runs_the_fused_ops_and_matches_the_torch_path(name):
+    """A Llama-family forward (prefill then decode) calls each fused op per layer, and its
+    logits agree with the all-torch forward."""
     from tests.execution.models.conftest import Blocks, logits_of, seq, tiny_runner
 
-    runner = tiny_runner("tiny-llama")
+    runner = tiny_runner(name)
     layers = len(runner.model.model.layers)
     blocks = Blocks(runner.block_size)
     prompt = [5, 17, 99, 3, 250, 7, 41]

@@ -102,22 +102,23 @@ void rms_norm(const void *x, long x_stride, const void *residual, void *sum, con
 
 /* qkv: [n, *] with token stride `stride`; heads 0..heads-1 (q then k) of head_dim d are rotated:
  * x' = x * cos + roll(x, d/2) * sin, sin carrying rotate_half's sign (layers/rotary.py).
- * cos, sin: [n, d] contiguous, the step's gathered rows. */
+ * cos, sin: [n, d] contiguous, the step's gathered rows. wq, wk: NULL, or the per-head RMSNorm
+ * weights ([d]) applied to each head first (Qwen3, Gemma 3: q heads 0..hq-1 with wq, the rest
+ * with wk), with the norm's flags and eps, the normalized head rounded to the dtype as torch
+ * hands it to the rotation. */
 void rope_inplace(void *qkv, long stride, long n, long heads, long d, const void *cos, const void *sin,
-                  int dtype, int num_threads) {
+                  const void *wq, const void *wk, long hq, float eps, int flags, int dtype, int num_threads) {
     const long half = d / 2;
+    const size_t es = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) if (n * heads * d >= PAR_MIN_ELEMS) schedule(static)
     for (long t = 0; t < n; t++) {
         float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
-        if (dtype == 0) {
-            memcpy(c, (const float *)cos + t * d, (size_t)d * 4);
-            memcpy(s, (const float *)sin + t * d, (size_t)d * 4);
-        } else {
-            load_row((const uint16_t *)cos + t * d, 1, d, c);
-            load_row((const uint16_t *)sin + t * d, 1, d, s);
-        }
+        load_row((const char *)cos + t * d * es, dtype, d, c);
+        load_row((const char *)sin + t * d * es, dtype, d, s);
         for (long j = 0; j < heads; j++) {
-            char *p = (char *)qkv + (t * stride + j * d) * (dtype == 0 ? 4 : 2);
+            char *p = (char *)qkv + (t * stride + j * d) * es;
+            if (wq) /* in place: the row is read whole before it is written */
+                norm_row(p, NULL, NULL, j < hq ? wq : wk, p, d, eps, dtype, flags, x, y);
             load_row(p, dtype, d, x);
             if (dtype == 0) {
                 for (long i = 0; i < half; i++) y[i] = x[i] * c[i] + x[i + half] * s[i];

@@ -38,7 +38,7 @@ def library() -> ctypes.CDLL | None:
         lib = kernels.load("fused")
         if lib is not None:
             lib.rms_norm.argtypes = [_P, _L, _P, _P, _P, _P, _L, _L, _F, _I, _I, _I]
-            lib.rope_inplace.argtypes = [_P, _L, _L, _L, _L, _P, _P, _I, _I]
+            lib.rope_inplace.argtypes = [_P, _L, _L, _L, _L, _P, _P, _P, _P, _L, _F, _I, _I, _I]
             lib.silu_and_mul.argtypes = [_P, _L, _P, _L, _L, _I, _I]
             for fn in (lib.rms_norm, lib.rope_inplace, lib.silu_and_mul):
                 fn.restype = None
@@ -76,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32
         return reference(x), residual
     n = x.shape[0]
     out = torch.empty((n, d), dtype=x.dtype)
-    flags = (_NORM_SCALE_FP32 if scale_in_fp32 else 0) | (_NORM_ZERO_CENTERED if zero_centered else 0)
+    flags = _norm_flags(scale_in_fp32, zero_centered)
     res = None if residual is None else residual.data_ptr()
     lib.rms_norm(x.data_ptr(), x.stride(0), res, x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, d, eps,
                  code, flags, torch.get_num_threads())
@@ -86,10 +86,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32
 
 # --- RoPE ---------------------------------------------------------------------------------------
 
-def rope_qk_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, half: int) -> bool:
+def rope_qk_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, half: int,
+             q_norm=None, k_norm=None, q_heads: int = 0) -> bool:
     """Rotate the first `heads` heads of qkv ([tokens, all heads, head_dim], rows contiguous)
-    in place; cos/sin: [tokens, 1, head_dim] (RotaryEmbedding.lookup). False (nothing done)
-    when the kernel does not apply: the caller then runs the torch rotation (rotary.apply_rope)."""
+    in place; cos/sin: [tokens, 1, head_dim] (RotaryEmbedding.lookup). With q_norm/k_norm
+    (ungated RMSNorm modules over head_dim), heads 0..q_heads-1 are first normalized by q_norm,
+    the rest by k_norm, in the same call. False (nothing done) when the kernel does not apply:
+    the caller then runs the torch ops (norms, rotary.apply_rope)."""
     lib = library()
     if lib is None:
         return False
@@ -98,10 +101,29 @@ def rope_qk_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
     if (code is None or d != 2 * half or d > 1024 or qkv.stride(2) != 1 or qkv.stride(1) != d
             or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape != (n, 1, d) or sin.shape != (n, 1, d)):
         return False
-    lib.rope_inplace(qkv.data_ptr(), qkv.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), code,
-                     torch.get_num_threads())
+    wq = wk = None
+    eps, flags = 0.0, 0
+    if q_norm is not None:
+        if not _head_norms_fit(q_norm, k_norm, qkv.dtype, d):
+            return False
+        wq, wk, eps = q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps
+        flags = _norm_flags(q_norm.scale_in_fp32, q_norm.zero_centered)
+    lib.rope_inplace(qkv.data_ptr(), qkv.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), wq, wk, q_heads,
+                     eps, flags, code, torch.get_num_threads())
     calls["rope"] += 1
     return True
+
+
+def _head_norms_fit(q_norm, k_norm, dtype: torch.dtype, d: int) -> bool:
+    """Both norms plain (ungated, ungrouped), alike, over d, with weights of the model dtype."""
+    return all(m.gate is None and m.groups == 1 and m.weight.dtype == dtype and m.weight.shape == (d,)
+               and m.weight.is_contiguous() and m.weight.is_cpu for m in (q_norm, k_norm)) and (
+        q_norm.eps == k_norm.eps and q_norm.scale_in_fp32 == k_norm.scale_in_fp32
+        and q_norm.zero_centered == k_norm.zero_centered)
+
+
+def _norm_flags(scale_in_fp32: bool, zero_centered: bool) -> int:
+    return (_NORM_SCALE_FP32 if scale_in_fp32 else 0) | (_NORM_ZERO_CENTERED if zero_centered else 0)
 
 
 # --- SiLU(gate) * up ------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ class Attention(nn.Module):
             else:  # q and k rotate together: one set of elementwise ops for both.
                 qk = apply_rope(qkv[:, :h + kvh], cos, sin, half)
                 q, k = qk[:, :h], qk[:, h:]
+        elif rope_qk_(qkv, h + kvh, cos, sin, half, self.q_norm, self.k_norm, h):  # norms + rotation, one call
+            q, k = qkv[:, :h], qkv[:, h:h + kvh]
         else:
             q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin, half)
             k = apply_rope(self.k_norm(qkv[:, h:h + kvh]), cos, sin, half)
