@@ -176,10 +176,10 @@ static inline __m256 exp_neg8(__m256 x) {
 
 /* split_attend for head_dim a multiple of 8: keys eight at a time, scores of the eight
  * reduced together, probabilities through a vector exp, V accumulated row by row. */
-static void split_attend_avx2(const float *q, const void *k_base, const void *v_base,
-                              int64_t block_stride, int block_size, int kv_heads, int head_dim,
-                              int group, const int32_t *table, int64_t k0, int64_t k1, int h,
-                              float scale, int dtype, float *part) {
+static inline __attribute__((always_inline)) void split_attend_avx2(
+        const float *q, const void *k_base, const void *v_base, int64_t block_stride,
+        int block_size, int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0,
+        int64_t k1, int h, float scale, int dtype, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP];
     float kbuf[8 * MAX_HEAD_DIM], vbuf[8 * MAX_HEAD_DIM];
     const float *kr[8], *vr[8];
@@ -227,15 +227,16 @@ static void split_attend_avx2(const float *q, const void *k_base, const void *v_
                 __m256 p = _mm256_and_ps(exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(m[g]))), live);
                 l[g] += hsum8(p);
                 float pf[8];
+                _mm256_storeu_ps(pf, p);
                 if (dtype == 1) {
-                    for (int t = 0; t < 8; t++) pf[t] = round_bf16(((float *)&p)[t]);
-                } else {
-                    _mm256_storeu_ps(pf, p);
+                    for (int t = 0; t < 8; t++) pf[t] = round_bf16(pf[t]);
                 }
+                __m256 pb[8];
+                for (int t = 0; t < 8; t++) pb[t] = _mm256_set1_ps(pf[t]);  /* 0 past c */
                 for (int j = 0; j < head_dim; j += 8) {
                     __m256 o = _mm256_loadu_ps(acc + j);
-                    for (int t = 0; t < c; t++)
-                        o = _mm256_fmadd_ps(_mm256_set1_ps(pf[t]), _mm256_loadu_ps(vr[t] + j), o);
+                    for (int t = 0; t < 8; t++)
+                        o = _mm256_fmadd_ps(pb[t], _mm256_loadu_ps(vr[t] + j), o);
                     _mm256_storeu_ps(acc + j, o);
                 }
             }
@@ -245,6 +246,31 @@ static void split_attend_avx2(const float *q, const void *k_base, const void *v_
     for (int g = 0; g < group; g++) {
         part[g * stride + head_dim] = m[g];
         part[g * stride + head_dim + 1] = l[g];
+    }
+}
+
+/* Copies of split_attend_avx2 with head_dim a constant, so its loops unroll fully. */
+#define SPECIALIZED(D)                                                                        \
+    static void split_attend_avx2_##D(const float *q, const void *kb, const void *vb,         \
+                                      int64_t bstride, int bsize, int kvh, int group,          \
+                                      const int32_t *table, int64_t k0, int64_t k1, int h,     \
+                                      float scale, int dtype, float *part) {                   \
+        split_attend_avx2(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, h, scale,  \
+                          dtype, part);                                                        \
+    }
+SPECIALIZED(32)
+SPECIALIZED(64)
+SPECIALIZED(128)
+
+static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
+                                  int bsize, int kvh, int head_dim, int group,
+                                  const int32_t *table, int64_t k0, int64_t k1, int h, float scale,
+                                  int dtype, float *part) {
+    switch (head_dim) {
+    case 32: split_attend_avx2_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 64: split_attend_avx2_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 128: split_attend_avx2_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    default: split_attend_avx2(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, h, scale, dtype, part);
     }
 }
 #endif
@@ -274,8 +300,9 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
         const float *qi = q + ((int64_t)i * heads + (int64_t)h * group) * head_dim;
 #if defined(__AVX2__) && defined(__FMA__)
         if (head_dim % 8 == 0) {
-            split_attend_avx2(qi, k_base, v_base, block_stride, block_size, kv_heads, head_dim,
-                              group, tables[i], k0, k1, h, scale, dtype, scratch + t * pstride);
+            split_attend_avx2_any(qi, k_base, v_base, block_stride, block_size, kv_heads,
+                                  head_dim, group, tables[i], k0, k1, h, scale, dtype,
+                                  scratch + t * pstride);
             continue;
         }
 #endif
