@@ -8,7 +8,6 @@ prefill chunks; every backend must give the reference's output.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
