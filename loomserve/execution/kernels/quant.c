@@ -56,7 +56,10 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        for (int j = 0; j < QK; j++) {  /* not fmaxf: without -ffast-math it is a call per element */
+            float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
         float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         int sum = 0;
         for (int j = 0; j < QK; j++) {

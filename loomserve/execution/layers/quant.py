@@ -184,3 +184,36 @@ class QuantEmbedding(QuantLinear):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return QuantLinear.forward(self, hidden)
+
+
+# Routers pick experts; a rounding flip there changes which weights run, so they stay float.
+_KEEP_FLOAT = ("router", "gate", "shared_expert_gate")
+HEAD_BITS = 8  # the LM head (and a tied embedding) in int4 mode too, as llama.cpp keeps it >= 6-bit
+
+
+def quantize_linears(model: nn.Module, bits: int) -> dict[str, int]:
+    """Replace every nn.Linear of `model` (in_features a multiple of 32, not a router) by a
+    QuantLinear of `bits`; the LM head and a tied embedding get HEAD_BITS. Returns counts."""
+    counts = {"quantized": 0, "float": 0}
+    tied = getattr(model, "lm_head", False) is None
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        leaf = name.rpartition(".")[2]
+        if leaf in _KEEP_FLOAT or mod.in_features % GROUP:
+            counts["float"] += 1
+            continue
+        set_module(model, name, QuantLinear.from_float(mod, HEAD_BITS if leaf == "lm_head" else bits))
+        counts["quantized"] += 1
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get is not None else None
+    if tied and isinstance(emb, nn.Embedding) and emb.embedding_dim % GROUP == 0:
+        name = next(n for n, m in model.named_modules() if m is emb)
+        set_module(model, name, QuantEmbedding.from_float(emb, HEAD_BITS))
+        counts["quantized"] += 1
+    return counts
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)

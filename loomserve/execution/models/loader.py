@@ -14,8 +14,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, quantize_linears
 from loomserve.execution.models.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.execution.models.gguf_loader import cached_conversion
+from loomserve.execution.models.gguf_quant import quantize_from_gguf
 from loomserve.execution.models.registry import resolve
 from loomserve.execution.models.weight_layout import optimize_cpu_layout
 
@@ -27,6 +29,7 @@ class LoadedModel:
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
     layout: str = "default"  # the CPU weight layout chosen (loomserve.execution.models.weight_layout)
+    quantization: str = "none"  # none | gguf | int8 | int4 (layers/quant.py)
     num_params: int = 0  # counted as loaded, before the layout; see count_weights
     weight_bytes: int = 0
 
@@ -46,8 +49,18 @@ def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
-               cache_dir: str) -> LoadedModel:
+               cache_dir: str, quantization: str = "none") -> LoadedModel:
+    """quantization: "none" (weights in `dtype`), "gguf" (a .gguf file's quantized blocks kept
+    as they are), "int8" / "int4" (linears quantized at load; see layers/quant.py)."""
     device = torch.device(device)
+    if quantization not in ("none", "gguf", "int8", "int4"):
+        raise ValueError(f"quantization must be none, gguf, int8 or int4, not {quantization!r}")
+    gguf_path = os.path.expanduser(path) if path is not None else None
+    if quantization == "gguf":
+        gguf_path = gguf_path or default_model_path()
+        if not (os.path.isfile(gguf_path) and gguf_path.endswith(".gguf")):
+            raise ValueError(f"quantization='gguf' needs a .gguf model file, not {path!r}; "
+                             "use int8 or int4 for an HF folder")
     folder, name = resolve_model(path, cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
         model_cls, cfg = resolve(json.load(f))
@@ -56,11 +69,17 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         model = model_cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(folder))
+    if quantization == "gguf":
+        quantize_from_gguf(model, gguf_path)
+    elif quantization in ("int8", "int4"):
+        quantize_linears(model, 8 if quantization == "int8" else 4)
+    if quantization != "none":
+        model.to(device)
     num_params, weight_bytes = count_weights(model)
     layout = optimize_cpu_layout(model, device, dtype, _tied_embedding(model))
     model.init_rotary(cfg.max_position_embeddings, device, dtype)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, cfg, name, folder, layout, num_params, weight_bytes)
+    return LoadedModel(model, cfg, name, folder, layout, quantization, num_params, weight_bytes)
 
 
 def count_weights(model: nn.Module) -> tuple[int, int]:
@@ -77,14 +96,19 @@ def count_weights(model: nn.Module) -> tuple[int, int]:
     params = list(model.parameters())
     num_params = sum(p.numel() for p in params)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    for m in model.modules():  # quantized modules hold buffers: their packed bytes are the weights
+        if isinstance(m, QuantLinear):
+            num_params += m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
+            weight_bytes += m.weight_bytes()
     get = getattr(model, "get_input_embeddings", None)
     if get is not None and _tied_embedding(model) is None:
-        table = get().weight
-        weight_bytes -= table.numel() * table.element_size()
+        table = get()
+        weight_bytes -= (table.weight_bytes() if isinstance(table, QuantEmbedding)
+                         else table.weight.numel() * table.weight.element_size())
     return num_params, weight_bytes
 
 
-def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
+def _tied_embedding(model: nn.Module) -> nn.Module | None:
     """The input embedding when the model reads its LM head from it (lm_head is None)."""
     if getattr(model, "lm_head", False) is not None:
         return None

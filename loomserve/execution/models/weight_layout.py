@@ -16,7 +16,9 @@ either CPU kernel it uses (measured by benchmarks/matmul_layout.py on the 2-core
   copy. A tied LM head (the embedding matrix) gets a packed copy beside the embedding, which
   still serves row gathers.
 
-Other devices and dtypes keep the default layout. The packed path uses PyTorch's oneDNN ops
+Quantized modules (layers/quant.py: QuantLinear, a QuantEmbedding serving as the tied LM head)
+are not nn.Linear / nn.Embedding weights and keep their own layout. Other devices and dtypes
+keep the default layout. The packed path uses PyTorch's oneDNN ops
 (the ones torch.compile's CPU backend emits); if they are missing or refuse a weight, that
 weight stays a plain nn.Linear.
 """
@@ -28,6 +30,8 @@ import logging
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from loomserve.execution.layers.quant import QuantEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
     done, for the startup log. tied_embedding: the embedding that doubles as the LM head."""
     if device.type != "cpu":
         return "default"
+    if isinstance(tied_embedding, QuantEmbedding):
+        tied_embedding = None  # the quantized table is its own LM head (lm_head_logits)
     if dtype == torch.float32:
         for m in model.modules():
             if isinstance(m, nn.Linear):
@@ -114,6 +120,8 @@ def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | 
     when optimize_cpu_layout made one)."""
     if lm_head is not None:
         return lm_head(hidden)
+    if isinstance(embedding, QuantEmbedding):
+        return embedding.project(hidden)
     packed = getattr(model, "packed_lm_head", None)
     if packed is not None:
         return packed(hidden)

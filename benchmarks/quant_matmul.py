@@ -1,0 +1,106 @@
+"""Quantized matmul kernel (kernels/quant.c) vs fp32 torch matmul, per matrix shape of the default model.
+
+For SmolLM2-135M's matrices (per layer qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536;
+the 49152x576 tied LM head), at R rows (sequences decoding at once):
+
+  fp32   F.linear on the input-major weight the fp32 CPU layout uses (MKL)
+  q4_1   QuantLinear, 4-bit with mins (GGUF Q4_1's bytes: 0.5 B/weight + fp16 s, m per 32)
+  q8_0   QuantLinear, 8-bit symmetric (GGUF Q8_0's bytes: 1 B/weight + fp16 s per 32)
+
+Beside each: the weight bytes streamed per call and the bandwidth limit (bytes / measured read
+GB/s from benchmarks/membw.py), the best a one-row call can do. Median of --repeats calls, the
+variants interleaved so machine noise hits all alike. "model pass" sums one call per matrix of
+the whole model (30 layers + LM head).
+
+Run:  nice -n -15 python benchmarks/quant_matmul.py [--rows 1 32] [--repeats 30]
+Output: a table, and benchmarks/results/quant_matmul.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import host_info, write_json  # noqa: E402
+
+from loomserve.execution.layers.quant import QuantLinear, quantize_weight  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+PER_MODEL = {"qkv": 30, "o": 30, "gate_up": 30, "down": 30, "lm_head": 1}
+
+
+def variants(n: int, k: int, rows: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
+    wt = w.t().contiguous().t()  # input-major, as optimize_cpu_layout stores fp32 weights
+    q4 = QuantLinear(*quantize_weight(w, 4), 4)
+    q8 = QuantLinear(*quantize_weight(w, 8), 8)
+    return {"fp32": (lambda: F.linear(x, wt), n * k * 4),
+            "q4_1": (lambda: q4(x), q4.weight_bytes()),
+            "q8_0": (lambda: q8(x), q8.weight_bytes())}
+
+
+def time_variants(fns: dict, repeats: int) -> dict[str, float]:
+    for f, _ in fns.values():
+        f()
+    runs: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, (f, _) in fns.items():
+            t = time.perf_counter()
+            f()
+            runs[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args(argv)
+    from membw import measure_read_bandwidth
+    bw = measure_read_bandwidth()
+    out = {"host": host_info(), "read_gbs": bw, "threads": torch.get_num_threads(),
+           "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "results": []}
+    print(f"read bandwidth {bw:.1f} GB/s, {torch.get_num_threads()} threads")
+    print(f"{'shape':>16} {'rows':>4} {'variant':7} {'us':>9} {'MB':>7} {'limit us':>9} {'GB/s':>6} {'vs fp32':>7}")
+    for rows in args.rows:
+        model = {}
+        for name, (n, k) in SHAPES.items():
+            fns = variants(n, k, rows)
+            times = time_variants(fns, args.repeats)
+            for var, t in times.items():
+                nbytes = fns[var][1]
+                rec = {"shape": name, "n": n, "k": k, "rows": rows, "variant": var, "us": t * 1e6,
+                       "bytes": nbytes, "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
+                       "speedup_vs_fp32": times["fp32"] / t}
+                out["results"].append(rec)
+                m = model.setdefault(var, [0.0, 0])
+                m[0] += PER_MODEL[name] * t
+                m[1] += PER_MODEL[name] * nbytes
+                print(f"{name + f' {n}x{k}':>16} {rows:>4} {var:7} {rec['us']:9.1f} {nbytes / 1e6:7.2f} "
+                      f"{rec['limit_us']:9.1f} {rec['gbs']:6.1f} {rec['speedup_vs_fp32']:7.2f}")
+        for var, (t, nbytes) in model.items():
+            rec = {"shape": "model pass", "rows": rows, "variant": var, "us": t * 1e6, "bytes": nbytes,
+                   "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
+                   "speedup_vs_fp32": model["fp32"][0] / t}
+            out["results"].append(rec)
+            print(f"{'model pass':>16} {rows:>4} {var:7} {rec['us']:9.1f} {nbytes / 1e6:7.2f} "
+                  f"{rec['limit_us']:9.1f} {rec['gbs']:6.1f} {rec['speedup_vs_fp32']:7.2f}")
+    if not args.no_save:
+        write_json("quant_matmul.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
