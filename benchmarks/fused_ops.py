@@ -10,7 +10,10 @@ decode step of C streams, each at context --ctx. Systems, in the same process:
           + Python. Its own limit: weight bytes / read bandwidth (benchmarks/membw.py).
 Interleaved: every repeat times each system for --steps steps (the order rotates per repeat),
 so the shared host's drift hits all alike; the median over repeats of per-repeat medians is
-reported, with the spread (min..max of the repeat medians) as the noise.
+reported, with the spread (min..max of the repeat medians) as the noise. Beside wall time,
+the process CPU time of a step (time.process_time): on a host shared with other work it
+leaves out the time spent waiting for a core (with 1 torch thread it is the step's own work;
+with more it also counts OpenMP spin-waits).
 --profile adds a torch.profiler split per step (matmul / attention / other aten ops; the
 profiler's own per-op cost inflates the small ops, so read it as a share, not a time).
 --micro adds one op at a time at 1 and 8 rows: torch eager vs C vs torch.compile(dynamic=True),
@@ -68,14 +71,16 @@ def matmul_pass(runner: ModelRunner, streams: int):
     return run
 
 
-def time_steps(fn, steps: int) -> float:
+def time_steps(fn, steps: int) -> tuple[float, float]:
+    """Median wall ms and median process-CPU ms of one step."""
     fn()
-    ts = []
+    wall, cpu = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
 def profile_split(step, n: int = 5) -> dict[str, float]:
@@ -109,12 +114,15 @@ def run_model(args) -> list[dict]:
         systems = {"fused": lambda: runner.compute_logits(inp), "torch": lambda: runner.compute_logits(inp),
                    "matmul": matmul_pass(runner, streams)}
         ms = {k: [] for k in systems}
+        cpu = {k: [] for k in systems}
         order = list(systems)
         for rep in range(args.repeats):
             for name in order[rep % 3:] + order[:rep % 3]:
                 fused.USE = name != "torch"
                 fused.calls.clear()
-                ms[name].append(time_steps(systems[name], args.steps))
+                wall_ms, cpu_ms = time_steps(systems[name], args.steps)
+                ms[name].append(wall_ms)
+                cpu[name].append(cpu_ms)
                 if name == "fused":
                     assert fused.calls["rms_norm"] > 0, "the fused kernels did not run"
         fused.USE = True
@@ -122,9 +130,12 @@ def run_model(args) -> list[dict]:
         for k, v in ms.items():
             row[f"{k}_ms"] = round(statistics.median(v), 2)
             row[f"{k}_spread"] = [round(min(v), 2), round(max(v), 2)]
+            row[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 2)
         for k in ("fused", "torch"):
             row[f"{k}_non_matmul_ms"] = round(row[f"{k}_ms"] - row["matmul_ms"], 2)
+            row[f"{k}_non_matmul_cpu_ms"] = round(row[f"{k}_cpu_ms"] - row["matmul_cpu_ms"], 2)
         row["saved_ms"] = round(row["torch_ms"] - row["fused_ms"], 2)
+        row["saved_cpu_ms"] = round(row["torch_cpu_ms"] - row["fused_cpu_ms"], 2)
         if args.profile:
             for k in ("fused", "torch"):
                 fused.USE = k == "fused"
@@ -212,10 +223,10 @@ def main() -> None:
     if args.micro:
         result["micro"] = run_micro(args)
     result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(format_table(["C", "torch ms", "fused ms", "saved ms", "matmul ms", "torch-mm", "fused-mm", "spread t/f"],
-                       [[r["streams"], r["torch_ms"], r["fused_ms"], r["saved_ms"], r["matmul_ms"],
-                         r["torch_non_matmul_ms"], r["fused_non_matmul_ms"],
-                         f"{r['torch_spread']} / {r['fused_spread']}"] for r in rows]))
+    print(format_table(["C", "clock", "torch ms", "fused ms", "saved ms", "matmul ms", "torch-mm", "fused-mm"],
+                       [[r["streams"], clock, r[f"torch{c}_ms"], r[f"fused{c}_ms"], r[f"saved{c}_ms"],
+                         r[f"matmul{c}_ms"], r[f"torch_non_matmul{c}_ms"], r[f"fused_non_matmul{c}_ms"]]
+                        for r in rows for clock, c in (("wall", ""), ("cpu", "_cpu"))]))
     if "limit" in result:
         print(f"weights read once per step: {result['limit']['weights_read_ms']} ms at "
               f"{result['limit']['membw_read_gbs']} GB/s")
