@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from longctx import limits, model, systems  # noqa: E402
+from longctx import limits, model, report, systems  # noqa: E402
 
 RESULT_NAME = "long_context.json"
 SYSTEMS = ("loomserve", "loomserve-torch", "llama-server")
@@ -80,7 +80,8 @@ def server_for(name: str, phase: str, args, folder: str, gguf: str):
 
 def run_phase(name: str, phase: str, url: str, vocab: int, args) -> dict[str, Any]:
     if phase.startswith("decode@"):
-        return systems.run_decode(name, url, vocab, int(phase[7:]), args.max_tokens, args.repeats)
+        return systems.run_decode(name, url, vocab, int(phase[7:]), args.max_tokens,
+                                  args.repeats, args.decode_seconds)
     if phase == "prefill24k":
         return systems.run_prefill24k(name, url, vocab, args.repeats)
     return systems.run_c64(name, url, vocab, args.c64_context, args.streams, args.c64_tokens)
@@ -168,7 +169,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--c64-context", type=int, default=32 * K)
     ap.add_argument("--c64-tokens", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=128, help="decode tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=256, help="most decode tokens per request")
+    ap.add_argument("--decode-seconds", type=float, default=15.0,
+                    help="decode tokens per timed request: about this many seconds' worth")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default=None, help="loomserve's --attention-backend (default: its own)")
@@ -179,6 +182,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="re-measure bandwidth and matmul rate (else the stored ones are kept)")
     ap.add_argument("--read-gbs", type=float, default=None, help="use this read bandwidth")
     ap.add_argument("--result", default=RESULT_NAME)
+    ap.add_argument("--report", action="store_true", help="print the stored results as markdown")
     return ap.parse_args(argv)
 
 
@@ -191,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
+    if args.report:
+        print(report.markdown(load(path)))
+        return 0
     payload = load(path) or {"description": "long-context decode / prefill (benchmarks/long_context.py)"}
     payload.update(model={"hf": folder, "gguf": gguf, **model.CONFIG, "vocab_size": cfg["vocab_size"]},
                    host=common.host_info())

@@ -60,20 +60,25 @@ def _brief(t: Timed) -> dict[str, Any]:
 
 
 def run_decode(system: str, url: str, vocab: int, ctx: int, max_tokens: int,
-               repeats: int) -> dict[str, Any]:
+               repeats: int, decode_seconds: float) -> dict[str, Any]:
+    """The first request (16 tokens) prefills and gives a rate; each repeat then decodes as many
+    tokens as take about ``decode_seconds`` (8 ..= max_tokens), so a slow system costs minutes,
+    not hours, and a fast one is timed over many tokens."""
     prompt = random_prompt(ctx, seed=0, vocab=vocab)  # base: every context is a prefix of it
-    first = timed_request(url, prompt, max_tokens)
+    first = timed_request(url, prompt, min(16, max_tokens))
     _log(system, f"decode@{ctx}: first ttft {first.ttft_s}s, {first.decode_ms_per_token} ms/t "
                  f"{first.error or ''}")
+    ms = first.decode_ms_per_token or 1000.0
+    n = int(max(8, min(max_tokens, 1000 * decode_seconds / ms)))
     runs = []
     for r in range(repeats):
-        t = timed_request(url, prompt, max_tokens)
-        _log(system, f"decode@{ctx} run {r + 1}: ttft {t.ttft_s:.3f}s, "
+        t = timed_request(url, prompt, n)
+        _log(system, f"decode@{ctx} run {r + 1}: ttft {t.ttft_s:.3f}s, {n} tokens, "
                      f"{t.decode_ms_per_token} ms/t {t.error or ''}")
         runs.append(t)
     # The first request's decode is reported but not in the median (cold: just after prefill).
     ok = [t.decode_ms_per_token for t in runs if t.error is None]
-    return {"context": ctx, "max_tokens": max_tokens, "first": _brief(first),
+    return {"context": ctx, "max_tokens": n, "first": _brief(first),
             "runs": [_brief(t) for t in runs], "decode_ms_per_token_all": ok,
             "errors": [t.error for t in [first, *runs] if t.error]}
 
