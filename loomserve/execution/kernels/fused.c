@@ -7,7 +7,8 @@
  * - bf16 results round where the torch reference rounds (round to nearest even after each op
  *   the reference runs in bf16), so bf16 outputs equal torch's bit for bit except where expf
  *   differs by an ulp. fp32 differs from torch only in summation order and FMA contraction.
- * - Rows are independent: OpenMP splits rows, only when there is enough work to pay for it.
+ * - Rows are independent: OpenMP splits rows, only when there is enough work to pay for it (a
+ *   parallel region, even an if(0) one, sets up a team: ~0.5 us, as much as a decode row's work).
  */
 #include <math.h>
 #include <stdint.h>
@@ -87,14 +88,21 @@ static void norm_row(const void *x, const void *res, void *sum, const void *w, v
 /* x: [n, d] with row stride x_stride (elements); residual: NULL or [n, d] contiguous, then
  * x + residual is stored to sum ([n, d] contiguous; may be x itself, each row is read before
  * it is written); out: [n, d] contiguous; w: [d]. */
+static void norm_token(const void *x, long x_stride, const void *residual, void *sum, const void *w, void *out,
+                       long t, long d, float eps, int dtype, int flags) {
+    const size_t es = dtype == 0 ? 4 : 2;
+    float h[d], wf[d];
+    norm_row((const char *)x + t * x_stride * es, residual ? (const char *)residual + t * d * es : NULL,
+             (char *)sum + t * d * es, w, (char *)out + t * d * es, d, eps, dtype, flags, h, wf);
+}
+
 void rms_norm(const void *x, long x_stride, const void *residual, void *sum, const void *w, void *out,
               long n, long d, float eps, int dtype, int flags, int num_threads) {
-    const size_t es = dtype == 0 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) if (n * d >= PAR_MIN_ELEMS) schedule(static)
-    for (long t = 0; t < n; t++) {
-        float h[d], wf[d];
-        norm_row((const char *)x + t * x_stride * es, residual ? (const char *)residual + t * d * es : NULL,
-                 (char *)sum + t * d * es, w, (char *)out + t * d * es, d, eps, dtype, flags, h, wf);
+    if (num_threads <= 1 || n * d < PAR_MIN_ELEMS) {
+        for (long t = 0; t < n; t++) norm_token(x, x_stride, residual, sum, w, out, t, d, eps, dtype, flags);
+    } else {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (long t = 0; t < n; t++) norm_token(x, x_stride, residual, sum, w, out, t, d, eps, dtype, flags);
     }
 }
 
@@ -106,29 +114,36 @@ void rms_norm(const void *x, long x_stride, const void *residual, void *sum, con
  * weights ([d]) applied to each head first (Qwen3, Gemma 3: q heads 0..hq-1 with wq, the rest
  * with wk), with the norm's flags and eps, the normalized head rounded to the dtype as torch
  * hands it to the rotation. */
-void rope_inplace(void *qkv, long stride, long n, long heads, long d, const void *cos, const void *sin,
-                  const void *wq, const void *wk, long hq, float eps, int flags, int dtype, int num_threads) {
+static void rope_token(void *qkv, long stride, long t, long heads, long d, const void *cos, const void *sin,
+                       const void *wq, const void *wk, long hq, float eps, int flags, int dtype) {
     const long half = d / 2;
     const size_t es = dtype == 0 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) if (n * heads * d >= PAR_MIN_ELEMS) schedule(static)
-    for (long t = 0; t < n; t++) {
-        float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
-        load_row((const char *)cos + t * d * es, dtype, d, c);
-        load_row((const char *)sin + t * d * es, dtype, d, s);
-        for (long j = 0; j < heads; j++) {
-            char *p = (char *)qkv + (t * stride + j * d) * es;
-            if (wq) /* in place: the row is read whole before it is written */
-                norm_row(p, NULL, NULL, j < hq ? wq : wk, p, d, eps, dtype, flags, x, y);
-            load_row(p, dtype, d, x);
-            if (dtype == 0) {
-                for (long i = 0; i < half; i++) y[i] = x[i] * c[i] + x[i + half] * s[i];
-                for (long i = half; i < d; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
-            } else { /* two bf16 products and a bf16 sum, as torch rounds them */
-                for (long i = 0; i < half; i++) y[i] = round_bf(x[i] * c[i]) + round_bf(x[i + half] * s[i]);
-                for (long i = half; i < d; i++) y[i] = round_bf(x[i] * c[i]) + round_bf(x[i - half] * s[i]);
-            }
-            store_row(y, dtype, d, p);
+    float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+    load_row((const char *)cos + t * d * es, dtype, d, c);
+    load_row((const char *)sin + t * d * es, dtype, d, s);
+    for (long j = 0; j < heads; j++) {
+        char *p = (char *)qkv + (t * stride + j * d) * es;
+        if (wq) /* in place: the row is read whole before it is written */
+            norm_row(p, NULL, NULL, j < hq ? wq : wk, p, d, eps, dtype, flags, x, y);
+        load_row(p, dtype, d, x);
+        if (dtype == 0) {
+            for (long i = 0; i < half; i++) y[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (long i = half; i < d; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+        } else { /* two bf16 products and a bf16 sum, as torch rounds them */
+            for (long i = 0; i < half; i++) y[i] = round_bf(x[i] * c[i]) + round_bf(x[i + half] * s[i]);
+            for (long i = half; i < d; i++) y[i] = round_bf(x[i] * c[i]) + round_bf(x[i - half] * s[i]);
         }
+        store_row(y, dtype, d, p);
+    }
+}
+
+void rope_inplace(void *qkv, long stride, long n, long heads, long d, const void *cos, const void *sin,
+                  const void *wq, const void *wk, long hq, float eps, int flags, int dtype, int num_threads) {
+    if (num_threads <= 1 || n * heads * d < PAR_MIN_ELEMS) {
+        for (long t = 0; t < n; t++) rope_token(qkv, stride, t, heads, d, cos, sin, wq, wk, hq, eps, flags, dtype);
+    } else {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (long t = 0; t < n; t++) rope_token(qkv, stride, t, heads, d, cos, sin, wq, wk, hq, eps, flags, dtype);
     }
 }
 
@@ -173,24 +188,30 @@ static void silu_mul_row(const float *g, const float *u, float *o, long m, int d
 }
 
 /* gate_up: [n, 2m] rows [gate | up] (row stride `stride` elements); out: [n, m] contiguous. */
-void silu_and_mul(const void *gate_up, long stride, void *out, long n, long m, int dtype, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (n * m >= PAR_MIN_ELEMS) schedule(static)
-    for (long t = 0; t < n; t++) {
-        if (dtype == 0) {
-            const float *row = (const float *)gate_up + t * stride;
-            silu_mul_row(row, row + m, (float *)out + t * m, m, 0);
-        } else {
-            const long chunk = 512;
-            float g[512], u[512], o[512];
-            const uint16_t *row = (const uint16_t *)gate_up + t * stride;
-            for (long a = 0; a < m; a += chunk) {
-                long len = m - a < chunk ? m - a : chunk;
-                load_row(row + a, 1, len, g);
-                load_row(row + m + a, 1, len, u);
-                silu_mul_row(g, u, o, len, 1);
-                store_row(o, 1, len, (uint16_t *)out + t * m + a);
-            }
+static void silu_token(const void *gate_up, long stride, void *out, long t, long m, int dtype) {
+    if (dtype == 0) {
+        const float *row = (const float *)gate_up + t * stride;
+        silu_mul_row(row, row + m, (float *)out + t * m, m, 0);
+    } else {
+        const long chunk = 512;
+        float g[512], u[512], o[512];
+        const uint16_t *row = (const uint16_t *)gate_up + t * stride;
+        for (long a = 0; a < m; a += chunk) {
+            long len = m - a < chunk ? m - a : chunk;
+            load_row(row + a, 1, len, g);
+            load_row(row + m + a, 1, len, u);
+            silu_mul_row(g, u, o, len, 1);
+            store_row(o, 1, len, (uint16_t *)out + t * m + a);
         }
+    }
+}
+
+void silu_and_mul(const void *gate_up, long stride, void *out, long n, long m, int dtype, int num_threads) {
+    if (num_threads <= 1 || n * m < PAR_MIN_ELEMS) {
+        for (long t = 0; t < n; t++) silu_token(gate_up, stride, out, t, m, dtype);
+    } else {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (long t = 0; t < n; t++) silu_token(gate_up, stride, out, t, m, dtype);
     }
 }
 
