@@ -47,7 +47,7 @@ class ModelRunner:
         mcfg = config.model
         self.device = mcfg.torch_device
         self.dtype = mcfg.torch_dtype
-        loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir)
+        loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir, mcfg.quantization)
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name
         self.model_folder = loaded.folder
