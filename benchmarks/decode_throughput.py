@@ -3,6 +3,8 @@
 Systems (all on the same SmolLM2-135M-Instruct Q4_1 GGUF unless --model says otherwise):
   loomserve-fp32   ``loomserve serve MODEL --dtype float32 --max-num-seqs maxC``
   loomserve-bf16   ``loomserve serve MODEL --dtype bfloat16 --max-num-seqs maxC``
+  loomserve-gguf   ``loomserve serve MODEL --dtype float32 --quantization gguf --max-num-seqs maxC``:
+                   the GGUF's own Q4_1/Q8_0 blocks run by kernels/quant.c (fp32 activations, KV)
   llama-server     llama.cpp's server on the GGUF as stored (Q4_1 weights, f16 KV), one slot
                    per client (``-np maxC``, continuous batching), built by
                    benchmarks/peers/build_llama_server.sh
@@ -40,7 +42,7 @@ Caveat: a small model can sit partly in a large L3 cache and beat a DRAM rooflin
 Run:
     python benchmarks/decode_throughput.py                       # everything, C = 1 8 32
     python benchmarks/decode_throughput.py --only llama hf --concurrency 1 8 --max-tokens 32 --repeats 1
-Options: --only {loomserve,loomserve-fp32,loomserve-bf16,llama,hf} ..., --concurrency,
+Options: --only {loomserve,loomserve-fp32,loomserve-bf16,loomserve-gguf,llama,hf} ..., --concurrency,
     --max-tokens, --repeats, --threads, --model, --no-save, ... (see --help).
 Output: a table on stdout, benchmarks/results/decode_throughput.json (merged with what is
     already there, so systems can be measured in separate runs; each entry has its own
@@ -76,13 +78,13 @@ from decode.prompts import PROMPT_LEN, load_tokenizer, make_prompts  # noqa: E40
 from decode.served import ServedSystem, llama_server_argv, loomserve_argv  # noqa: E402
 
 RESULT_NAME = "decode_throughput.json"
-SYSTEMS = ("loomserve-fp32", "loomserve-bf16", "llama-server", "hf-generate")
-ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16"), "llama": ("llama-server",),
+SYSTEMS = ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf", "llama-server", "hf-generate")
+ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf"), "llama": ("llama-server",),
                 "hf": ("hf-generate",), **{s: (s,) for s in SYSTEMS}}
 
 # Per-system dtypes for the roofline: (weight bytes per parameter or None = as stored in the
 # file, KV bytes per element).
-ROOFLINE_DTYPES = {"loomserve-fp32": (4, 4), "loomserve-bf16": (2, 2),
+ROOFLINE_DTYPES = {"loomserve-fp32": (4, 4), "loomserve-bf16": (2, 2), "loomserve-gguf": (None, 4),
                    "llama-server": (None, 2), "hf-generate": (4, 4)}
 
 
@@ -152,7 +154,7 @@ def ratios(systems: dict[str, Any]) -> dict[str, dict[str, float]]:
     peer = systems.get("llama-server")
     if not peer:
         return out
-    for name in ("loomserve-fp32", "loomserve-bf16", "hf-generate"):
+    for name in ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf", "hf-generate"):
         mine = systems.get(name)
         if not mine:
             continue
@@ -242,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     for name in selected:
         if name.startswith("loomserve"):
-            dtype = "float32" if name.endswith("fp32") else "bfloat16"
-            argv_fn = loomserve_argv(gguf_path, dtype, max_c, args.loomserve_arg)
+            dtype = "bfloat16" if name.endswith("bf16") else "float32"
+            quant = ["--quantization", "gguf"] if name.endswith("gguf") else []
+            argv_fn = loomserve_argv(gguf_path, dtype, max_c, [*quant, *args.loomserve_arg])
         elif name == "llama-server":
             binary = common.ensure_llama_server()
             argv_fn = llama_server_argv(binary, gguf_path, max_c, ctx_slot, args.threads,
