@@ -2,7 +2,7 @@
 small torch kernels: residual add + RMSNorm, RoPE on q and k in place, SiLU(gate) * up.
 
 Every op has its torch reference beside it and falls back to it whenever the C kernel does not
-apply: kernels off (LOOMSERVE_KERNELS=0) or not built, `USE` False, a device other than the
+apply: kernels off (LOOMSERVE_KERNELS=0) or not built, `USE` False (LOOMSERVE_FUSED=0), a device other than the
 CPU, a dtype other than fp32/bf16, a layout the kernel lacks. The reference is the exact
 composition the model code ran before this module (same ops, same rounding points).
 
@@ -14,6 +14,7 @@ C calls per op, so tests can assert the fused path ran.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections import Counter
 
 import torch
@@ -21,7 +22,9 @@ from torch.nn import functional as F
 
 from loomserve.execution import kernels
 
-USE = True  # the switch benchmarks flip to time the torch path in the same process
+# LOOMSERVE_FUSED=0 keeps the torch ops (and LOOMSERVE_KERNELS=0 every C kernel); benchmarks
+# flip USE to time the torch path in the same process.
+USE = os.environ.get("LOOMSERVE_FUSED", "1") not in ("0", "false", "no")
 calls: Counter = Counter()
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _NORM_SCALE_FP32, _NORM_ZERO_CENTERED = 1, 2
