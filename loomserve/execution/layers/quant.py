@@ -117,6 +117,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales.to(torch.float16).contiguous())
         self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+        self._ptrs: tuple | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
@@ -130,25 +131,33 @@ class QuantLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _lib() if x.device.type == "cpu" else None
+        if lib is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return self._kernel(lib, x)  # the decode path: no reshapes or casts to pay for
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        lib = _lib() if x.device.type == "cpu" else None
         if lib is None:
             y = F.linear(x2.to(torch.float32), self.dequantized(), self.bias)
         else:
-            y = self._kernel(lib, x2)
+            y = self._kernel(lib, x2.to(torch.float32).contiguous())
         return y.to(x.dtype).view(*lead, self.out_features)
 
-    def _kernel(self, lib, x2: torch.Tensor) -> torch.Tensor:
-        xf = x2.to(torch.float32).contiguous()
+    def _kernel(self, lib, xf: torch.Tensor) -> torch.Tensor:
+        """xf: contiguous fp32 [M, K] -> fp32 [M, N]."""
         y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
         if xf.shape[0] == 0:
             return y
-        ptr = kernels.ptr
-        lib.quant_matmul(ptr(xf), xf.shape[0], self.in_features, ptr(self.q), ptr(self.scales),
-                         None if self.mins is None else ptr(self.mins), self.out_features, self.bits,
-                         None if self.bias is None else ptr(self.bias), ptr(y), torch.get_num_threads())
+        if self._ptrs is None:  # ints: ctypes passes them fastest (~100 such calls per step)
+            self._ptrs = tuple(None if t is None else t.data_ptr()
+                               for t in (self.q, self.scales, self.mins, self.bias))
+        q, s, m, b = self._ptrs
+        lib.quant_matmul(xf.data_ptr(), xf.shape[0], self.in_features, q, s, m, self.out_features,
+                         self.bits, b, y.data_ptr(), torch.get_num_threads())
         return y
+
+    def _apply(self, fn, *args, **kwargs):
+        self._ptrs = None  # .to() / .share_memory_() may move the buffers
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
@@ -183,7 +192,7 @@ class QuantEmbedding(QuantLinear):
         return rows.to(self.dtype).view(*ids.shape, self.in_features)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return QuantLinear.forward(self, hidden)
+        return QuantLinear.forward(self, hidden).to(hidden.dtype)
 
 
 # Routers pick experts; a rounding flip there changes which weights run, so they stay float.
