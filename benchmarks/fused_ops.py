@@ -8,9 +8,10 @@ decode step of C streams, each at context --ctx. Systems, in the same process:
   matmul  the step's matmuls alone (the 120 layer linears and the LM head on inputs of the
           step's shape): the floor the small ops sit on; step - matmul = attention + small ops
           + Python. Its own limit: weight bytes / read bandwidth (benchmarks/membw.py).
-Interleaved: every repeat times each system for --steps steps (the order rotates per repeat),
-so the shared host's drift hits all alike; the median over repeats of per-repeat medians is
-reported, with the spread (min..max of the repeat medians) as the noise. Beside wall time,
+Interleaved step by step: each of --repeats x --steps rounds runs one step of each system (the
+order rotating), so the shared host's drift hits all alike. Reported: the median and the min
+step (on a noisy host the min is the closest to the uncontended cost), and the saving as the
+median of paired differences (each torch step minus the fused step next to it). Beside wall time,
 the process CPU time of a step (time.process_time): on a host shared with other work it
 leaves out the time spent waiting for a core (with 1 torch thread it is the step's own work;
 with more it also counts OpenMP spin-waits).
@@ -71,16 +72,11 @@ def matmul_pass(runner: ModelRunner, streams: int):
     return run
 
 
-def time_steps(fn, steps: int) -> tuple[float, float]:
-    """Median wall ms and median process-CPU ms of one step."""
+def time_step(fn) -> tuple[float, float]:
+    """Wall ms and process-CPU ms of one call."""
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    wall, cpu = [], []
-    for _ in range(steps):
-        t, c = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+    return (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
 
 
 def profile_split(step, n: int = 5) -> dict[str, float]:
@@ -113,29 +109,35 @@ def run_model(args) -> list[dict]:
         inp = decode_input(streams, args.ctx, runner.block_size)
         systems = {"fused": lambda: runner.compute_logits(inp), "torch": lambda: runner.compute_logits(inp),
                    "matmul": matmul_pass(runner, streams)}
-        ms = {k: [] for k in systems}
+        wall = {k: [] for k in systems}
         cpu = {k: [] for k in systems}
         order = list(systems)
-        for rep in range(args.repeats):
-            for name in order[rep % 3:] + order[:rep % 3]:
+        for name in order:  # warm-up
+            fused.USE = name != "torch"
+            systems[name]()
+        for i in range(args.repeats * args.steps):  # step by step, the order rotating
+            for name in order[i % 3:] + order[:i % 3]:
                 fused.USE = name != "torch"
                 fused.calls.clear()
-                wall_ms, cpu_ms = time_steps(systems[name], args.steps)
-                ms[name].append(wall_ms)
-                cpu[name].append(cpu_ms)
+                w, c = time_step(systems[name])
+                wall[name].append(w)
+                cpu[name].append(c)
                 if name == "fused":
                     assert fused.calls["rms_norm"] > 0, "the fused kernels did not run"
         fused.USE = True
-        row = {"streams": streams, "ctx": args.ctx}
-        for k, v in ms.items():
-            row[f"{k}_ms"] = round(statistics.median(v), 2)
-            row[f"{k}_spread"] = [round(min(v), 2), round(max(v), 2)]
+        row = {"streams": streams, "ctx": args.ctx, "samples": len(wall["fused"])}
+        for k in systems:
+            row[f"{k}_ms"] = round(statistics.median(wall[k]), 2)
+            row[f"{k}_min_ms"] = round(min(wall[k]), 2)
             row[f"{k}_cpu_ms"] = round(statistics.median(cpu[k]), 2)
         for k in ("fused", "torch"):
             row[f"{k}_non_matmul_ms"] = round(row[f"{k}_ms"] - row["matmul_ms"], 2)
+            row[f"{k}_non_matmul_min_ms"] = round(row[f"{k}_min_ms"] - row["matmul_min_ms"], 2)
             row[f"{k}_non_matmul_cpu_ms"] = round(row[f"{k}_cpu_ms"] - row["matmul_cpu_ms"], 2)
-        row["saved_ms"] = round(row["torch_ms"] - row["fused_ms"], 2)
-        row["saved_cpu_ms"] = round(row["torch_cpu_ms"] - row["fused_cpu_ms"], 2)
+        # Paired: each torch step against the fused step run next to it, so drift cancels.
+        row["saved_ms"] = round(statistics.median(t - f for t, f in zip(wall["torch"], wall["fused"])), 2)
+        row["saved_cpu_ms"] = round(statistics.median(t - f for t, f in zip(cpu["torch"], cpu["fused"])), 2)
+        row["saved_min_ms"] = round(row["torch_min_ms"] - row["fused_min_ms"], 2)
         if args.profile:
             for k in ("fused", "torch"):
                 fused.USE = k == "fused"
@@ -201,7 +203,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per repeat (samples = repeats x steps)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--micro", action="store_true")
     ap.add_argument("--no-save", action="store_true")
@@ -226,7 +228,8 @@ def main() -> None:
     print(format_table(["C", "clock", "torch ms", "fused ms", "saved ms", "matmul ms", "torch-mm", "fused-mm"],
                        [[r["streams"], clock, r[f"torch{c}_ms"], r[f"fused{c}_ms"], r[f"saved{c}_ms"],
                          r[f"matmul{c}_ms"], r[f"torch_non_matmul{c}_ms"], r[f"fused_non_matmul{c}_ms"]]
-                        for r in rows for clock, c in (("wall", ""), ("cpu", "_cpu"))]))
+                        for r in rows for clock, c in (("wall median", ""), ("wall min", "_min"),
+                                                       ("cpu median", "_cpu"))]))
     if "limit" in result:
         print(f"weights read once per step: {result['limit']['weights_read_ms']} ms at "
               f"{result['limit']['membw_read_gbs']} GB/s")
