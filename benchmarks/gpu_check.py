@@ -224,7 +224,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     cpu = args.cpu_only
     for key, gpu_v, cpu_v in (("streams", 64, 4), ("prefill_streams", 64, 4),
-                              ("prompt_len", 128, 32), ("decode_tokens", 64, 8),
+                              ("prompt_len", 512, 32), ("decode_tokens", 64, 8),
                               ("agree_tokens", 32, 8), ("kv_memory", "4GiB", "64MiB"),
                               ("dtype", "auto", "float32"),
                               ("out", "gpu_check.json", "gpu_check-cpu.json")):
