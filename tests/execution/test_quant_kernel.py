@@ -50,8 +50,9 @@ def _linear(n: int, k: int, bits: int, mins: bool, bias: bool, seed: int = 0) ->
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("mins", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 32, 70])
-def test_kernel_matches_float_reference(bits, mins, rows):
-    n, k = 37, 160  # odd N: a short last tile of 4 rows
+@pytest.mark.parametrize("k", [128, 160])
+def test_kernel_matches_float_reference(bits, mins, rows, k):
+    n = 37  # odd N: a short last tile of 4 rows; k=160: an odd group count (int4's pair tail)
     lin = _linear(n, k, bits, mins, bias=rows == 3)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     w = lin.dequantized()
@@ -137,3 +138,12 @@ def test_portable_scalar_path(tmp_path, monkeypatch):
             assert torch.allclose(lin(x).double(), emu + lin.bias.double(), rtol=1e-5, atol=1e-4)
     ids = torch.tensor([0, 12, 5])
     assert torch.allclose(QuantEmbedding(lin.q, lin.scales, lin.mins, 8)(ids), lin.dequantized()[ids])
+
+
+@needs_kernel
+def test_bf16_activations_come_back_bf16():
+    lin = _linear(8, 64, 4, mins=True, bias=False)
+    x = torch.randn(2, 3, 64)
+    y = lin(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 8)
+    assert torch.allclose(y.float(), lin(x), rtol=0.02, atol=0.05)
