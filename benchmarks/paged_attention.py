@@ -70,7 +70,7 @@ def metadata(repeats: int, seqs: int = 64, ctx: int = 131072) -> dict:
     def ours():
         decs = [(ctx - 1, tables.get(str(i), 0, ids)) for i, ids in enumerate(lists)]
         meta, _ = build_metadata(decs, [], BS, CPU, torch.float32, cpu)
-        cpu._decode_plan(meta, KVH)
+        cpu._decode_plan(meta, KVH, HEADS)
 
     def old():
         decs = [(ctx - 1, tables.get(str(i), 0, ids)) for i, ids in enumerate(lists)]

@@ -28,6 +28,7 @@ from loomserve.execution.attention import torch_backend
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
 
 TILE_TOKENS = 8192
+SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -66,9 +67,9 @@ class CpuPagedBackend:
 
     # --- decode ---------------------------------------------------------------------------
 
-    def _decode_plan(self, meta: AttentionMetadata, kv_heads: int):
+    def _decode_plan(self, meta: AttentionMetadata, kv_heads: int, heads: int):
         """Per step and group: table pointers, key counts and the split of the context."""
-        key = ("cpu_decode", kv_heads)
+        key = ("cpu_decode", kv_heads, heads)
         got = meta.derived.get(key)
         if got is not None:
             return got
@@ -77,8 +78,11 @@ class CpuPagedBackend:
                            count=len(lens))
         w = meta.sliding_window
         span = int(lens.max()) if w is None else min(int(lens.max()), w)
-        threads = torch.get_num_threads()
-        # Enough tasks to keep every thread busy to the end, splits of at least 256 keys.
+        # One thread below SERIAL_WORK (~50 us of work): a team's fork and join would cost
+        # as much. Else enough tasks to keep every thread busy to the end, splits of at least
+        # 256 keys.
+        work = (int(lens.sum()) if w is None else len(lens) * span) * heads
+        threads = 1 if work < SERIAL_WORK else torch.get_num_threads()
         per_seq = math.ceil(8 * threads / (len(lens) * kv_heads))
         split = max(256, math.ceil(span / per_seq))
         got = (ptrs, lens, split, math.ceil(span / split), threads)
@@ -95,7 +99,7 @@ class CpuPagedBackend:
                 or v_cache.stride() != k_cache.stride()):
             self.calls["decode_fallback"] += 1
             return torch_backend.decode(q, k_cache, v_cache, meta, scale, group, sinks)
-        ptrs, lens, split, max_splits, threads = self._decode_plan(meta, kv_heads)
+        ptrs, lens, split, max_splits, threads = self._decode_plan(meta, kv_heads, heads)
         qf = q.float().contiguous()
         out = torch.empty((d, heads, head_dim), dtype=torch.float32)
         need = d * kv_heads * max_splits * group * (head_dim + 2)

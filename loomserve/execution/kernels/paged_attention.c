@@ -275,7 +275,78 @@ static void split_attend_avx2_any(const float *q, const void *kb, const void *vb
 }
 #endif
 
-/* Returns 0, or -1 when a size exceeds the kernel's fixed limits (the caller falls back). */
+/* One decode call's arguments, shared by its tasks. */
+typedef struct {
+    const float *q;
+    const void *k_base, *v_base;
+    int64_t block_stride;
+    int block_size, kv_heads, head_dim, heads, group, window, max_splits, split_tokens, dtype;
+    const int32_t *const *tables;
+    const int32_t *seq_lens;
+    const float *sinks;
+    float scale;
+    float *out, *scratch;
+} Decode;
+
+static inline int64_t first_key(const Decode *d, int64_t len) {
+    return (d->window > 0 && len > d->window) ? len - d->window : 0;
+}
+
+/* Task t = (seq, kv head, split); a split past a short seq's end does nothing. */
+static void run_task(const Decode *d, int64_t t) {
+    int sp = (int)(t % d->max_splits);
+    int h = (int)((t / d->max_splits) % d->kv_heads);
+    int i = (int)(t / ((int64_t)d->max_splits * d->kv_heads));
+    int64_t len = d->seq_lens[i];
+    int64_t k0 = first_key(d, len) + (int64_t)sp * d->split_tokens;
+    if (k0 >= len) return;
+    int64_t k1 = k0 + d->split_tokens < len ? k0 + d->split_tokens : len;
+    const float *qi = d->q + ((int64_t)i * d->heads + (int64_t)h * d->group) * d->head_dim;
+    float *part = d->scratch + t * d->group * (d->head_dim + 2);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d->head_dim % 8 == 0) {
+        split_attend_avx2_any(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
+                              d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, h,
+                              d->scale, d->dtype, part);
+        return;
+    }
+#endif
+    split_attend(qi, d->k_base, d->v_base, d->block_stride, d->block_size, d->kv_heads,
+                 d->head_dim, d->group, d->tables[i], k0, k1, h, d->scale, d->dtype, part);
+}
+
+/* Row r = (seq, query head): combine its splits, the sink joining the denominator. */
+static void merge_row(const Decode *d, int64_t r) {
+    const int hd = d->head_dim, pstride = d->group * (hd + 2);
+    int i = (int)(r / d->heads), hq = (int)(r % d->heads);
+    int h = hq / d->group, g = hq % d->group;
+    int64_t len = d->seq_lens[i];
+    int nsplit = (int)((len - first_key(d, len) + d->split_tokens - 1) / d->split_tokens);
+    const float *first = d->scratch + ((int64_t)(i * d->kv_heads + h) * d->max_splits) * pstride
+                         + g * (hd + 2);
+    float mx = d->sinks ? d->sinks[hq] : -INFINITY;
+    for (int sp = 0; sp < nsplit; sp++) {
+        float ms = first[(int64_t)sp * pstride + hd];
+        if (ms > mx) mx = ms;
+    }
+    float denom = d->sinks ? expf(d->sinks[hq] - mx) : 0.f;
+    float *o = d->out + r * hd;
+    memset(o, 0, sizeof(float) * hd);
+    for (int sp = 0; sp < nsplit; sp++) {
+        const float *p = first + (int64_t)sp * pstride;
+        float w = expf(p[hd] - mx);
+        denom += p[hd + 1] * w;
+#pragma omp simd
+        for (int j = 0; j < hd; j++) o[j] += p[j] * w;
+    }
+    float inv = 1.f / denom;
+#pragma omp simd
+    for (int j = 0; j < hd; j++) o[j] *= inv;
+}
+
+/* Returns 0, or -1 when a size exceeds the kernel's fixed limits (the caller falls back).
+ * nthreads 1 runs without an OpenMP region (a team costs microseconds: a short decode's
+ * whole work); otherwise one region, tasks then merges, for one fork and join per call. */
 int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t block_stride,
                  int block_size, int kv_heads, int head_dim, int heads, int num_seqs,
                  const int32_t *const *tables, const int32_t *seq_lens, int window,
@@ -284,59 +355,22 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK
         || group * kv_heads != heads) return -1;
-    const int pstride = group * (head_dim + 2);
-    /* Every (seq, kv head, split) is one task; a split past a short seq's end does nothing. */
+    const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
+                      group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,
+                      scale, out, scratch};
     const int64_t tasks = (int64_t)num_seqs * kv_heads * max_splits;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < tasks; t++) {
-        int sp = (int)(t % max_splits);
-        int h = (int)((t / max_splits) % kv_heads);
-        int i = (int)(t / ((int64_t)max_splits * kv_heads));
-        int64_t len = seq_lens[i];
-        int64_t lo = (window > 0 && len > window) ? len - window : 0;
-        int64_t k0 = lo + (int64_t)sp * split_tokens;
-        if (k0 >= len) continue;
-        int64_t k1 = k0 + split_tokens < len ? k0 + split_tokens : len;
-        const float *qi = q + ((int64_t)i * heads + (int64_t)h * group) * head_dim;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (head_dim % 8 == 0) {
-            split_attend_avx2_any(qi, k_base, v_base, block_stride, block_size, kv_heads,
-                                  head_dim, group, tables[i], k0, k1, h, scale, dtype,
-                                  scratch + t * pstride);
-            continue;
-        }
-#endif
-        split_attend(qi, k_base, v_base, block_stride, block_size, kv_heads, head_dim, group,
-                     tables[i], k0, k1, h, scale, dtype, scratch + t * pstride);
+    const int64_t rows = (int64_t)num_seqs * heads;
+    if (nthreads <= 1) {
+        for (int64_t t = 0; t < tasks; t++) run_task(&d, t);
+        for (int64_t r = 0; r < rows; r++) merge_row(&d, r);
+        return 0;
     }
-    /* Merge the splits of each (seq, query head). */
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < (int64_t)num_seqs * heads; r++) {
-        int i = (int)(r / heads), hq = (int)(r % heads);
-        int h = hq / group, g = hq % group;
-        int64_t len = seq_lens[i];
-        int64_t lo = (window > 0 && len > window) ? len - window : 0;
-        int nsplit = (int)((len - lo + split_tokens - 1) / split_tokens);
-        const float *first = scratch + ((int64_t)(i * kv_heads + h) * max_splits) * pstride
-                             + g * (head_dim + 2);
-        float mx = sinks ? sinks[hq] : -INFINITY;
-        for (int sp = 0; sp < nsplit; sp++) {
-            float ms = first[(int64_t)sp * pstride + head_dim];
-            if (ms > mx) mx = ms;
-        }
-        float denom = sinks ? expf(sinks[hq] - mx) : 0.f;
-        float *o = out + r * head_dim;
-        memset(o, 0, sizeof(float) * head_dim);
-        for (int sp = 0; sp < nsplit; sp++) {
-            const float *p = first + (int64_t)sp * pstride;
-            float w = expf(p[head_dim] - mx);
-            denom += p[head_dim + 1] * w;
-#pragma omp simd
-            for (int j = 0; j < head_dim; j++) o[j] += p[j] * w;
-        }
-        float inv = 1.f / denom;
-#pragma omp simd
-        for (int j = 0; j < head_dim; j++) o[j] *= inv;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) run_task(&d, t);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) merge_row(&d, r);
     }
     return 0;
 }
