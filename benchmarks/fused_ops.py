@@ -8,6 +8,8 @@ decode step of C streams, each at context --ctx. Systems, in the same process:
   matmul  the step's matmuls alone (the 120 layer linears and the LM head on inputs of the
           step's shape): the floor the small ops sit on; step - matmul = attention + small ops
           + Python. Its own limit: weight bytes / read bandwidth (benchmarks/membw.py).
+  ops_fused / ops_torch   the replaced small ops alone (per layer 2 add+RMSNorm, RoPE, SiLU*up;
+          the final norm) on tensors of the step's shapes: the small-op time itself.
 Interleaved step by step: each of --repeats x --steps rounds runs one step of each system (the
 order rotating), so the shared host's drift hits all alike. Reported: the median and the min
 step (on a noisy host the min is the closest to the uncontended cost), and the saving as the
@@ -42,6 +44,8 @@ from common import RESULTS_DIR, format_table, host_info, write_json  # noqa: E40
 from loomserve.config import EngineConfig  # noqa: E402
 from loomserve.execution.batch import ModelInput, ScheduledSeq  # noqa: E402
 from loomserve.execution.layers import fused  # noqa: E402
+from loomserve.execution.layers.fused import rope_qk_, silu_and_mul  # noqa: E402
+from loomserve.execution.layers.rotary import apply_rope  # noqa: E402
 from loomserve.execution.model_runner import ModelRunner  # noqa: E402
 from loomserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -69,6 +73,31 @@ def matmul_pass(runner: ModelRunner, streams: int):
                 mlp.gate_up_proj(xs[hidden])
                 mlp.down_proj(xs[inter])
             m.compute_logits(xs[hidden])
+    return run
+
+
+def small_ops_pass(runner: ModelRunner, streams: int):
+    """The step's replaced small ops alone, as the layers call them (fused or torch by USE): per
+    layer add+RMSNorm twice, RoPE on q/k, SiLU*up; the final add+RMSNorm."""
+    m = runner.model
+    cfg = m.config
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    x = torch.randn(streams, cfg.hidden_size, dtype=runner.dtype)
+    res = torch.randn(streams, cfg.hidden_size, dtype=runner.dtype)
+    qkv = torch.randn(streams, heads, cfg.head_dim, dtype=runner.dtype)
+    gate_up = torch.randn(streams, 2 * cfg.intermediate_size, dtype=runner.dtype)
+    cos, sin = m.rotary.lookup(torch.arange(streams) + 100)
+    half, qk = m.rotary.half, cfg.num_heads + cfg.num_kv_heads
+
+    def run():
+        with torch.inference_mode():
+            for layer in m.model.layers:
+                layer.input_layernorm.fused(x, res)
+                if not rope_qk_(qkv, qk, cos, sin, half):
+                    apply_rope(qkv[:, :qk], cos, sin, half)
+                layer.post_attention_layernorm.fused(x, res)
+                silu_and_mul(gate_up, cfg.intermediate_size)
+            m.model.norm.fused(x, res)
     return run
 
 
@@ -107,17 +136,18 @@ def run_model(args) -> list[dict]:
     rows = []
     for streams in args.streams:
         inp = decode_input(streams, args.ctx, runner.block_size)
+        ops = small_ops_pass(runner, streams)
         systems = {"fused": lambda: runner.compute_logits(inp), "torch": lambda: runner.compute_logits(inp),
-                   "matmul": matmul_pass(runner, streams)}
+                   "matmul": matmul_pass(runner, streams), "ops_fused": ops, "ops_torch": ops}
         wall = {k: [] for k in systems}
         cpu = {k: [] for k in systems}
         order = list(systems)
         for name in order:  # warm-up
-            fused.USE = name != "torch"
+            fused.USE = not name.endswith("torch")
             systems[name]()
         for i in range(args.repeats * args.steps):  # step by step, the order rotating
-            for name in order[i % 3:] + order[:i % 3]:
-                fused.USE = name != "torch"
+            for name in order[i % len(order):] + order[:i % len(order)]:
+                fused.USE = not name.endswith("torch")
                 fused.calls.clear()
                 w, c = time_step(systems[name])
                 wall[name].append(w)
@@ -138,6 +168,7 @@ def run_model(args) -> list[dict]:
         row["saved_ms"] = round(statistics.median(t - f for t, f in zip(wall["torch"], wall["fused"])), 2)
         row["saved_cpu_ms"] = round(statistics.median(t - f for t, f in zip(cpu["torch"], cpu["fused"])), 2)
         row["saved_min_ms"] = round(row["torch_min_ms"] - row["fused_min_ms"], 2)
+        row["ops_saved_ms"] = round(statistics.median(t - f for t, f in zip(wall["ops_torch"], wall["ops_fused"])), 2)
         if args.profile:
             for k in ("fused", "torch"):
                 fused.USE = k == "fused"
@@ -225,9 +256,11 @@ def main() -> None:
     if args.micro:
         result["micro"] = run_micro(args)
     result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    print(format_table(["C", "clock", "torch ms", "fused ms", "saved ms", "matmul ms", "torch-mm", "fused-mm"],
+    print(format_table(["C", "clock", "torch ms", "fused ms", "saved ms", "matmul ms", "torch-mm", "fused-mm",
+                        "ops torch", "ops fused"],
                        [[r["streams"], clock, r[f"torch{c}_ms"], r[f"fused{c}_ms"], r[f"saved{c}_ms"],
-                         r[f"matmul{c}_ms"], r[f"torch_non_matmul{c}_ms"], r[f"fused_non_matmul{c}_ms"]]
+                         r[f"matmul{c}_ms"], r[f"torch_non_matmul{c}_ms"], r[f"fused_non_matmul{c}_ms"],
+                         r[f"ops_torch{c}_ms"], r[f"ops_fused{c}_ms"]]
                         for r in rows for clock, c in (("wall median", ""), ("wall min", "_min"),
                                                        ("cpu median", "_cpu"))]))
     if "limit" in result:
