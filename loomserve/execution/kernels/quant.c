@@ -14,7 +14,7 @@
  * once and every x row is multiplied with it from L1 (x, K bytes per row, stays in L2; rows
  * come in chunks of 64 so a long prefill's x does not overflow it). int4 tiles are unpacked
  * to bytes once per tile when M > 1, so the unpacking is not repeated per x row. With AVX2,
- * int4 runs two groups per step (tile_dot4, see pair_x).
+ * int4 (and int8 at M > 1) runs two groups per step (tile_dot_p, see pair_x).
  */
 #include <math.h>
 #include <stdint.h>
@@ -194,8 +194,27 @@ static void expand_pairs(const uint8_t *w, int64_t nb, uint8_t *out) {
     if (nb & 1) unpack4(w + np * 32, 1, out + np * 64);
 }
 
+/* An int8 row -> pair order for the M > 1 loop, 128 bytes per pair: |w| low halves, |w| high
+ * halves, w low halves, w high halves (the sign trick needs both; |w| is made once per tile
+ * instead of once per x row). An odd last group follows in natural order. */
+static void expand_pairs8(const uint8_t *w, int64_t nb, uint8_t *out) {
+    const int64_t np = nb / 2;
+    for (int64_t p = 0; p < np; p++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(w + p * 64));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(w + p * 64 + 32));
+        __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+        _mm256_storeu_si256((__m256i *)(out + p * 128), _mm256_sign_epi8(lo, lo));
+        _mm256_storeu_si256((__m256i *)(out + p * 128 + 32), _mm256_sign_epi8(hi, hi));
+        _mm256_storeu_si256((__m256i *)(out + p * 128 + 64), lo);
+        _mm256_storeu_si256((__m256i *)(out + p * 128 + 96), hi);
+    }
+    if (nb & 1) memcpy(out + np * 128, w + np * 64, QK);
+}
+
+enum { P_PACKED4 = 0, P_BYTES4 = 1, P_INT8 = 2 };
+
 static inline __attribute__((always_inline)) void tile_dot_pairs(
-        int packed, const uint8_t *const *w, const int8_t *x2, const float *dxv, int64_t np,
+        int kind, const uint8_t *const *w, const int8_t *x2, const float *dxv, int64_t np,
         const float *sfv, __m256 *acc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int64_t p = 0; p < np; p++) {
@@ -203,40 +222,57 @@ static inline __attribute__((always_inline)) void tile_dot_pairs(
         __m256i xhi = _mm256_loadu_si256((const __m256i *)(x2 + p * 64 + 32));
         __m256 dv = _mm256_loadu_ps(dxv + p * 8);
         for (int r = 0; r < NR; r++) {
-            __m256i lo, hi;
-            if (packed) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(w[r] + p * 32));
-                lo = _mm256_and_si256(v, m4);
-                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m256i lo, hi, i32;
+            if (kind == P_INT8) {  /* |w| times x with w's sign; int16 sums up to 2*128*127: no add */
+                const uint8_t *b = w[r] + p * 128;
+                __m256i slo = _mm256_sign_epi8(xlo, _mm256_loadu_si256((const __m256i *)(b + 64)));
+                __m256i shi = _mm256_sign_epi8(xhi, _mm256_loadu_si256((const __m256i *)(b + 96)));
+                i32 = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)b), slo), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)), shi), ones));
             } else {
-                lo = _mm256_loadu_si256((const __m256i *)(w[r] + p * 64));
-                hi = _mm256_loadu_si256((const __m256i *)(w[r] + p * 64 + 32));
+                if (kind == P_PACKED4) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(w[r] + p * 32));
+                    lo = _mm256_and_si256(v, m4);
+                    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                } else {
+                    lo = _mm256_loadu_si256((const __m256i *)(w[r] + p * 64));
+                    hi = _mm256_loadu_si256((const __m256i *)(w[r] + p * 64 + 32));
+                }
+                /* each maddubs pair sum <= 2 * 15 * 127, so two add in int16 without saturating */
+                i32 = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
             }
-            /* each maddubs pair sum <= 2 * 15 * 127, so two add in int16 without saturating */
-            __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-            __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            __m256 f = _mm256_cvtepi32_ps(i32);
             acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(_mm256_loadu_ps(sfv + (r * np + p) * 8), dv), acc[r]);
         }
     }
 }
 
-static void tile_dot4(int packed, const uint8_t *const *w, const int8_t *x2, const float *dxv,
-                      const int8_t *xq, const float *dx, int64_t nb, const float *sf,
-                      const float *sfv, float *out) {
+static void tile_dot_p(int kind, const uint8_t *const *w, const int8_t *x2, const float *dxv,
+                       const int8_t *xq, const float *dx, int64_t nb, const float *sf,
+                       const float *sfv, float *out) {
     const int64_t np = nb / 2;
     __m256 acc[NR];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    if (packed)
-        tile_dot_pairs(1, w, x2, dxv, np, sfv, acc);
+    if (kind == P_PACKED4)
+        tile_dot_pairs(P_PACKED4, w, x2, dxv, np, sfv, acc);
+    else if (kind == P_BYTES4)
+        tile_dot_pairs(P_BYTES4, w, x2, dxv, np, sfv, acc);
     else
-        tile_dot_pairs(0, w, x2, dxv, np, sfv, acc);
+        tile_dot_pairs(P_INT8, w, x2, dxv, np, sfv, acc);
     if (nb & 1) {
         const int64_t b = nb - 1;
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
         for (int r = 0; r < NR; r++) {
-            __m256i wv = packed ? load_w(PACKED4, w[r], b)
-                                : _mm256_loadu_si256((const __m256i *)(w[r] + np * 64));
-            acc[r] = _mm256_fmadd_ps(dot32(BYTES4, wv, xv), _mm256_set1_ps(sf[r * nb + b] * dx[b]), acc[r]);
+            __m256 d;
+            if (kind == P_PACKED4)
+                d = dot32(BYTES4, load_w(PACKED4, w[r], b), xv);
+            else if (kind == P_BYTES4)
+                d = dot32(BYTES4, _mm256_loadu_si256((const __m256i *)(w[r] + np * 64)), xv);
+            else
+                d = dot32(INT8, _mm256_loadu_si256((const __m256i *)(w[r] + np * 128)), xv);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_set1_ps(sf[r * nb + b] * dx[b]), acc[r]);
         }
     }
     for (int r = 0; r < NR; r++) out[r] = hsum(acc[r]);
@@ -248,10 +284,11 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
                   int nthreads) {
     const int64_t nb = K / QK, np = nb / 2, row_bytes = bits == 4 ? K / 2 : K, ntiles = (N + NR - 1) / NR;
 #if defined(__AVX2__)
-    const int pairs = bits == 4;
+    const int pairs = bits == 4 || M > 1;  /* int8 at one row: the plain loop is memory-bound */
 #else
     const int pairs = 0;
 #endif
+    const int64_t wstride = bits == 4 ? K : 2 * K;  /* bytes per expanded row */
     int8_t *xq = malloc((size_t)(M * K)), *x2 = pairs ? malloc((size_t)(M * K)) : NULL;
     float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *dxs = malloc(sizeof(float) * (size_t)(M * nb));
     float *dxv = pairs ? malloc(sizeof(float) * (size_t)(M * (np * 8 + 1))) : NULL;
@@ -265,7 +302,7 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
             if (pairs) pair_x(xq + m * K, dx + m * nb, nb, x2 + m * K, dxv + m * np * 8);
 #endif
         }
-        uint8_t *wbuf = (bits == 4 && M > 1) ? malloc((size_t)(NR * K)) : NULL;
+        uint8_t *wbuf = (M > 1 && (pairs || bits == 4)) ? malloc((size_t)(NR * wstride)) : NULL;
         float *sf = malloc(sizeof(float) * (size_t)(NR * nb)), *mf = malloc(sizeof(float) * (size_t)(NR * nb));
         float *sfv = pairs ? malloc(sizeof(float) * (size_t)(NR * np * 8 + 1)) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -291,22 +328,24 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
                     w[r] = q + n * row_bytes;
                     if (wbuf && r < nr) {
 #if defined(__AVX2__)
-                        if (pairs)
-                            expand_pairs(w[r], nb, wbuf + r * K);
+                        if (pairs && bits == 8)
+                            expand_pairs8(w[r], nb, wbuf + r * wstride);
+                        else if (pairs)
+                            expand_pairs(w[r], nb, wbuf + r * wstride);
                         else
 #endif
-                            unpack4(w[r], nb, wbuf + r * K);
-                        w[r] = wbuf + r * K;
+                            unpack4(w[r], nb, wbuf + r * wstride);
+                        w[r] = wbuf + r * wstride;
                     } else if (wbuf) {
-                        w[r] = wbuf + (nr - 1) * K;
+                        w[r] = wbuf + (nr - 1) * wstride;
                     }
                 }
                 for (int64_t m = m0; m < m1; m++) {
                     float out[NR];
 #if defined(__AVX2__)
                     if (pairs)
-                        tile_dot4(!wbuf, w, x2 + m * K, dxv + m * np * 8, xq + m * K, dx + m * nb, nb,
-                                  sf, sfv, out);
+                        tile_dot_p(bits == 8 ? P_INT8 : (wbuf ? P_BYTES4 : P_PACKED4), w, x2 + m * K,
+                                   dxv + m * np * 8, xq + m * K, dx + m * nb, nb, sf, sfv, out);
                     else
 #endif
                         tile_dot_kind(kind, w, xq + m * K, dx + m * nb, nb, sf, out);
