@@ -61,30 +61,31 @@ def _code(*ts: torch.Tensor) -> int | None:
 
 # --- RMSNorm (+ residual) ---------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_in_fp32: bool = False,
-             zero_centered: bool = False, residual: torch.Tensor | None = None,
-             reference=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, flags: int = 0,
+             residual: torch.Tensor | None = None, reference=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(x + residual) * w, x + residual) over the last dim, vLLM's fused_add_rms_norm;
-    without residual: (norm(x) * w, None). x is consumed: on the C path its buffer receives the
-    sum (so no tensor is written but the one it hands over). `reference(h)` is the
-    torch norm to fall back to (the module's own forward)."""
+    without residual: (norm(x) * w, None). flags: norm_flags(...) of the variant. x is consumed:
+    on the C path its buffer receives the sum (so no tensor is written but the one it hands
+    over). `reference(h)` is the torch norm to fall back to (the module's own forward).
+    The checks are inlined: on a decode row they cost as much as the kernel."""
     lib = library()
-    d = x.shape[-1]
-    code = None if lib is None else _code(x, weight) if residual is None else _code(x, weight, residual)
-    if (code is None or x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (d,) or not weight.is_contiguous()
-            or (residual is not None and not (residual.is_contiguous() and x.is_contiguous()
-                                              and residual.shape == x.shape))):
-        if residual is not None:
-            x = residual = residual + x
-        return reference(x), residual
-    n = x.shape[0]
-    out = torch.empty((n, d), dtype=x.dtype)
-    flags = _norm_flags(scale_in_fp32, zero_centered)
-    res = None if residual is None else residual.data_ptr()
-    lib.rms_norm(x.data_ptr(), x.stride(0), res, x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, d, eps,
-                 code, flags, torch.get_num_threads())
-    calls["rms_norm"] += 1
-    return out, None if residual is None else x
+    dtype = x.dtype
+    if (lib is not None and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == dtype
+            and weight.is_cpu and weight.is_contiguous() and weight.shape == x.shape[1:]
+            and (residual is None or (residual.dtype == dtype and residual.is_cpu and residual.is_contiguous()
+                                      and x.is_contiguous() and residual.shape == x.shape))):
+        code = _DTYPES.get(dtype)
+        if code is not None:
+            n, d = x.shape
+            out = torch.empty_like(x) if residual is not None else torch.empty((n, d), dtype=dtype)
+            ptr = x.data_ptr()
+            lib.rms_norm(ptr, x.stride(0), None if residual is None else residual.data_ptr(), ptr, weight.data_ptr(),
+                         out.data_ptr(), n, d, eps, code, flags, torch.get_num_threads())
+            calls["rms_norm"] += 1
+            return out, None if residual is None else x
+    if residual is not None:
+        x = residual = residual + x
+    return reference(x), residual
 
 
 # --- RoPE ---------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def rope_qk_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
         if not _head_norms_fit(q_norm, k_norm, qkv.dtype, d):
             return False
         wq, wk, eps = q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps
-        flags = _norm_flags(q_norm.scale_in_fp32, q_norm.zero_centered)
+        flags = norm_flags(q_norm.scale_in_fp32, q_norm.zero_centered)
     lib.rope_inplace(qkv.data_ptr(), qkv.stride(0), n, heads, d, cos.data_ptr(), sin.data_ptr(), wq, wk, q_heads,
                      eps, flags, code, torch.get_num_threads())
     calls["rope"] += 1
@@ -125,7 +126,8 @@ def _head_norms_fit(q_norm, k_norm, dtype: torch.dtype, d: int) -> bool:
         and q_norm.zero_centered == k_norm.zero_centered)
 
 
-def _norm_flags(scale_in_fp32: bool, zero_centered: bool) -> int:
+def norm_flags(scale_in_fp32: bool, zero_centered: bool) -> int:
+    """The kernel's flags for an RMSNorm variant (layers/norm.py's options)."""
     return (_NORM_SCALE_FP32 if scale_in_fp32 else 0) | (_NORM_ZERO_CENTERED if zero_centered else 0)
 
 

@@ -47,6 +47,7 @@ class RMSNorm(nn.Module):
         self.eps, self.groups, self.gate = eps, groups, gate
         self.zero_centered, self.scale_in_fp32 = zero_centered, scale_in_fp32
         self._shape = (dim,)
+        self._kernel_flags = None if gate or groups > 1 else _fused.norm_flags(scale_in_fp32, zero_centered)
         self._normalized = self._grouped if groups > 1 else self._whole
         self._finish = self._scale_then_cast if scale_in_fp32 else self._cast_then_scale
         self._scale = self._one_plus_weight if zero_centered else self._weight_fp32
@@ -69,10 +70,9 @@ class RMSNorm(nn.Module):
         forward's torch ops (layers/fused.py); (self(x), None) without residual. x is consumed:
         its buffer may receive the sum. forward stays the bit-exact torch reference.
         Ungated, ungrouped variants only."""
-        if self.gate is not None or self.groups > 1:
+        if self._kernel_flags is None:
             raise ValueError("fused() covers the ungated, ungrouped RMSNorm")
-        return _fused.rms_norm(x, self.weight, self.eps, scale_in_fp32=self.scale_in_fp32,
-                               zero_centered=self.zero_centered, residual=residual, reference=self.forward)
+        return _fused.rms_norm(x, self.weight, self.eps, self._kernel_flags, residual, self.forward)
 
     # --- the forward functions __init__ chooses from --------------------------------------------
 
