@@ -2,7 +2,10 @@
 
 `loomserve bench compare A.json B.json [C.json ...] [--json] [--plots DIR]` sets runs side by
 side with ratios against the first run (B/A). With --plots it also draws the Pareto view
-(interactivity vs TPGS, one point per run, labelled by concurrency) and the TTFT CDFs.
+(interactivity vs TPGS, one curve per system over its concurrency points) and the TTFT CDFs.
+Runs are only comparable when they did the same work: compare refuses (exit 3) runs whose
+context or output caps differ or whose prompt tokens per request differ by more than
+WORK_TOLERANCE from the first run's, unless --allow-different-work (then they are flagged).
 Runs against loomserve also show the served hit rate split by source (device and each KV tier:
 the share of prompt tokens each served, and its hit tokens), one row per source any run has.
 """
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+
+WORK_TOLERANCE = 0.02  # prompt tokens per request may differ this much between compared runs
 
 # (label, path into the result, format, higher is better?)
 ROWS = [
@@ -121,7 +127,34 @@ def compare(results: list[dict], labels: list[str] | None = None) -> dict:
             ratios.append(v / base if ok and not isinstance(v, bool) else None)
         rows.append({"metric": label, "key": ".".join(path), "values": vals, "ratios": ratios,
                      "higher_is_better": better, "format": fmt})
-    return {"command": "compare", "labels": labels, "rows": rows}
+    return {"command": "compare", "labels": labels, "rows": rows,
+            "work": [work(r) for r in results], "work_problems": work_problems(results, labels)}
+
+
+def work(result: dict) -> dict:
+    """What a replay asked of its server: the caps it ran under and the prompt tokens it sent."""
+    t = get(result, ("metrics", "tokens")) or {}
+    ok = get(result, ("metrics", "requests", "ok")) or 0
+    sent = t.get("intended_prompt") or t.get("prompt") or 0
+    return {"max_context": get(result, ("config", "max_context")),
+            "max_output": get(result, ("config", "max_output")),
+            "requests": ok, "prompt_tokens": sent,
+            "prompt_per_request": sent / ok if ok else None}
+
+
+def work_problems(results: list[dict], labels: list[str]) -> list[str]:
+    """Why the runs did not do the same work (empty when they did), each against the first."""
+    base, out = work(results[0]), []
+    for r, lb in zip(results[1:], labels[1:]):
+        w = work(r)
+        for cap in ("max_context", "max_output"):
+            if w[cap] != base[cap]:
+                out.append(f"{lb}: {cap} {w[cap]} vs {base[cap]} in {labels[0]}")
+        a, b = base["prompt_per_request"], w["prompt_per_request"]
+        if a and b and abs(b / a - 1) > WORK_TOLERANCE:
+            out.append(f"{lb}: {b:.0f} prompt tokens per request vs {a:.0f} in {labels[0]} "
+                       f"({b / a - 1:+.1%}, more than {WORK_TOLERANCE:.0%})")
+    return out
 
 
 def compare_table(cmp: dict) -> str:
@@ -155,27 +188,36 @@ def _label(result: dict, fallback: str) -> str:
     return f"{fallback} (c={c})" if c is not None else fallback
 
 
-def plot_pareto(results: list[dict], path: str, labels: list[str] | None = None) -> str:
-    """Interactivity (y) vs TPGS (x), one point per run; runs sharing a label prefix joined."""
+def system_of(label: str) -> str:
+    """A run label without its concurrency suffix: `loomserve-c16`, `llama@4` -> the system."""
+    return re.sub(r"[-_@ ]?c?=?\d+$", "", label) or label
+
+
+def plot_pareto(results: list[dict], path: str, labels: list[str] | None = None,
+                systems: list[str] | None = None) -> str:
+    """Interactivity (y) vs TPGS (x): one curve per system over its runs, by concurrency."""
     plt = _plt()
     labels = labels or [f"run{i}" for i in range(len(results))]
+    systems = systems or [system_of(lb) for lb in labels]
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    pts = []
-    for r, lb in zip(results, labels):
+    curves: dict[str, list] = {}
+    for r, sysname in zip(results, systems):
         x, y = get(r, ("metrics", "tpgs")), get(r, ("metrics", "interactivity"))
         if x is None or y is None:
             continue
-        pts.append((x, y, lb, get(r, ("config", "concurrency"))))
-    pts.sort()
-    if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
-        for x, y, lb, c in pts:
-            ax.annotate(f"{lb}" + (f" c={c}" if c is not None else ""), (x, y), fontsize=8,
-                        textcoords="offset points", xytext=(4, 4))
+        c = get(r, ("config", "concurrency"))
+        curves.setdefault(sysname, []).append((c if c is not None else 0, x, y))
+    for sysname, pts in curves.items():
+        pts.sort()
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=sysname)
+        for c, x, y in pts:
+            ax.annotate(f"c={c}", (x, y), fontsize=8, textcoords="offset points", xytext=(4, 4))
     ax.set_xlabel("TPGS (tokens/s/device)")
     ax.set_ylabel("interactivity (1 / P90 E2E per output token), tok/s")
     ax.set_title("AgentX: interactivity vs throughput")
     ax.grid(True, alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -235,6 +277,11 @@ def add_arguments(p) -> None:
     p.add_argument("--labels", nargs="+", default=None, help="names for the runs")
     p.add_argument("--plots", default=None,
                    help="write pareto.png (interactivity vs TPGS) and ttft_cdf.png here")
+    p.add_argument("--systems", nargs="+", default=None,
+                   help="the system of each run, one curve each in pareto.png (default: the "
+                        "label without a trailing concurrency, e.g. loomserve-c16 -> loomserve)")
+    p.add_argument("--allow-different-work", action="store_true",
+                   help="compare runs whose caps or prompt tokens per request differ (flagged)")
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
 
 
@@ -250,11 +297,21 @@ def main(args) -> int:
     if len(labels) != len(results):
         print("--labels needs one name per result", file=sys.stderr)
         return 2
+    if args.systems is not None and len(args.systems) != len(results):
+        print("--systems needs one name per result", file=sys.stderr)
+        return 2
     cmp = compare(results, labels)
+    problems = cmp["work_problems"]
+    for line in problems:
+        print(f"WORK DIFFERS: {line}", file=sys.stderr)
+    if problems and not args.allow_different_work:
+        print("compare: the runs did not do the same work (see above); rerun them with the same "
+              "--max-context/--max-output, or pass --allow-different-work", file=sys.stderr)
+        return 3
     print(compare_table(cmp), file=sys.stderr if args.json else sys.stdout)
     if args.plots:
         os.makedirs(args.plots, exist_ok=True)
-        for p in (plot_pareto(results, os.path.join(args.plots, "pareto.png"), labels),
+        for p in (plot_pareto(results, os.path.join(args.plots, "pareto.png"), labels, args.systems),
                   plot_ttft_cdf(results, os.path.join(args.plots, "ttft_cdf.png"), labels)):
             print(f"wrote {p}", file=sys.stderr)
     if args.json:

@@ -105,6 +105,63 @@ def test_compare_ratios_table_and_plots(tmp_path, capsys):
     assert all(os.path.getsize(x) > 1000 for x in paths)
 
 
+def _run(intended_scale=1.0, max_context=8192, max_output=256, conc=4):
+    recs = records()
+    for r in recs:
+        r.intended_prompt_tokens = int(r.intended_prompt_tokens * intended_scale)
+    return {"command": "agentx", "config": {"concurrency": conc, "max_context": max_context,
+                                             "max_output": max_output},
+            "server": {"mode": "ids"}, "metrics": compute_metrics(recs)}
+
+
+def _compare_main(tmp_path, runs, *extra):
+    import argparse
+
+    paths = []
+    for i, r in enumerate(runs):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    p = argparse.ArgumentParser()
+    report.add_arguments(p)
+    return report.main(p.parse_args([*map(str, paths), *extra]))
+
+
+def test_compare_refuses_runs_that_did_different_work(tmp_path, capsys):
+    same = report.work_problems([_run(), _run(1.015)], ["a", "b"])
+    assert same == []  # within the 2% tolerance
+    probs = report.work_problems([_run(), _run(1.05), _run(max_context=4096)], ["a", "b", "c"])
+    assert len(probs) == 2 and "+5.0%" in probs[0] and "max_context 4096 vs 8192" in probs[1]
+    assert _compare_main(tmp_path, [_run(), _run(max_output=128)]) == 3
+    assert "WORK DIFFERS: r1: max_output 128 vs 256" in capsys.readouterr().err
+    assert _compare_main(tmp_path, [_run(), _run(max_output=128)], "--allow-different-work") == 0
+    assert _compare_main(tmp_path, [_run(), _run(1.01)]) == 0
+
+
+def test_pareto_draws_one_curve_per_system(tmp_path):
+    assert report.system_of("loomserve-c16") == "loomserve"
+    assert report.system_of("llama-server@4") == "llama-server"
+    assert report.system_of("vllm") == "vllm"
+    runs = [_run(conc=c) for c in (1, 4, 1, 4)]
+    labels = ["loomserve-c1", "loomserve-c4", "llama-c1", "llama-c4"]
+    path = report.plot_pareto(runs, str(tmp_path / "p.png"), labels)
+    assert os.path.getsize(path) > 1000
+    import matplotlib.pyplot as plt
+
+    drawn = {}
+    real = plt.Axes.plot
+
+    def spy(ax, xs, ys, *a, **kw):
+        drawn[kw.get("label")] = len(xs)
+        return real(ax, xs, ys, *a, **kw)
+
+    plt.Axes.plot = spy
+    try:
+        report.plot_pareto(runs, str(tmp_path / "q.png"), labels)
+    finally:
+        plt.Axes.plot = real
+    assert drawn == {"loomserve": 2, "llama": 2}
+
+
 # ------------------------------------------------------------------ end to end (real server)
 
 def _free_port() -> int:
