@@ -130,6 +130,32 @@ def test_silu_and_mul(dtype):
     assert fused.calls["silu_and_mul"] == len(TOKENS)
 
 
+def test_parallel_rows_match_the_serial_rows():
+    """Prefill-sized inputs split rows over OpenMP threads (above 32K elements): the same
+    numbers as one thread, row for row."""
+    norm = RMSNorm(576, EPS)
+    x, res = _rand((97, 576), torch.float32, 5), _rand((97, 576), torch.float32, 6)
+    gate_up = _rand((97, 2 * 1536), torch.float32, 7)
+    cfg = ArchConfig("llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+                     intermediate_size=8, vocab_size=8)
+    rot = RotaryEmbedding(cfg, 512, torch.device("cpu"), torch.float32)
+    cos, sin = rot.lookup(torch.arange(97))
+    qkv = _rand((97, 15, 64), torch.float32, 8)
+    outs = {}
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            q = qkv.clone()
+            assert fused.rope_qk_(q, 12, cos, sin, rot.half)
+            outs[threads] = (*norm.fused(x.clone(), res), fused.silu_and_mul(gate_up, 1536), q)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+    _close(outs[2][0], norm(res + x))
+
+
 def test_torch_path_is_the_reference_exactly():
     """Switched off, or on a dtype the kernel lacks, every op runs the torch reference."""
     norm = RMSNorm(48, EPS)
