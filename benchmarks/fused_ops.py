@@ -22,8 +22,9 @@ profiler's own per-op cost inflates the small ops, so read it as a share, not a 
 --micro adds one op at a time at 1 and 8 rows: torch eager vs C vs torch.compile(dynamic=True),
 with the compile time at start and the first call at a new row count (recompiles).
 
-Run:   nice -n -15 python benchmarks/fused_ops.py [--streams 1 8] [--threads 1] [--repeats 7]
-Output: a table, benchmarks/results/fused_ops.json.
+Run:   nice -n -15 python benchmarks/fused_ops.py [--streams 1 8] [--threads 1] [--repeats 7] [--profile]
+       nice -n -15 python benchmarks/fused_ops.py --micro-only --threads 1
+Output: a table, benchmarks/results/fused_ops-t<threads>.json (fused_ops-micro.json).
 """
 
 from __future__ import annotations
@@ -237,6 +238,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per repeat (samples = repeats x steps)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--micro", action="store_true")
+    ap.add_argument("--micro-only", action="store_true", help="only --micro; saved as fused_ops-micro.json")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -244,6 +246,11 @@ def main() -> None:
     assert fused.library() is not None, "kernels/fused.c did not build (or LOOMSERVE_KERNELS=0)"
     result = {"command": " ".join(["python", *sys.argv]), "date": datetime.datetime.now(datetime.timezone.utc)
               .isoformat(timespec="seconds"), "host": host_info(), "threads": torch.get_num_threads()}
+    if args.micro_only:
+        result["micro"] = run_micro(args)
+        if not args.no_save:
+            print(write_json("fused_ops-micro.json", result))
+        return
     rows, facts = run_model(args)
     result["rows"] = rows
     try:
