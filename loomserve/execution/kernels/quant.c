@@ -20,8 +20,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
+/* The vector paths need AVX2 and F16C (every AVX2 CPU has both); else the portable C runs. */
+#if defined(__AVX2__) && defined(__F16C__)
+#define QAVX2 1
 #include <immintrin.h>
+#else
+#define QAVX2 0
 #endif
 
 #define QK 32
@@ -29,7 +33,7 @@
 #define MC 64
 
 static inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__)
+#if QAVX2
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
@@ -84,7 +88,7 @@ static void unpack4(const uint8_t *p, int64_t nb, uint8_t *out) {
         }
 }
 
-#if defined(__AVX2__)
+#if QAVX2
 static inline __m256i load_w(int kind, const uint8_t *w, int64_t b) {
     if (kind == PACKED4) {
         __m128i p = _mm_loadu_si128((const __m128i *)(w + b * 16));
@@ -117,7 +121,7 @@ static inline float hsum(__m256 v) {
 static inline __attribute__((always_inline)) void tile_dot(
         int kind, const uint8_t *const *w, const int8_t *xq, const float *dx, int64_t nb,
         const float *sf, float *out) {
-#if defined(__AVX2__)
+#if QAVX2
     __m256 acc[NR];
     for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -159,7 +163,7 @@ static void tile_dot_kind(int kind, const uint8_t *const *w, const int8_t *xq, c
     }
 }
 
-#if defined(__AVX2__)
+#if QAVX2
 /* int4 in group pairs: the packed bytes of groups 2p and 2p+1 are 32 contiguous bytes whose low
  * nibbles are q[0..15] of both groups and high nibbles q[16..31]. x is laid out to match
  * (pair_x: [x_2p[0:16], x_2p+1[0:16], x_2p[16:32], x_2p+1[16:32]]), so one 32-byte load serves
@@ -279,11 +283,36 @@ static void tile_dot_p(int kind, const uint8_t *const *w, const int8_t *x2, cons
 }
 #endif
 
+/* Per-row setup, vectorized: at one x row it runs once per weight row, as often as the dot
+ * product itself, so scalar conversions here would cost as much as the product. */
+static void scales_row(const uint16_t *h, int64_t nb, float *out) {
+    int64_t b = 0;
+#if QAVX2
+    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(out + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b))));
+#endif
+    for (; b < nb; b++) out[b] = fp16_to_fp32(h[b]);
+}
+
+/* sum_b mins[b] * dxs[b] (the mins term of one output), mins fp16. */
+static inline float mins_dot(const uint16_t *mn, const float *dxs, int64_t nb) {
+    int64_t b = 0;
+    float v = 0.f;
+#if QAVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + b))),
+                              _mm256_loadu_ps(dxs + b), acc);
+    v = hsum(acc);
+#endif
+    for (; b < nb; b++) v += fp16_to_fp32(mn[b]) * dxs[b];
+    return v;
+}
+
 void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *s,
                   const uint16_t *mins, int64_t N, int bits, const float *bias, float *y,
                   int nthreads) {
     const int64_t nb = K / QK, np = nb / 2, row_bytes = bits == 4 ? K / 2 : K, ntiles = (N + NR - 1) / NR;
-#if defined(__AVX2__)
+#if QAVX2
     const int pairs = bits == 4 || M > 1;  /* int8 at one row: the plain loop is memory-bound */
 #else
     const int pairs = 0;
@@ -298,12 +327,12 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             quantize_row(x + m * K, K, xq + m * K, dx + m * nb, dxs + m * nb);
-#if defined(__AVX2__)
+#if QAVX2
             if (pairs) pair_x(xq + m * K, dx + m * nb, nb, x2 + m * K, dxv + m * np * 8);
 #endif
         }
         uint8_t *wbuf = (M > 1 && (pairs || bits == 4)) ? malloc((size_t)(NR * wstride)) : NULL;
-        float *sf = malloc(sizeof(float) * (size_t)(NR * nb)), *mf = malloc(sizeof(float) * (size_t)(NR * nb));
+        float *sf = malloc(sizeof(float) * (size_t)(NR * nb));
         float *sfv = pairs ? malloc(sizeof(float) * (size_t)(NR * np * 8 + 1)) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             int64_t m1 = m0 + MC < M ? m0 + MC : M;
@@ -315,19 +344,24 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
                 int kind = bits == 8 ? INT8 : (wbuf ? BYTES4 : PACKED4);
                 for (int r = 0; r < NR; r++) {
                     int64_t n = n0 + (r < nr ? r : nr - 1);  /* a short tile repeats its last row */
-                    for (int64_t b = 0; b < nb; b++) {
-                        sf[r * nb + b] = fp16_to_fp32(s[n * nb + b]);
-                        mf[r * nb + b] = mins ? fp16_to_fp32(mins[n * nb + b]) : 0.f;
+                    if (!pairs)
+                        scales_row(s + n * nb, nb, sf + r * nb);
+                    else if (nb & 1)  /* the pair loop's odd last group */
+                        sf[r * nb + nb - 1] = fp16_to_fp32(s[n * nb + nb - 1]);
+#if QAVX2
+                    if (pairs) {  /* [s_2p x4, s_2p+1 x4] per pair */
+                        const __m256i dup = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+                        for (int64_t p = 0; p < np; p++) {
+                            int32_t two;
+                            memcpy(&two, s + n * nb + 2 * p, 4);
+                            __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two)));
+                            _mm256_storeu_ps(sfv + (r * np + p) * 8, _mm256_permutevar8x32_ps(v, dup));
+                        }
                     }
-                    if (pairs)
-                        for (int64_t p = 0; p < np; p++)
-                            for (int i = 0; i < 4; i++) {
-                                sfv[(r * np + p) * 8 + i] = sf[r * nb + 2 * p];
-                                sfv[(r * np + p) * 8 + 4 + i] = sf[r * nb + 2 * p + 1];
-                            }
+#endif
                     w[r] = q + n * row_bytes;
                     if (wbuf && r < nr) {
-#if defined(__AVX2__)
+#if QAVX2
                         if (pairs && bits == 8)
                             expand_pairs8(w[r], nb, wbuf + r * wstride);
                         else if (pairs)
@@ -342,7 +376,7 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
                 }
                 for (int64_t m = m0; m < m1; m++) {
                     float out[NR];
-#if defined(__AVX2__)
+#if QAVX2
                     if (pairs)
                         tile_dot_p(bits == 8 ? P_INT8 : (wbuf ? P_BYTES4 : P_PACKED4), w, x2 + m * K,
                                    dxv + m * np * 8, xq + m * K, dx + m * nb, nb, sf, sfv, out);
@@ -351,8 +385,7 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
                         tile_dot_kind(kind, w, xq + m * K, dx + m * nb, nb, sf, out);
                     for (int r = 0; r < nr; r++) {
                         float v = out[r];
-                        if (mins)
-                            for (int64_t b = 0; b < nb; b++) v += mf[r * nb + b] * dxs[m * nb + b];
+                        if (mins) v += mins_dot(mins + (n0 + r) * nb, dxs + m * nb, nb);
                         y[m * N + n0 + r] = bias ? v + bias[n0 + r] : v;
                     }
                 }
@@ -360,7 +393,6 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
         }
         free(wbuf);
         free(sf);
-        free(mf);
         free(sfv);
     }
     free(xq);
