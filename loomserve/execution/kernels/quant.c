@@ -322,21 +322,24 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *dxs = malloc(sizeof(float) * (size_t)(M * nb));
     float *dxv = pairs ? malloc(sizeof(float) * (size_t)(M * (np * 8 + 1))) : NULL;
     if (nthreads < 1) nthreads = 1;
+    /* Few rows of x are quantized before the parallel region: an OpenMP barrier on a busy
+     * 2-core host can wait out a descheduled thread's time slice, so the region below has none
+     * but its join (static schedules: each thread keeps its tiles across row chunks). */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 8)
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row(x + m * K, K, xq + m * K, dx + m * nb, dxs + m * nb);
+#if QAVX2
+        if (pairs) pair_x(xq + m * K, dx + m * nb, nb, x2 + m * K, dxv + m * np * 8);
+#endif
+    }
 #pragma omp parallel num_threads(nthreads)
     {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            quantize_row(x + m * K, K, xq + m * K, dx + m * nb, dxs + m * nb);
-#if QAVX2
-            if (pairs) pair_x(xq + m * K, dx + m * nb, nb, x2 + m * K, dxv + m * np * 8);
-#endif
-        }
         uint8_t *wbuf = (M > 1 && (pairs || bits == 4)) ? malloc((size_t)(NR * wstride)) : NULL;
         float *sf = malloc(sizeof(float) * (size_t)(NR * nb));
         float *sfv = pairs ? malloc(sizeof(float) * (size_t)(NR * np * 8 + 1)) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MC) {
             int64_t m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < ntiles; t++) {
                 int64_t n0 = t * NR;
                 int nr = N - n0 < NR ? (int)(N - n0) : NR;
