@@ -47,7 +47,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int],
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # .forward, not __call__: Module.__call__'s hook checks cost ~1-2 us, six times a layer.
+        qkv = self.qkv_proj.forward(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         h, kvh = self.num_heads, self.num_kv_heads
         cos, sin, half = rope
         if self.q_norm is None:
@@ -63,7 +64,7 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, h:h + kvh]), cos, sin, half)
         v = qkv[:, h + kvh:]
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sinks)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.o_proj.forward(o.reshape(n, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +88,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.fused(x)[0], x
         else:
             h, residual = self.input_layernorm.fused(x, residual)
-        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.fused(self.self_attn.forward(h, rope, meta), residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
