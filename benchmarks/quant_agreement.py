@@ -11,7 +11,7 @@ int4: the dequantized weights re-quantized at load) runs the same chat prompts:
   free-run match            the mean length of the common prefix of both models' own greedy
                             continuations (a near-tie flipped once parts them for good)
 
-Run:  nice -n -15 python benchmarks/quant_agreement.py [--modes gguf int8 int4] [--new-tokens 32]
+Run:  python benchmarks/quant_agreement.py [--modes gguf int8 int4] [--new-tokens 32] [--prompts 8]
 Output: a table, and benchmarks/results/quant_agreement.json.
 """
 
@@ -66,11 +66,12 @@ def run_logits(r, prompt: list[int], cont: list[int] | int) -> tuple[list[int], 
     return toks, torch.stack(rows)
 
 
-def compare(ref, q, prompts: list[list[int]], new_tokens: int) -> dict:
+def compare(q, prompts: list[list[int]], refs: list[tuple[list[int], torch.Tensor]],
+            new_tokens: int) -> dict:
+    """refs: the reference's (greedy continuation, logits) per prompt."""
     agree = total = 0
     max_d, mean_d, rel, common = 0.0, [], [], []
-    for p in prompts:
-        cont, a = run_logits(ref, p, new_tokens)
+    for p, (cont, a) in zip(prompts, refs):
         b = run_logits(q, p, cont)[1]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(cont)
@@ -90,9 +91,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a .gguf file (default: the built-in model)")
     ap.add_argument("--modes", nargs="+", default=["gguf", "int8", "int4"])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (numerics only here; 1 avoids OpenMP waits on a busy host)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     from loomserve.entrypoints.tokenizer import Tokenizer
 
     ref = build_runner(args.model, "none")
@@ -102,10 +106,11 @@ def main(argv=None) -> int:
     out = {"host": host_info(), "model": ref.model_name, "reference": "the GGUF dequantized to fp32",
            "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "results": {}}
+    refs = [run_logits(ref, p, args.new_tokens) for p in prompts]
     print(f"{'mode':6} {'agree':>7} {'max|dl|':>8} {'mean|dl|':>9} {'rel L2':>7} {'free-run':>8} {'MB':>7}")
     for mode in args.modes:
         q = build_runner(args.model, mode)
-        rec = compare(ref, q, prompts, args.new_tokens)
+        rec = compare(q, prompts, refs, args.new_tokens)
         rec["weight_bytes"] = q.weight_bytes
         out["results"][mode] = rec
         print(f"{mode:6} {rec['teacher_forced_agreement']:7.3f} {rec['max_abs_dlogit']:8.3f} "

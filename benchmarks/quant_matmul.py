@@ -8,12 +8,14 @@ the 49152x576 tied LM head), at R rows (sequences decoding at once):
   q8_0   QuantLinear, 8-bit symmetric (GGUF Q8_0's bytes: 1 B/weight + fp16 s per 32)
 
 Beside each: the weight bytes streamed per call and the bandwidth limit (bytes / measured read
-GB/s from benchmarks/membw.py), the best a one-row call can do. Median of --repeats calls, the
-variants interleaved so machine noise hits all alike. "model pass" sums one call per matrix of
+GB/s from benchmarks/membw.py), the best a one-row call can do. Median and minimum of --repeats
+calls, the variants interleaved so machine noise hits all alike; on a shared 2-core host an
+OpenMP barrier waiting on a descheduled thread costs a scheduler quantum, so the minimum is
+the better estimate of the kernels' own speed and the ratios below use it. "model pass" sums one call per matrix of
 the whole model (30 layers + LM head).
 
-Run:  nice -n -15 python benchmarks/quant_matmul.py [--rows 1 32] [--repeats 30]
-Output: a table, and benchmarks/results/quant_matmul.json.
+Run:  nice -n -15 python benchmarks/quant_matmul.py [--rows 1 32] [--repeats 30] [--threads 1]
+Output: a table, and benchmarks/results/quant_matmul.json (quant_matmul-t1.json with --threads 1).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def variants(n: int, k: int, rows: int) -> dict:
             "q8_0": (lambda: q8(x), q8.weight_bytes())}
 
 
-def time_variants(fns: dict, repeats: int) -> dict[str, float]:
+def time_variants(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds per variant."""
     for f, _ in fns.values():
         f()
     runs: dict[str, list[float]] = {k: [] for k in fns}
@@ -58,47 +61,57 @@ def time_variants(fns: dict, repeats: int) -> dict[str, float]:
             t = time.perf_counter()
             f()
             runs[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in runs.items()}
+    return {k: (statistics.median(v), min(v)) for k, v in runs.items()}
+
+
+def _row(rec: dict) -> None:
+    shape = rec["shape"] + (f" {rec['n']}x{rec['k']}" if "n" in rec else "")
+    print(f"{shape:>16} {rec['rows']:>4} {rec['variant']:7} {rec['median_us']:9.1f} {rec['us']:9.1f} "
+          f"{rec['bytes'] / 1e6:7.2f} {rec['limit_us']:9.1f} {rec['gbs']:6.1f} {rec['speedup_vs_fp32']:7.2f}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch (and kernel) threads; 1 measures a core without OpenMP waits")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from membw import measure_read_bandwidth
     bw = measure_read_bandwidth()
     out = {"host": host_info(), "read_gbs": bw, "threads": torch.get_num_threads(),
            "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "results": []}
     print(f"read bandwidth {bw:.1f} GB/s, {torch.get_num_threads()} threads")
-    print(f"{'shape':>16} {'rows':>4} {'variant':7} {'us':>9} {'MB':>7} {'limit us':>9} {'GB/s':>6} {'vs fp32':>7}")
+    print(f"{'shape':>16} {'rows':>4} {'variant':7} {'med us':>9} {'min us':>9} {'MB':>7} {'limit us':>9} "
+          f"{'GB/s':>6} {'vs fp32':>7}")
     for rows in args.rows:
         model = {}
         for name, (n, k) in SHAPES.items():
             fns = variants(n, k, rows)
             times = time_variants(fns, args.repeats)
-            for var, t in times.items():
+            for var, (med, t) in times.items():
                 nbytes = fns[var][1]
-                rec = {"shape": name, "n": n, "k": k, "rows": rows, "variant": var, "us": t * 1e6,
-                       "bytes": nbytes, "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
-                       "speedup_vs_fp32": times["fp32"] / t}
+                rec = {"shape": name, "n": n, "k": k, "rows": rows, "variant": var, "median_us": med * 1e6,
+                       "us": t * 1e6, "bytes": nbytes, "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
+                       "speedup_vs_fp32": times["fp32"][1] / t}
                 out["results"].append(rec)
-                m = model.setdefault(var, [0.0, 0])
+                m = model.setdefault(var, [0.0, 0, 0.0])
                 m[0] += PER_MODEL[name] * t
                 m[1] += PER_MODEL[name] * nbytes
-                print(f"{name + f' {n}x{k}':>16} {rows:>4} {var:7} {rec['us']:9.1f} {nbytes / 1e6:7.2f} "
-                      f"{rec['limit_us']:9.1f} {rec['gbs']:6.1f} {rec['speedup_vs_fp32']:7.2f}")
-        for var, (t, nbytes) in model.items():
-            rec = {"shape": "model pass", "rows": rows, "variant": var, "us": t * 1e6, "bytes": nbytes,
-                   "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
+                m[2] += PER_MODEL[name] * med
+                _row(rec)
+        for var, (t, nbytes, med) in model.items():
+            rec = {"shape": "model pass", "rows": rows, "variant": var, "median_us": med * 1e6, "us": t * 1e6,
+                   "bytes": nbytes, "limit_us": nbytes / bw / 1e3, "gbs": nbytes / t / 1e9,
                    "speedup_vs_fp32": model["fp32"][0] / t}
             out["results"].append(rec)
-            print(f"{'model pass':>16} {rows:>4} {var:7} {rec['us']:9.1f} {nbytes / 1e6:7.2f} "
-                  f"{rec['limit_us']:9.1f} {rec['gbs']:6.1f} {rec['speedup_vs_fp32']:7.2f}")
+            _row(rec)
     if not args.no_save:
-        write_json("quant_matmul.json", out)
+        write_json("quant_matmul-t1.json" if args.threads == 1 else "quant_matmul.json", out)
     return 0
 
 
