@@ -1,7 +1,7 @@
 """Decode step time with the fused C ops (layers/fused.py) vs the torch path, and where the time goes.
 
 Model: the default SmolLM2-135M-Instruct (30 layers, hidden 576, 9/3 heads of 64, MLP 1536),
-fp32, through ModelRunner.compute_logits (metadata, 30 layers, final norm, LM head), i.e. one
+fp32 (or --dtype bfloat16), through ModelRunner.compute_logits (metadata, 30 layers, final norm, LM head), i.e. one
 decode step of C streams, each at context --ctx. Systems, in the same process:
   fused   layers.fused.USE = True: add+RMSNorm, RoPE on q/k in place, SiLU*up as C calls
   torch   layers.fused.USE = False: the torch reference ops (what ran before)
@@ -132,7 +132,7 @@ def profile_split(step, n: int = 5) -> dict[str, float]:
 
 
 def run_model(args) -> list[dict]:
-    runner = ModelRunner(EngineConfig.from_kwargs(device="cpu", dtype="float32", kv_cache_memory="256MiB",
+    runner = ModelRunner(EngineConfig.from_kwargs(device="cpu", dtype=args.dtype, kv_cache_memory="256MiB",
                                                   block_size=16))
     rows = []
     for streams in args.streams:
@@ -233,6 +233,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10, help="steps per repeat (samples = repeats x steps)")
@@ -245,7 +246,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     assert fused.library() is not None, "kernels/fused.c did not build (or LOOMSERVE_KERNELS=0)"
     result = {"command": " ".join(["python", *sys.argv]), "date": datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), "host": host_info(), "threads": torch.get_num_threads()}
+              .isoformat(timespec="seconds"), "host": host_info(), "threads": torch.get_num_threads(), "dtype": args.dtype}
     if args.micro_only:
         result["micro"] = run_micro(args)
         if not args.no_save:
@@ -274,7 +275,8 @@ def main() -> None:
         print(f"weights read once per step: {result['limit']['weights_read_ms']} ms at "
               f"{result['limit']['membw_read_gbs']} GB/s")
     if not args.no_save:
-        print(write_json(f"fused_ops-t{result['threads']}.json", result))
+        bf16 = "-bf16" if args.dtype == "bfloat16" else ""
+        print(write_json(f"fused_ops-t{result['threads']}{bf16}.json", result))
 
 
 if __name__ == "__main__":
