@@ -65,7 +65,7 @@ def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[i
     pos_t = torch.from_numpy(positions)
     meta = AttentionMetadata(
         slot_blocks=torch.from_numpy(blocks).to(device),
-        slot_offsets=(pos_t % block_size).to(device),
+        slot_offsets=torch.from_numpy(positions % block_size).to(device),
         block_size=block_size, backend=backend, num_decode=d,
         decode_lens=(dec_pos + 1).astype(np.int32) if d else None,
         decode_tables=[t for _, t in decodes], prefills=chunks,
