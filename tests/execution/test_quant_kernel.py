@@ -147,3 +147,19 @@ def test_bf16_activations_come_back_bf16():
     y = lin(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 8)
     assert torch.allclose(y.float(), lin(x), rtol=0.02, atol=0.05)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_threaded_product_matches(bits):
+    """Products above the kernel's SMALL_WORK run on several OpenMP threads: same results."""
+    lin = _linear(301, 256, bits, mins=True, bias=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (1, 40, 70):  # 1 row: 77k MACs stays serial; 40, 70: threaded, 70 in 2 chunks
+            x = torch.randn(rows, 256)
+            emu, _ = _emulated(x, lin.dequantized())
+            assert torch.allclose(lin(x).double(), emu + lin.bias.double(), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)

@@ -31,6 +31,7 @@
 #define QK 32
 #define NR 4
 #define MC 64
+#define SMALL_WORK (1 << 21)  /* multiply-adds: the 3072x576 matrix at one row is below */
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if QAVX2
@@ -321,7 +322,9 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     int8_t *xq = malloc((size_t)(M * K)), *x2 = pairs ? malloc((size_t)(M * K)) : NULL;
     float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *dxs = malloc(sizeof(float) * (size_t)(M * nb));
     float *dxv = pairs ? malloc(sizeof(float) * (size_t)(M * (np * 8 + 1))) : NULL;
-    if (nthreads < 1) nthreads = 1;
+    /* Small products run on the calling thread: one core streams int4 at most of the memory
+     * bandwidth, and waking a pool thread on a busy host can cost a scheduler quantum. */
+    if (nthreads < 1 || M * N * K < SMALL_WORK) nthreads = 1;
     /* Few rows of x are quantized before the parallel region: an OpenMP barrier on a busy
      * 2-core host can wait out a descheduled thread's time slice, so the region below has none
      * but its join (static schedules: each thread keeps its tiles across row chunks). */
