@@ -111,6 +111,17 @@ def test_cpu_kernel_runs_for_decodes_and_long_contexts():
         assert backend.calls["prefill_tiled"] == 1
 
 
+@pytest.mark.parametrize("head_dim", [128, 40])
+def test_cpu_kernel_wide_and_odd_heads(head_dim):
+    """head_dim 128 (the chunked split's accumulators in two passes of 64 lanes) and 40 (a
+    multiple of 8 with no specialized copy), chunks crossing blocks and splits."""
+    backend = select_backend("cpu_paged", CPU, torch.float32)
+    ours, ref = run_case(backend, [(1000, 1), (129, 1), (300, 5)], 16, 2, 2, head_dim, None, None,
+                         torch.float32, 7)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+    assert backend.calls["decode_kernel"] == 1
+
+
 def test_prefill_tiles_cover_long_cached_context(monkeypatch):
     from loomserve.execution.attention import cpu_backend
     monkeypatch.setattr(cpu_backend, "TILE_TOKENS", 48)  # many tiles, edges inside blocks

@@ -249,6 +249,101 @@ static inline __attribute__((always_inline)) void split_attend_avx2(
     }
 }
 
+/* The fp32 split in chunks of CHUNK keys: for each query head, all the chunk's scores first
+ * (independent 8-key groups), one exp pass, then V accumulated with four independent chains
+ * per 8 lanes. Longer independent work than the 8-key loop, whose score -> max -> exp ->
+ * accumulate chain per group left the core waiting on latencies. K and V rows of a chunk
+ * (CHUNK x head_dim floats each) stay in L1/L2 across the query heads. */
+#define CHUNK 128
+static inline __attribute__((always_inline)) void split_attend_chunked(
+        const float *q, const float *kf, const float *vf, int64_t block_stride, int block_size,
+        int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
+        int h, float scale, float *part) {
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float sbuf[CHUNK];
+    const float *kr[CHUNK], *vr[CHUNK];
+    const int stride = head_dim + 2;
+    const int64_t row = (int64_t)kv_heads * head_dim;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(part + g * stride, 0, sizeof(float) * head_dim);
+    }
+    for (int64_t a = k0; a < k1;) {
+        int n = 0;
+        while (a < k1 && n < CHUNK) {
+            int64_t blk = a / block_size, first = a % block_size;
+            int64_t cnt = block_size - first;
+            if (cnt > k1 - a) cnt = k1 - a;
+            if (cnt > CHUNK - n) cnt = CHUNK - n;
+            int64_t base = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
+            for (int t = 0; t < cnt; t++) {
+                kr[n + t] = kf + base + t * row;
+                vr[n + t] = vf + base + t * row;
+            }
+            n += (int)cnt;
+            a += cnt;
+        }
+        int n8 = (n + 7) & ~7;
+        for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            __m256 mx = _mm256_set1_ps(-INFINITY);
+            for (int t0 = 0; t0 < n8; t0 += 8) {
+                __m256 dots[8];
+                for (int t = 0; t < 8; t++) dots[t] = _mm256_setzero_ps();
+                for (int j = 0; j < head_dim; j += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + j);
+                    for (int t = 0; t < 8; t++)
+                        dots[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t0 + t] + j), dots[t]);
+                }
+                __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t0)), _CMP_LT_OQ);
+                __m256 sc = _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(scale));
+                sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, live);
+                _mm256_storeu_ps(sbuf + t0, sc);
+                mx = _mm256_max_ps(mx, sc);
+            }
+            float mb = hmax8(mx);
+            float *acc = part + g * stride;
+            if (mb > m[g]) {
+                float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
+                __m256 av = _mm256_set1_ps(alpha);
+                l[g] *= alpha;
+                for (int j = 0; j < head_dim; j += 8)
+                    _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), av));
+                m[g] = mb;
+            }
+            __m256 mg = _mm256_set1_ps(m[g]), sum = _mm256_setzero_ps();
+            for (int t0 = 0; t0 < n8; t0 += 8) {
+                __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t0)), _CMP_LT_OQ);
+                __m256 p = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sbuf + t0), mg)), live);
+                _mm256_storeu_ps(sbuf + t0, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            l[g] += hsum8(sum);
+            /* acc in registers over the chunk, up to 64 lanes at a time: per key one
+             * broadcast and head_dim / 8 FMAs. */
+            for (int jb = 0; jb < head_dim; jb += 64) {
+                const int nv = (head_dim - jb) / 8 < 8 ? (head_dim - jb) / 8 : 8;
+                __m256 o[8];
+                for (int v = 0; v < nv; v++) o[v] = _mm256_loadu_ps(acc + jb + 8 * v);
+                for (int t = 0; t < n; t++) {
+                    __m256 b = _mm256_set1_ps(sbuf[t]);
+                    const float *vrow = vr[t] + jb;
+                    for (int v = 0; v < nv; v++)
+                        o[v] = _mm256_fmadd_ps(b, _mm256_loadu_ps(vrow + 8 * v), o[v]);
+                }
+                for (int v = 0; v < nv; v++) _mm256_storeu_ps(acc + jb + 8 * v, o[v]);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        part[g * stride + head_dim] = m[g];
+        part[g * stride + head_dim + 1] = l[g];
+    }
+}
+
 /* Copies of split_attend_avx2 with head_dim a constant, so its loops unroll fully. */
 #define SPECIALIZED(D)                                                                        \
     static void split_attend_avx2_##D(const float *q, const void *kb, const void *vb,         \
@@ -262,10 +357,33 @@ SPECIALIZED(32)
 SPECIALIZED(64)
 SPECIALIZED(128)
 
+#define CHUNKED(D)                                                                            \
+    static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
+                                         int64_t bstride, int bsize, int kvh, int group,       \
+                                         const int32_t *table, int64_t k0, int64_t k1, int h,  \
+                                         float scale, float *part) {                           \
+        split_attend_chunked(q, (const float *)kb, (const float *)vb, bstride, bsize, kvh, D,   \
+                             group, table, k0, k1, h, scale, part);                            \
+    }
+CHUNKED(32)
+CHUNKED(64)
+CHUNKED(128)
+
 static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
                                   int bsize, int kvh, int head_dim, int group,
                                   const int32_t *table, int64_t k0, int64_t k1, int h, float scale,
                                   int dtype, float *part) {
+    if (dtype == 0) {  /* fp32: the chunked split */
+        switch (head_dim) {
+        case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
+        case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
+        case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
+        default:
+            split_attend_chunked(q, (const float *)kb, (const float *)vb, bstride, bsize, kvh, head_dim,
+                                 group, table, k0, k1, h, scale, part);
+            return;
+        }
+    }
     switch (head_dim) {
     case 32: split_attend_avx2_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
     case 64: split_attend_avx2_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
