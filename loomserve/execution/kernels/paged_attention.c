@@ -56,6 +56,24 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
+/* A split's partials: per query head, acc[head_dim] then its max and sum. begin_partials
+ * empties them (max -inf, sum 0), end_partials stores the max and sum after acc. */
+static inline void begin_partials(float *m, float *l, float *part, int group, int head_dim) {
+    for (int g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        memset(part + g * (head_dim + 2), 0, sizeof(float) * head_dim);
+    }
+}
+
+static inline void end_partials(const float *m, const float *l, float *part, int group,
+                                int head_dim) {
+    for (int g = 0; g < group; g++) {
+        part[g * (head_dim + 2) + head_dim] = m[g];
+        part[g * (head_dim + 2) + head_dim + 1] = l[g];
+    }
+}
+
 /* exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is scalar without
  * -ffast-math): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 Taylor polynomial
  * (relative error ~1.2e-7, as fp32 rounding), times 2^n built in the exponent bits. */
@@ -81,11 +99,7 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
     float s[MAX_BLOCK], kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
-    for (int g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-        memset(part + g * stride, 0, sizeof(float) * head_dim);
-    }
+    begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
         int64_t blk = a / block_size, first = a % block_size;
         int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
@@ -125,10 +139,7 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
         }
         a += n;
     }
-    for (int g = 0; g < group; g++) {
-        part[g * stride + head_dim] = m[g];
-        part[g * stride + head_dim + 1] = l[g];
-    }
+    end_partials(m, l, part, group, head_dim);
 }
 
 
@@ -186,11 +197,7 @@ static inline __attribute__((always_inline)) void split_attend_avx2(
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-        memset(part + g * stride, 0, sizeof(float) * head_dim);
-    }
+    begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
         int64_t blk = a / block_size, first = a % block_size;
         int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
@@ -243,10 +250,7 @@ static inline __attribute__((always_inline)) void split_attend_avx2(
         }
         a += n;
     }
-    for (int g = 0; g < group; g++) {
-        part[g * stride + head_dim] = m[g];
-        part[g * stride + head_dim + 1] = l[g];
-    }
+    end_partials(m, l, part, group, head_dim);
 }
 
 /* The fp32 split in chunks of CHUNK keys: for each query head, all the chunk's scores first
@@ -265,11 +269,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-        memset(part + g * stride, 0, sizeof(float) * head_dim);
-    }
+    begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
         int n = 0;
         while (a < k1 && n < CHUNK) {
@@ -338,10 +338,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        part[g * stride + head_dim] = m[g];
-        part[g * stride + head_dim + 1] = l[g];
-    }
+    end_partials(m, l, part, group, head_dim);
 }
 
 /* Copies of split_attend_avx2 with head_dim a constant, so its loops unroll fully. */
