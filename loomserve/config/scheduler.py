@@ -13,6 +13,15 @@ class SchedulerConfig:
     # Most requests waiting for admission; beyond it new requests are refused (HTTP 429).
     # None: one per KV block of the pool (more could never all be admitted at once).
     max_waiting_requests: int | None = None
+    # Admission order of waiting requests (loomserve.execution.waiting_queue): cache_aware
+    # (priority, then warm sessions, then least uncached work, with aging), priority (vLLM's:
+    # the request's priority, then arrival), fcfs (arrival; preempted first).
+    scheduling_policy: str = "cache_aware"
+    # Step-time budget in ms: None = auto (2x the learned cost of the step's decodes), 0 = off
+    # (token budget only); the token budget stays the upper bound.
+    target_step_ms: float | None = None
+    # Aging: a request waiting longer than this goes to the front of the admission order.
+    max_postpone_ms: float = 10_000.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -21,3 +30,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_threshold must be >= 0")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.scheduling_policy not in ("cache_aware", "priority", "fcfs"):
+            raise ValueError("scheduling_policy must be cache_aware, priority or fcfs")
+        if self.target_step_ms is not None and self.target_step_ms < 0:
+            raise ValueError("target_step_ms must be >= 0 (0: off, None: auto)")
+        if self.max_postpone_ms < 0:
+            raise ValueError("max_postpone_ms must be >= 0")

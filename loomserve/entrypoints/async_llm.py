@@ -91,16 +91,18 @@ class AsyncLLM:
                        parent_session_id: str | None = None,
                        cache_salt: str | None = None,
                        sibling_of: str | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """sibling_of: n > 1, this sample's prompt prefill waits for that request's, so it
         reuses its prompt KV blocks (prefix caching). kv_transfer_params: a prefill or decode
-        leg of prefill/decode disaggregation (loomserve.kv.transfer.params)."""
+        leg of prefill/decode disaggregation (loomserve.kv.transfer.params). priority: the
+        scheduling priority (vLLM's; lower is served first)."""
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
         msg = self.inputs.make_core_request(
             request_id, prompt, params, session_id=session_id,
             parent_session_id=parent_session_id, cache_salt=cache_salt, sibling_of=sibling_of,
-            kv_transfer_params=kv_transfer_params)
+            kv_transfer_params=kv_transfer_params, priority=priority)
         state = RequestState(request_id, msg.prompt_token_ids, params, self.tokenizer)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:

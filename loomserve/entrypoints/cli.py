@@ -27,6 +27,16 @@ _DEFAULTS = flat_defaults()
 _DEFAULTS["retention"] = ",".join(_DEFAULTS["retention"]) or "none"
 
 
+def _target_ms(value: str) -> float | None:
+    """--target-step-ms: auto (None) or milliseconds >= 0."""
+    if value == "auto":
+        return None
+    ms = float(value)
+    if ms < 0:
+        raise argparse.ArgumentTypeError("must be auto or >= 0")
+    return ms
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over an OpenAI-compatible HTTP API.")
@@ -52,6 +62,18 @@ def _add_serve(sub) -> None:
     p.add_argument("--long-prefill-threshold", type=int,
                    default=_DEFAULTS["long_prefill_threshold"],
                    help="per-request prefill tokens per step (0 disables the cap) (default: %(default)s)")
+    p.add_argument("--scheduling-policy", choices=["cache_aware", "priority", "fcfs"],
+                   default=_DEFAULTS["scheduling_policy"],
+                   help="waiting requests' admission order: cache_aware (request priority, then "
+                        "warm sessions and least uncached work, with aging), priority (request "
+                        "priority, then arrival), fcfs (arrival) (default: %(default)s)")
+    p.add_argument("--target-step-ms", type=_target_ms, default=_DEFAULTS["target_step_ms"],
+                   help="step-time budget: prefill chunks are cut so a step's predicted time "
+                        "stays within it; auto: 2x the learned cost of the running decodes; 0: "
+                        "off (token budget only) (default: auto)")
+    p.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
+                   help="aging: a request waiting longer goes to the front of the admission "
+                        "order (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
                    help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU "
                         "(default: %(default)s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import msgspec
 
@@ -29,6 +30,7 @@ from loomserve.execution.messages import (
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.request import Request, RequestStatus
 from loomserve.execution.scheduler import Scheduler
+from loomserve.execution.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
 from loomserve.execution.structured import StructuredManager
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.connector import (
@@ -110,6 +112,17 @@ def flop_model(runner: ModelRunner) -> FlopModel:
                      attn_flops_per_pair=4.0 * attn_layers * mc.num_heads * mc.head_dim)
 
 
+def step_cost_model(runner: ModelRunner) -> StepCostModel:
+    """The online step-time model, its prior from the model's FLOPs at a rough device rate
+    (100 GFLOP/s on CPU, 100 TFLOP/s on an accelerator); measured steps correct it within
+    a few steps (loomserve.execution.step_cost)."""
+    mc = runner.model_config
+    layout = ModelLayout.from_kv_config(runner.kv_cache_config)
+    rate = 1e11 if str(runner.device).startswith("cpu") else 1e14
+    return StepCostModel(prior_seconds_per_unit(layout, runner.num_params,
+                                                mc.num_heads * mc.head_dim, rate))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -122,8 +135,12 @@ class EngineCore:
         self.tiers = make_tier_connector(config, self.runner, self.kv)
         self.transfer = make_transfer_connector(self)
         sc = config.scheduler
+        self.cost_model = step_cost_model(self.runner)
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
-                                   sc.long_prefill_threshold, self.tiers)
+                                   sc.long_prefill_threshold, self.tiers,
+                                   policy=sc.scheduling_policy, cost_model=self.cost_model,
+                                   target_step_ms=sc.target_step_ms,
+                                   max_postpone_ms=sc.max_postpone_ms)
         self.scheduler.transfer = self.transfer
         capacity = self.runner.kv_cache_config.capacity_tokens
         if capacity < config.cache.block_size:
@@ -194,8 +211,13 @@ class EngineCore:
         if self.structured is not None:
             self.structured.fill_bitmask(inp, self.scheduler.requests)
         # Finished ids go to the workers even in a step without seqs (their per-request state).
-        result = (self.executor.execute_model(inp)
-                  if inp.seqs or inp.finished_request_ids else ModelOutput({}))
+        if inp.seqs:
+            t0 = time.perf_counter()
+            result = self.executor.execute_model(inp)
+            self.cost_model.observe(sched.features, time.perf_counter() - t0)
+        else:
+            result = (self.executor.execute_model(inp)
+                      if inp.finished_request_ids else ModelOutput({}))
         if tiers is not None:
             tiers.after_execute()
             if not sched.model_input.seqs:
@@ -261,6 +283,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        p50, p90 = self.cost_model.error_quantiles()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -271,6 +294,10 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_by_cause=dict(self.scheduler.preemptions_by_cause),
+            target_step_ms=(self.scheduler.last_target_s or 0.0) * 1000.0,
+            step_cost_error_p50=p50, step_cost_error_p90=p90,
+            step_cost_samples=self.cost_model.num_samples,
             num_rejected=self.num_rejected,
             prefix_hit_tokens_by_source=(
                 self.tiers.hit_tokens_by_source()

@@ -39,6 +39,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     # Prefill/decode disaggregation (loomserve.kv.transfer.params): {"do_remote_decode": true}
     # on a prefill leg, the prefill's returned params on a decode leg.
     kv_transfer_params: dict[str, Any] | None = None
+    # Scheduling priority (vLLM's `priority`): lower is served first (policies priority and
+    # cache_aware, loomserve.execution.waiting_queue) and preempted last.
+    priority: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -85,6 +88,15 @@ class EngineStats(msgspec.Struct, kw_only=True):
     generation_tokens: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
     num_rejected: int = 0  # cumulative, refused with a full waiting queue
+    # Preemptions by cause (decode_blocks, prefill_blocks), cumulative; they sum to
+    # num_preemptions.
+    num_preemptions_by_cause: dict[str, int] = {}
+    # The step-time budget (loomserve.execution.scheduler): the latest step's target in ms
+    # (0: none), and the step cost model's relative prediction error over recent steps.
+    target_step_ms: float = 0.0
+    step_cost_error_p50: float = 0.0
+    step_cost_error_p90: float = 0.0
+    step_cost_samples: int = 0  # cumulative steps the cost model learned from
     # Served prefix-hit tokens by where they came from: "device" and one entry per KV tier,
     # counted once per admitted request (prefix_hit_tokens also counts retried lookups);
     # connector and store counters under tiers.

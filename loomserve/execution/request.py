@@ -33,8 +33,11 @@ class Request:
                  max_tokens: int, eos_token_ids: frozenset[int] = frozenset(), *,
                  session_id: str | None = None, parent_session_id: str | None = None,
                  cache_salt: str | None = None, sibling_of: str | None = None,
-                 kv_transfer_params: dict | None = None) -> None:
+                 kv_transfer_params: dict | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        # Scheduling priority (vLLM's): lower goes first under the priority and cache_aware
+        # policies, and is preempted last.
+        self.priority = priority
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.session_id = session_id
@@ -72,7 +75,8 @@ class Request:
                    frozenset(msg.eos_token_ids), session_id=msg.session_id,
                    parent_session_id=msg.parent_session_id, cache_salt=msg.cache_salt,
                    sibling_of=msg.sibling_of,
-                   kv_transfer_params=getattr(msg, "kv_transfer_params", None))
+                   kv_transfer_params=getattr(msg, "kv_transfer_params", None),
+                   priority=getattr(msg, "priority", 0))
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget and time budget.
 
 Every request has `num_tokens - num_computed_tokens` tokens left to compute (a fresh prompt, a
 preempted request's prompt + outputs, or one decode token). Each step serves running requests
@@ -6,6 +6,16 @@ first, preempting the most recently admitted by recompute when the pool cannot h
 admits waiting ones, each claiming its longest cached prefix, asking the TierConnector first
 when there is one. The policy: docs/architecture.md, "Scheduling"; the step in detail:
 "Details by module".
+
+Policies (each in its own module): the waiting queue's admission order and aging
+(waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the
+cheapest recompute given what stays cached), and the step-time budget (a StepCostModel from
+step_cost.py predicts a step's seconds): running decodes are counted first, then each prefill
+chunk (running or newly admitted) is cut to what keeps the predicted step within the target,
+in whole blocks where possible; the first prefill chunk of a step always gets at least one
+block, so prefill never starves. target_step_ms: None = auto (AUTO_TARGET_MULT x the predicted
+cost of the step's decodes; no time limit in a step without decodes), 0 = off (token budget
+only), > 0 = that many ms. The token budget stays the upper bound either way.
 
 Invariants:
 - A request is in exactly one of `waiting` / `running` or finished.
@@ -16,12 +26,21 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from loomserve.execution.batch import ModelInput, ScheduledSeq
+from loomserve.execution.preemption import choose_victim, held_blocks
 from loomserve.execution.request import Request, RequestStatus
+from loomserve.execution.step_cost import ModelLayout, StepCostModel, StepFeatures
+from loomserve.execution.waiting_queue import WaitingQueue
 from loomserve.kv.cache_manager import KVCacheManager
+
+# Auto step-time target: this multiple of the predicted cost of the step's decodes alone, so a
+# step carrying prefill takes at most ~2x a pure decode step (ITL p99 / p50 near 2).
+AUTO_TARGET_MULT = 2.0
+_FIXED = StepFeatures.fixed_term()
 
 
 @dataclass
@@ -29,22 +48,44 @@ class SchedulerOutput:
     model_input: ModelInput
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num tokens)
     preempted: list[Request] = field(default_factory=list)
+    features: object = None  # np.ndarray of step_cost.FEATURES for the scheduled step
+    target_s: float | None = None  # the step-time target this step was filled to (None: none)
+
+
+class _Plan:
+    """One step's time budget: features so far (decodes reserved up front), the target."""
+
+    __slots__ = ("feats", "target", "prefilled")
+
+    def __init__(self, feats: StepFeatures, target: float | None) -> None:
+        self.feats, self.target, self.prefilled = feats, target, False
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 long_prefill_threshold: int = 0, tiers=None) -> None:
+                 long_prefill_threshold: int = 0, tiers=None, *, policy: str = "fcfs",
+                 cost_model: StepCostModel | None = None, target_step_ms: float | None = 0,
+                 max_postpone_ms: float = 10_000.0, clock=time.monotonic) -> None:
+        """Defaults keep the plain behaviour (fcfs, token budget only); EngineCore passes the
+        configured policy, cost model and target (loomserve.config.scheduler)."""
         self.kv = kv
         self.tiers = tiers  # TierConnector or None
         self.transfer = None  # KVTransferConnector (prefill/decode legs) or None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.long_prefill_threshold = long_prefill_threshold
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.cost_model = cost_model
+        self.target_step_ms = target_step_ms
+        self.layout = ModelLayout.from_kv_config(getattr(kv, "config", None))
+        self.waiting = WaitingQueue(policy, max_postpone_ms / 1000.0, self._uncached,
+                                    self._pinned, clock)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the runner, reported once
         self.num_preemptions = 0
+        self.preemptions_by_cause: Counter[str] = Counter()  # decode_blocks, prefill_blocks
+        self.last_target_s: float | None = None  # the latest step's time target (stats)
         # Hybrid models only: per-step state directives ride along with each seq.
         self._states = kv.state_directives if getattr(kv, "has_state_groups", False) else None
 
@@ -63,6 +104,9 @@ class Scheduler:
             self.running.remove(req)
         elif not req.status.finished:
             self.waiting.remove(req)
+        self.waiting.forget(req)
+        if status != RequestStatus.FINISHED_ABORTED:
+            self.waiting.note_turn(req.session_id)
         req.status = status
         req.grammar = None  # frees its matcher
         aborted = status == RequestStatus.FINISHED_ABORTED
@@ -84,48 +128,99 @@ class Scheduler:
         out = SchedulerOutput(ModelInput([], self._finished_ids))
         self._finished_ids = []
         budget = self.max_num_batched_tokens
+        plan = self._plan()
+        if self.policy != "fcfs":  # higher priority first; victims come from later ones
+            self.running.sort(key=lambda r: r.priority)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(req, left, budget, plan, req.num_computed_tokens)
+            if n == 0:
+                i += 1  # no time left for this prefill chunk this step
+                continue
             while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
+                victim = self._victim(req, i, n)
+                self.running.remove(victim)
+                self._preempt(victim, "decode_blocks" if left == 1 else "prefill_blocks")
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
                 self._add_to_batch(out, req, n)
+                if left > 1:
+                    plan.feats.add(req.num_computed_tokens, n)
                 budget -= n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, plan)
+        self._finish_plan(out, plan)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _plan(self) -> _Plan:
+        """The step's time budget with every running decode counted up front (they go first)."""
+        feats = StepFeatures(self.layout)
+        if self.cost_model is None or self.target_step_ms == 0:
+            return _Plan(feats, None)
+        decodes = 0
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                feats.add(r.num_computed_tokens, 1)
+                decodes += 1
+        if self.target_step_ms is not None:
+            target = self.target_step_ms / 1000.0
+        elif decodes:
+            target = AUTO_TARGET_MULT * self.cost_model.predict(feats.vector)
+        else:
+            target = None  # no stream to protect: the token budget alone
+        return _Plan(feats, target)
+
+    def _finish_plan(self, out: SchedulerOutput, plan: _Plan) -> None:
+        """The exact features of what was scheduled (for the cost model to learn from)."""
+        feats = StepFeatures(self.layout)
+        for req, n in out.scheduled:
+            feats.add(req.num_computed_tokens, n)
+        out.features = feats.vector
+        out.target_s = plan.target
+        self.last_target_s = plan.target
+
+    def _victim(self, req: Request, i: int, n: int) -> Request:
+        """fcfs: the most recently admitted; otherwise preemption.choose_victim among the
+        running requests not given blocks yet this step."""
+        if self.policy == "fcfs":
+            return self.running[-1]
+        bs = self.kv.block_size
+        need = -(-(req.num_computed_tokens + n) // bs) - held_blocks(self.kv, req.request_id)
+        deficit = max(1, need - getattr(self.kv, "num_free_blocks", 0))
+        return choose_victim(req, self.running[i + 1:], self.kv, deficit, self._recompute_cost,
+                             lambda r: r.session_id is not None and self._pinned(r.session_id))
+
+    def _recompute_cost(self, context: int, new: int) -> float:
+        if self.cost_model is None:
+            return float(new)
+        return self.cost_model.predict(StepFeatures(self.layout).chunk(context, new))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
         tiers = self.tiers
         waiting = self.waiting
-        i = 0  # requests before i wait for their tier I/O
-        while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = waiting[i]
+        for req in waiting.order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if self._held(req):
-                i += 1
                 continue
             if tiers is not None:
                 verdict = tiers.prepare(req)
                 if verdict == "wait":
-                    i += 1
-                    continue
+                    continue  # waits for its tier I/O; the ones behind it may go
                 if verdict == "full":
                     break
             hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
-            n = self._chunk(req, req.num_tokens - num_hit, budget)
+            n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit)
+            if n == 0:
+                break  # no time left this step: the head keeps its place
             if not self.kv.allocate_slots(req, n, hit, num_hit):
                 break  # the pool is full; running requests free blocks as they finish
-            if i:
-                del waiting[i]
-            else:
-                waiting.popleft()
+            waiting.remove(req)
             req.num_computed_tokens = num_hit
             # Hit-rate counters count a request once, at its first admission, as its usage's
             # cached_tokens does: not the probes of a request waiting for blocks, not the
@@ -143,7 +238,17 @@ class Scheduler:
                 self.transfer.on_admit(req)
             self.running.append(req)
             self._add_to_batch(out, req, n)
+            plan.feats.add(num_hit, n)
             budget -= n
+
+    def _uncached(self, req: Request) -> int:
+        """Tokens left to compute after the request's cached prefix (a probe: no stats)."""
+        _, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
+        return req.num_tokens - num_hit
+
+    def _pinned(self, session_id: str) -> bool:
+        pins = getattr(self.kv, "pins", None)
+        return pins is not None and bool(pins.blocks(session_id))
 
     def _held(self, req: Request) -> bool:
         """A waiting request sits out while its grammar compiles, or while the request whose
@@ -159,10 +264,37 @@ class Scheduler:
             return True  # still waiting (maybe for its grammar, which always becomes ready)
         return first.num_computed_tokens < first.num_prompt_tokens
 
-    def _chunk(self, req: Request, left: int, budget: int) -> int:
+    def _chunk(self, req: Request, left: int, budget: int, plan: _Plan, context: int) -> int:
+        """Tokens of req to compute this step: its left tokens capped by the long-prefill
+        threshold and the token budget, and a prefill chunk by the step-time target (0: none
+        fits; the step's first prefill chunk gets at least one block)."""
         if self.long_prefill_threshold and left > self.long_prefill_threshold:
             left = self.long_prefill_threshold
-        return min(left, budget)
+        n = min(left, budget)
+        if plan.target is None or n <= 1:
+            return n
+        fit = self._fit(plan, context, n)
+        if not plan.prefilled:
+            fit = max(fit, min(n, self.kv.block_size))
+            plan.prefilled = fit > 0
+        return fit
+
+    def _fit(self, plan: _Plan, context: int, n: int) -> int:
+        """Most tokens (<= n) whose chunk keeps the predicted step within the target; cut to
+        end on a block boundary when that leaves anything."""
+        model, feats, target = self.cost_model, plan.feats, plan.target
+        if model.predict(feats.with_chunk(context, n) + _FIXED) <= target:
+            return n
+        lo, hi = 0, n  # predict is monotone in n: bisect the largest fitting n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if model.predict(feats.with_chunk(context, mid) + _FIXED) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        bs = self.kv.block_size
+        aligned = (context + lo) // bs * bs - context
+        return aligned if aligned > 0 else lo
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
@@ -185,12 +317,13 @@ class Scheduler:
             seq.suppress = sorted(req.stop_token_ids)
         out.model_input.seqs.append(seq)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, cause: str) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_cause[cause] += 1
         self.waiting.appendleft(req)
 
     # -- after the model ran ---------------------------------------------------------------

@@ -61,7 +61,8 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
         try:
             it, first, timer = await h.start(request, prepared.prompt_token_ids, params,
                                             request_id, session_id=session,
-                                            kv_transfer_params=body.kv_transfer_params)
+                                            kv_transfer_params=body.kv_transfer_params,
+                                            priority=body.priority)
         except ClientGone:
             return Response(status_code=499)
         turn = _Turn(h, body, prepared.output_parser(), request_id, params, capped)

@@ -133,6 +133,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     # prefill/decode disaggregation (vLLM's name): a prefill or decode leg
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0  # extension (vLLM's name): scheduling priority, lower is served first
 
     def to_sampling_params(self) -> SamplingParams:
         try:

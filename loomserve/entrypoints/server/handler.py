@@ -95,18 +95,21 @@ class Handler:
     async def start(self, request: Request, prompt: str | list[int], params: SamplingParams,
                     request_id: str, *, session_id: str | None = None,
                     cache_salt: str | None = None, sibling_of: str | None = None,
-                    kv_transfer_params: dict | None = None):
+                    kv_transfer_params: dict | None = None, priority: int = 0):
         """Submit to the engine and wait for the first output.
 
         Waiting before any byte is sent lets engine-side validation errors (prompt too long,
         bad token ids) become a 400 even for streams. session_id: what the API's body names
         (Anthropic metadata.user_id, Responses prompt_cache_key), resolved by `session_of`.
         sibling_of: another sample of the same prompt (n > 1), whose prompt KV this one reuses.
+        priority: the scheduling priority (lower first), passed on only when set.
         """
         timer = self.metrics.tracker()
         extra = {"sibling_of": sibling_of} if sibling_of is not None else {}
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params
+        if priority:
+            extra["priority"] = priority
         try:
             it = self.engine.generate(
                 prompt, params, request_id,

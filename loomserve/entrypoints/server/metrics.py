@@ -69,6 +69,23 @@ class EngineStatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("num_preemptions", "Requests preempted to free KV cache.",
                       s.num_preemptions)
+        c = CounterMetricFamily(f"{PREFIX}_num_preemptions_by_cause",
+                                "Requests preempted to free KV cache, by cause: decode_blocks "
+                                "(a decode step found no block), prefill_blocks (a prefill "
+                                "chunk found none).", labels=["model_name", "cause"])
+        for cause, n in sorted((getattr(s, "num_preemptions_by_cause", None) or {}).items()):
+            c.add_metric([self.model_name, cause], n)
+        yield c
+        yield gauge("target_step_seconds", "Step-time target of the latest step (0: none).",
+                    getattr(s, "target_step_ms", 0.0) / 1000.0)
+        q = GaugeMetricFamily(f"{PREFIX}_step_cost_relative_error",
+                              "Step cost model: relative error of the predicted step time over "
+                              "recent steps, by quantile.", labels=["model_name", "quantile"])
+        q.add_metric([self.model_name, "0.5"], getattr(s, "step_cost_error_p50", 0.0))
+        q.add_metric([self.model_name, "0.9"], getattr(s, "step_cost_error_p90", 0.0))
+        yield q
+        yield counter("step_cost_samples", "Steps the step cost model learned from.",
+                      getattr(s, "step_cost_samples", 0))
         yield counter("num_requests_rejected", "Requests refused with HTTP 429 because the "
                       "waiting queue was full (--max-waiting-requests).", s.num_rejected)
 

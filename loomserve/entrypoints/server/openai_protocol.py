@@ -52,6 +52,7 @@ class _SamplingRequest(Lenient):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    priority: int = 0  # scheduling priority (vLLM's): lower is served first
     # prefill/decode disaggregation (vLLM's name): a prefill or decode leg
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -271,7 +271,8 @@ def register_responses_routes(app: FastAPI, h: Handler, store: ResponseStore | N
             it, first, timer = await h.start(request, turn.prepared.prompt_token_ids,
                                             turn.params, turn.response_id,
                                             session_id=turn.session_id,
-                                            kv_transfer_params=body.kv_transfer_params)
+                                            kv_transfer_params=body.kv_transfer_params,
+                                            priority=body.priority)
         except ClientGone:
             return Response(status_code=499)
         builder = OutputBuilder(body.parallel_tool_calls, turn.namespace_of)

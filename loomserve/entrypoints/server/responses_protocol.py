@@ -53,6 +53,7 @@ class ResponsesRequest(_Lenient):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = True
+    priority: int = 0  # extension (vLLM's name): scheduling priority, lower is served first
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None

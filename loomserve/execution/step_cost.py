@@ -1,0 +1,189 @@
+"""An online cost model of one engine step: predicted seconds from what the step computes.
+
+Features of a step (StepFeatures, one float each):
+  fixed          1 per step (launch, sampling, Python overhead)
+  tokens         new tokens computed (projections, MLP: linear in tokens)
+  full_pairs     sum over seqs of new x (context before + new / 2), query-key pairs of the
+                 full-attention layers (the causal triangle of the chunk included)
+  sliding_pairs  the same with the context capped at the sliding window (sliding layers)
+  linear_tokens  new tokens through linear-state (SSM / linear attention) layers
+  seqs           sequences in the step (per-seq metadata, sampling)
+A feature whose layer kind the model lacks stays 0 and its weight is never fitted.
+
+Fit: weighted least squares of the measured step seconds over the features, with exponential
+forgetting (half-life HALF_LIFE_STEPS) and relative weighting (a sample counts by 1/seconds^2,
+so short decode steps are predicted as well as long prefill ones). The unknowns are factors
+theta_j >= 0 on a prior (seconds per unit of feature j, from the model's FLOPs): a ridge term
+pulls theta toward 1, so before the first ~8 steps the prior rules and features that never
+vary (e.g. tokens == seqs in pure decode) keep the prior's split. Non-negativity is enforced
+by projected coordinate descent (6 unknowns; microseconds per step).
+
+Invariants: predict() is monotone non-decreasing in every feature (non-negative weights);
+observe() records the relative error of the prediction made *before* that sample updates it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("fixed", "tokens", "full_pairs", "sliding_pairs", "linear_tokens", "seqs")
+NUM_FEATURES = len(FEATURES)
+HALF_LIFE_STEPS = 200.0  # forgetting: a sample's weight halves after this many later steps
+RIDGE = 1e-2  # pull of the prior, in units of (relative error)^2 of one sample
+ERROR_WINDOW = 4096  # steps whose relative prediction error is kept for quantiles
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Which layer kinds a model has and the sliding window (0: none)."""
+
+    full_layers: int = 1
+    sliding_layers: int = 0
+    sliding_window: int = 0
+    linear_layers: int = 0
+
+    @classmethod
+    def from_kv_config(cls, config) -> "ModelLayout":
+        """From a KVCacheConfig (loomserve.kv.spec): layer counts per group kind."""
+        full = sliding = linear = window = 0
+        for g in getattr(config, "groups", ()):
+            kind, n = g.spec.kind, len(g.layer_ids)
+            if kind == "sliding_window":
+                sliding += n
+                window = max(window, g.spec.sliding_window)
+            elif kind == "full_attention":
+                full += n
+            else:
+                linear += n
+        if not (full or sliding or linear):
+            full = 1
+        return cls(full, sliding, window, linear)
+
+
+class StepFeatures:
+    """A step's feature vector, built one scheduled chunk at a time."""
+
+    __slots__ = ("v", "layout")
+
+    def __init__(self, layout: ModelLayout, v: np.ndarray | None = None) -> None:
+        self.layout = layout
+        self.v = np.zeros(NUM_FEATURES) if v is None else v
+
+    def chunk(self, context: int, new: int) -> np.ndarray:
+        """The features one seq adds: `new` tokens after `context` already-computed ones."""
+        lay = self.layout
+        d = np.zeros(NUM_FEATURES)
+        if new <= 0:
+            return d
+        d[1] = new
+        if lay.full_layers:
+            d[2] = new * (context + new / 2.0)
+        if lay.sliding_layers:
+            w = lay.sliding_window
+            d[3] = new * (min(context, w) + min(new, w) / 2.0)
+        if lay.linear_layers:
+            d[4] = new
+        d[5] = 1.0
+        return d
+
+    def add(self, context: int, new: int) -> None:
+        self.v = self.v + self.chunk(context, new)
+
+    def with_chunk(self, context: int, new: int) -> np.ndarray:
+        return self.v + self.chunk(context, new)
+
+    @staticmethod
+    def fixed_term() -> np.ndarray:
+        """The fixed feature alone (add it to a chunk-built vector to price a whole step)."""
+        d = np.zeros(NUM_FEATURES)
+        d[0] = 1.0
+        return d
+
+    def copy(self) -> "StepFeatures":
+        return StepFeatures(self.layout, self.v.copy())
+
+    @property
+    def vector(self) -> np.ndarray:
+        """With the fixed term set (a step that computes anything pays it once)."""
+        out = self.v.copy()
+        out[0] = 1.0
+        return out
+
+
+def prior_seconds_per_unit(layout: ModelLayout, num_params: int, heads_x_head_dim: int,
+                           flops_per_s: float) -> np.ndarray:
+    """Seconds per unit of each feature from FLOPs at an assumed rate (2 per parameter per
+    token, 4 x heads x head_dim per query-key pair per attention layer)."""
+    pair = 4.0 * heads_x_head_dim / flops_per_s
+    total = max(1, layout.full_layers + layout.sliding_layers + layout.linear_layers)
+    return np.array([
+        2e-3,  # fixed: a few ms of Python and launch overhead
+        2.0 * num_params / flops_per_s,
+        pair * layout.full_layers,
+        pair * layout.sliding_layers,
+        2.0 * num_params / flops_per_s * layout.linear_layers / total * 0.1,
+        5e-5,  # per seq: metadata, sampling
+    ])
+
+
+class StepCostModel:
+    """predict(features) -> seconds; observe(features, seconds) after each measured step."""
+
+    def __init__(self, prior: np.ndarray, half_life_steps: float = HALF_LIFE_STEPS,
+                 ridge: float = RIDGE) -> None:
+        self.prior = np.asarray(prior, dtype=float)
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.ridge = ridge
+        self.theta = np.ones(NUM_FEATURES)
+        self.weights = self.prior.copy()
+        self._A = np.zeros((NUM_FEATURES, NUM_FEATURES))
+        self._b = np.zeros(NUM_FEATURES)
+        self.num_samples = 0
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+
+    def predict(self, features: np.ndarray) -> float:
+        return float(np.dot(self.weights, features))
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        """Fold in one measured step (features with the fixed term set, wall seconds)."""
+        if seconds <= 0:
+            return
+        pred = self.predict(features)
+        self.errors.append(abs(pred - seconds) / seconds)
+        z = features * self.prior / seconds  # relative: the target becomes 1
+        self._A *= self.decay
+        self._b *= self.decay
+        self._A += np.outer(z, z)
+        self._b += z
+        self.num_samples += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        """min (A + rI) theta . theta / 2 - (b + r) . theta over theta >= 0; the prior's
+        unused features (prior 0) stay at theta 1 and weigh nothing anyway."""
+        r = self.ridge
+        A = self._A + r * np.eye(NUM_FEATURES)
+        b = self._b + r
+        theta = self.theta.copy()
+        diag = np.diag(A)
+        for _ in range(30):
+            delta = 0.0
+            for j in range(NUM_FEATURES):
+                g = b[j] - A[j] @ theta + diag[j] * theta[j]
+                new = max(0.0, g / diag[j])
+                delta = max(delta, abs(new - theta[j]))
+                theta[j] = new
+            if delta < 1e-6:
+                break
+        self.theta = theta
+        self.weights = self.prior * theta
+
+    def error_quantiles(self) -> tuple[float, float]:
+        """(median, p90) of the relative prediction error over the recent steps; 0s if none."""
+        if not self.errors:
+            return 0.0, 0.0
+        e = np.fromiter(self.errors, float)
+        return float(np.quantile(e, 0.5)), float(np.quantile(e, 0.9))
