@@ -73,7 +73,9 @@ class EngineStatsCollector(Collector):
                                 "Requests preempted to free KV cache, by cause: decode_blocks "
                                 "(a decode step found no block), prefill_blocks (a prefill "
                                 "chunk found none).", labels=["model_name", "cause"])
-        for cause, n in sorted((getattr(s, "num_preemptions_by_cause", None) or {}).items()):
+        causes = {"decode_blocks": 0, "prefill_blocks": 0,
+                  **(getattr(s, "num_preemptions_by_cause", None) or {})}
+        for cause, n in sorted(causes.items()):
             c.add_metric([self.model_name, cause], n)
         yield c
         yield gauge("target_step_seconds", "Step-time target of the latest step (0: none).",
