@@ -201,6 +201,8 @@ class Scheduler:
         return self.cost_model.predict(StepFeatures(self.layout).chunk(context, new))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return  # before ordering: the order may probe the prefix cache
         tiers = self.tiers
         waiting = self.waiting
         for req in waiting.order():

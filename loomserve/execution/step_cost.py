@@ -64,36 +64,44 @@ class ModelLayout:
 
 
 class StepFeatures:
-    """A step's feature vector, built one scheduled chunk at a time."""
+    """A step's feature vector, built one scheduled chunk at a time (plain floats: the
+    scheduler adds one chunk per scheduled seq every step, numpy only to predict)."""
 
-    __slots__ = ("v", "layout")
+    __slots__ = ("v", "layout", "_full", "_window", "_linear")
 
-    def __init__(self, layout: ModelLayout, v: np.ndarray | None = None) -> None:
+    def __init__(self, layout: ModelLayout, v: list[float] | None = None) -> None:
         self.layout = layout
-        self.v = np.zeros(NUM_FEATURES) if v is None else v
+        self.v = [0.0] * NUM_FEATURES if v is None else list(v)
+        self._full = bool(layout.full_layers)
+        self._window = layout.sliding_window if layout.sliding_layers else 0
+        self._linear = bool(layout.linear_layers)
 
     def chunk(self, context: int, new: int) -> np.ndarray:
         """The features one seq adds: `new` tokens after `context` already-computed ones."""
-        lay = self.layout
-        d = np.zeros(NUM_FEATURES)
+        d = [0.0] * NUM_FEATURES
+        self._accumulate(d, context, new)
+        return np.array(d)
+
+    def _accumulate(self, d: list[float], context: int, new: int) -> None:
         if new <= 0:
-            return d
-        d[1] = new
-        if lay.full_layers:
-            d[2] = new * (context + new / 2.0)
-        if lay.sliding_layers:
-            w = lay.sliding_window
-            d[3] = new * (min(context, w) + min(new, w) / 2.0)
-        if lay.linear_layers:
-            d[4] = new
-        d[5] = 1.0
-        return d
+            return
+        d[1] += new
+        if self._full:
+            d[2] += new * (context + new / 2.0)
+        w = self._window
+        if w:
+            d[3] += new * (min(context, w) + min(new, w) / 2.0)
+        if self._linear:
+            d[4] += new
+        d[5] += 1.0
 
     def add(self, context: int, new: int) -> None:
-        self.v = self.v + self.chunk(context, new)
+        self._accumulate(self.v, context, new)
 
     def with_chunk(self, context: int, new: int) -> np.ndarray:
-        return self.v + self.chunk(context, new)
+        d = list(self.v)
+        self._accumulate(d, context, new)
+        return np.array(d)
 
     @staticmethod
     def fixed_term() -> np.ndarray:
@@ -103,12 +111,12 @@ class StepFeatures:
         return d
 
     def copy(self) -> "StepFeatures":
-        return StepFeatures(self.layout, self.v.copy())
+        return StepFeatures(self.layout, self.v)
 
     @property
     def vector(self) -> np.ndarray:
         """With the fixed term set (a step that computes anything pays it once)."""
-        out = self.v.copy()
+        out = np.array(self.v)
         out[0] = 1.0
         return out
 
