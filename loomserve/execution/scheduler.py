@@ -125,37 +125,74 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Running requests first (fcfs, or no time target: in order; else decodes first and
+        then running prefills and waiting requests together in the policy's order, so a warm
+        turn is not queued behind a running cold prefill for the step's spare time)."""
         out = SchedulerOutput(ModelInput([], self._finished_ids))
         self._finished_ids = []
         budget = self.max_num_batched_tokens
         plan = self._plan()
+        split = plan.target is not None and self.policy != "fcfs"
         if self.policy != "fcfs":  # higher priority first; victims come from later ones
             self.running.sort(key=lambda r: r.priority)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            left = req.num_tokens - req.num_computed_tokens
-            n = self._chunk(req, left, budget, plan, req.num_computed_tokens)
-            if n == 0:
-                i += 1  # no time left for this prefill chunk this step
+        done: set[str] = set()  # given blocks this step
+        deferred = []
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted by an earlier one this step
+            if split and req.num_tokens - req.num_computed_tokens > 1:
+                deferred.append(req)
                 continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self._victim(req, i, n)
-                self.running.remove(victim)
-                self._preempt(victim, "decode_blocks" if left == 1 else "prefill_blocks")
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                self._add_to_batch(out, req, n)
-                if left > 1:
-                    plan.feats.add(req.num_computed_tokens, n)
-                budget -= n
-                i += 1
-        if not out.preempted:
+            budget = self._run_one(out, req, budget, plan, done)
+        if split:
+            self._fill_prefills(out, deferred, budget, plan, done)
+        elif not out.preempted:
             self._admit_waiting(out, budget, plan)
         self._finish_plan(out, plan)
         return out
+
+    def _run_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan,
+                 done: set[str]) -> int:
+        """Schedule a running request's next chunk, preempting while the pool is short;
+        returns the budget left."""
+        left = req.num_tokens - req.num_computed_tokens
+        n = self._chunk(req, left, budget, plan, req.num_computed_tokens)
+        if n == 0:
+            return budget  # no time left for this prefill chunk this step
+        while not self.kv.allocate_slots(req, n):
+            victim = self._victim(req, n, done)
+            self.running.remove(victim)
+            self._preempt(victim, "decode_blocks" if left == 1 else "prefill_blocks")
+            out.preempted.append(victim)
+            if victim is req:
+                return budget
+        self._add_to_batch(out, req, n)
+        done.add(req.request_id)
+        if left > 1:
+            plan.feats.add(req.num_computed_tokens, n)
+        return budget - n
+
+    def _fill_prefills(self, out: SchedulerOutput, deferred: list[Request], budget: int,
+                       plan: _Plan, done: set[str]) -> None:
+        """The step's time left, to running prefills and waiting requests in one policy order
+        (a running prefill's key counts its tokens left as its uncached work)."""
+        key = self.waiting.key
+        items = [(key(r, r.num_tokens - r.num_computed_tokens), k, r)
+                 for k, r in enumerate(deferred)]
+        admit = not out.preempted and self.waiting and len(self.running) < self.max_num_seqs
+        if admit:
+            items += [(key(r), len(deferred) + k, r) for k, r in enumerate(self.waiting.order())]
+        items.sort(key=lambda x: x[:2])
+        for _, _, req in items:
+            if budget <= 0:
+                break
+            if req.status == RequestStatus.RUNNING:
+                budget = self._run_one(out, req, budget, plan, done)
+            elif admit and not out.preempted:
+                admitted, budget = self._admit_one(out, req, budget, plan)
+                admit = admitted is not None
 
     def _plan(self) -> _Plan:
         """The step's time budget with every running decode counted up front (they go first)."""
@@ -184,7 +221,7 @@ class Scheduler:
         out.target_s = plan.target
         self.last_target_s = plan.target
 
-    def _victim(self, req: Request, i: int, n: int) -> Request:
+    def _victim(self, req: Request, n: int, done: set[str]) -> Request:
         """fcfs: the most recently admitted; otherwise preemption.choose_victim among the
         running requests not given blocks yet this step."""
         if self.policy == "fcfs":
@@ -192,7 +229,8 @@ class Scheduler:
         bs = self.kv.block_size
         need = -(-(req.num_computed_tokens + n) // bs) - held_blocks(self.kv, req.request_id)
         deficit = max(1, need - getattr(self.kv, "num_free_blocks", 0))
-        return choose_victim(req, self.running[i + 1:], self.kv, deficit, self._recompute_cost,
+        candidates = [r for r in self.running if r is not req and r.request_id not in done]
+        return choose_victim(req, candidates, self.kv, deficit, self._recompute_cost,
                              lambda r: r.session_id is not None and self._pinned(r.session_id))
 
     def _recompute_cost(self, context: int, new: int) -> float:
@@ -203,45 +241,54 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return  # before ordering: the order may probe the prefix cache
-        tiers = self.tiers
-        waiting = self.waiting
-        for req in waiting.order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+        for req in self.waiting.order():
+            if budget <= 0:
                 break
-            if self._held(req):
-                continue
-            if tiers is not None:
-                verdict = tiers.prepare(req)
-                if verdict == "wait":
-                    continue  # waits for its tier I/O; the ones behind it may go
-                if verdict == "full":
-                    break
-            hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
-            n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit)
-            if n == 0:
-                break  # no time left this step: the head keeps its place
-            if not self.kv.allocate_slots(req, n, hit, num_hit):
-                break  # the pool is full; running requests free blocks as they finish
-            waiting.remove(req)
-            req.num_computed_tokens = num_hit
-            # Hit-rate counters count a request once, at its first admission, as its usage's
-            # cached_tokens does: not the probes of a request waiting for blocks, not the
-            # re-admission of a preempted one.
-            first = req.num_cached_tokens < 0
-            tier_tokens = tiers.on_admit(req, num_hit, count=first) if tiers is not None else 0
-            if first:
-                req.num_cached_tokens = num_hit
-                req.num_tier_cached_tokens = tier_tokens
-                if self.kv.enable_caching:
-                    self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
-                    self.kv.stats.prefix_hit_tokens += num_hit
-            req.status = RequestStatus.RUNNING
-            if self.transfer is not None:
-                self.transfer.on_admit(req)
-            self.running.append(req)
-            self._add_to_batch(out, req, n)
-            plan.feats.add(num_hit, n)
-            budget -= n
+            admitted, budget = self._admit_one(out, req, budget, plan)
+            if admitted is None:
+                break
+
+    def _admit_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan
+                   ) -> tuple[bool | None, int]:
+        """Try to admit one waiting request: (True admitted / False skipped, it waits for
+        something of its own / None: stop admitting this step, budget left)."""
+        if len(self.running) >= self.max_num_seqs:
+            return None, budget
+        if self._held(req):
+            return False, budget
+        tiers = self.tiers
+        if tiers is not None:
+            verdict = tiers.prepare(req)
+            if verdict == "wait":
+                return False, budget  # waits for its tier I/O; the ones behind it may go
+            if verdict == "full":
+                return None, budget
+        hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
+        n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit)
+        if n == 0:
+            return None, budget  # no time left this step: the head keeps its place
+        if not self.kv.allocate_slots(req, n, hit, num_hit):
+            return None, budget  # the pool is full; running requests free blocks as they finish
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_hit
+        # Hit-rate counters count a request once, at its first admission, as its usage's
+        # cached_tokens does: not the probes of a request waiting for blocks, not the
+        # re-admission of a preempted one.
+        first = req.num_cached_tokens < 0
+        tier_tokens = tiers.on_admit(req, num_hit, count=first) if tiers is not None else 0
+        if first:
+            req.num_cached_tokens = num_hit
+            req.num_tier_cached_tokens = tier_tokens
+            if self.kv.enable_caching:
+                self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
+                self.kv.stats.prefix_hit_tokens += num_hit
+        req.status = RequestStatus.RUNNING
+        if self.transfer is not None:
+            self.transfer.on_admit(req)
+        self.running.append(req)
+        self._add_to_batch(out, req, n)
+        plan.feats.add(num_hit, n)
+        return True, budget - n
 
     def _uncached(self, req: Request) -> int:
         """Tokens left to compute after the request's cached prefix (a probe: no stats)."""

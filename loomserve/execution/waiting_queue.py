@@ -118,20 +118,20 @@ class WaitingQueue:
         if self.policy == "fcfs" or len(q) <= 1:
             return q
         self._orderings += 1
+        return sorted(q, key=self.key)  # stable: ties keep the queue order
+
+    def key(self, req, uncached: int | None = None) -> tuple:
+        """The policy's sort key (smaller first). uncached: the work left when the caller
+        knows it (a running request's remaining prefill); else probed. Aged requests
+        (waited max_postpone_s since they first entered the queue) sort first, oldest first."""
         now = self.clock()
-        since = self._since
-        bound = self.max_postpone_s
-
-        def aged(r) -> bool:
-            return now - since.get(r.request_id, now) >= bound
-
-        if self.policy == "priority":
-            key = lambda r: (0, since.get(r.request_id, now)) if aged(r) else (  # noqa: E731
-                1, getattr(r, "priority", 0))
-        else:
-            key = lambda r: (0, since.get(r.request_id, now)) if aged(r) else (  # noqa: E731
-                1, getattr(r, "priority", 0), not self.is_warm(r), self._uncached(r))
-        return sorted(q, key=key)  # stable: ties keep the queue order
+        since = self._since.get(req.request_id, now)
+        if now - since >= self.max_postpone_s:
+            return (0, since)
+        if self.policy != "cache_aware":
+            return (1, getattr(req, "priority", 0))
+        work = self._uncached(req) if uncached is None else uncached
+        return (1, getattr(req, "priority", 0), not self.is_warm(req), work)
 
     def _uncached(self, req) -> int:
         if self.uncached is None:

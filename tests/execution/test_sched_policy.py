@@ -186,6 +186,29 @@ def test_auto_target_is_a_multiple_of_the_decodes_and_keeps_one_block_of_prefill
     assert dict((r.request_id, n) for r, n in out.scheduled)["long"] == BS
 
 
+def test_a_warm_turn_takes_the_spare_time_before_a_running_cold_prefill():
+    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=None, cost=FakeCost())
+    runner = FakeRunner(BS)
+    sched.add(req("w0", SYSTEM + [1, 2], max_tokens=1))
+    drain(sched, runner)  # SYSTEM cached
+    for k in range(4):
+        sched.add(req(f"d{k}", 4, max_tokens=60))
+    step(sched, runner)
+    sched.add(req("cold", 200, max_tokens=1))
+    out, _ = step(sched, runner)
+    assert ("cold", 4) in [(r.request_id, n) for r, n in out.scheduled]  # running, chunked
+    sched.add(req("warm", SYSTEM + [7, 8, 9], max_tokens=1))
+    out, _ = step(sched, runner)
+    sizes = dict((r.request_id, n) for r, n in out.scheduled)
+    # warm first: 5 + 3 leaves 2 tokens of the target (10) for cold, less than a block
+    assert sizes["warm"] == 3 and sizes["cold"] == 2
+    cold = sched.requests["cold"]
+    while cold.num_computed_tokens < 200:  # still at least a block per step
+        out, _ = step(sched, runner)
+        assert dict((r.request_id, n) for r, n in out.scheduled)["cold"] >= 2
+    assert not out.preempted and sched.num_preemptions == 0
+
+
 def test_target_zero_is_the_token_budget_alone():
     sched, kv, clock = make(budget=64, target_ms=0, cost=FakeCost())
     runner = FakeRunner(BS)
