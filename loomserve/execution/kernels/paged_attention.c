@@ -11,9 +11,8 @@
  * partial (max, sum, acc). A merge pass combines the splits of a (sequence, query head), with
  * the attention sink (gpt-oss) joining the denominator there.
  *
- * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 =
- * all). Nothing else is read, so blocks outside that range may hold anything.
- * Cache dtypes: 0 = float32, 1 = bfloat16. q, out and sinks are float32.
+ * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
+ * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16; q, out and sinks float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,7 +20,6 @@
 
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 1024
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -89,59 +87,38 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
-/* One split: keys [k0, k1) of one sequence for one kv head, walked a block at a time. Writes
- * group partials of (head_dim + 2) floats each: acc[head_dim], max, sum. */
+/* One split, portable: keys [k0, k1) of one sequence for one kv head, one key at a time.
+ * Writes group partials of (head_dim + 2) floats each: acc[head_dim], max, sum. */
 static void split_attend(const float *q, const void *k_base, const void *v_base,
                          int64_t block_stride, int block_size, int kv_heads, int head_dim,
                          int group, const int32_t *table, int64_t k0, int64_t k1, int h,
                          float scale, int dtype, float *part) {
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_BLOCK], kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
-    const int stride = head_dim + 2;
+    float m[MAX_GROUP], l[MAX_GROUP], kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
     const int64_t row = (int64_t)kv_heads * head_dim;
     begin_partials(m, l, part, group, head_dim);
-    for (int64_t a = k0; a < k1;) {
-        int64_t blk = a / block_size, first = a % block_size;
-        int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
-        int64_t off0 = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
+    for (int64_t a = k0; a < k1; a++) {
+        int64_t off = table[a / block_size] * block_stride + (a % block_size) * row
+                      + (int64_t)h * head_dim;
+        const float *k = row_f32(k_base, off, dtype, head_dim, kbuf);
+        const float *v = row_f32(v_base, off, dtype, head_dim, vbuf);
         for (int g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
-            float mb = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                const float *k = row_f32(k_base, off0 + t * row, dtype, head_dim, kbuf);
-                s[t] = dot(qg, k, head_dim) * scale;
-                mb = s[t] > mb ? s[t] : mb;
-            }
-            float *acc = part + g * stride;
-            if (mb > m[g]) {  /* rescale what came before to the new max */
-                float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
+            float s = dot(q + g * head_dim, k, head_dim) * scale, *acc = part + g * (head_dim + 2);
+            if (s > m[g]) {  /* rescale what came before to the new max */
+                float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - s);
                 l[g] *= alpha;
 #pragma omp simd
                 for (int j = 0; j < head_dim; j++) acc[j] *= alpha;
-                m[g] = mb;
+                m[g] = s;
             }
-            float sum = 0.f, mg = m[g];
-#pragma omp simd reduction(+:sum)
-            for (int t = 0; t < n; t++) {
-                s[t] = exp_neg(s[t] - mg);
-                sum += s[t];
-            }
-            l[g] += sum;
-            if (dtype == 1) {
-                for (int t = 0; t < n; t++) s[t] = round_bf16(s[t]);
-            }
-            for (int t = 0; t < n; t++) {
-                const float *v = row_f32(v_base, off0 + t * row, dtype, head_dim, vbuf);
-                float p = s[t];
+            float p = exp_neg(s - m[g]);
+            l[g] += p;
+            p = dtype == 1 ? round_bf16(p) : p;
 #pragma omp simd
-                for (int j = 0; j < head_dim; j++) acc[j] += p * v[j];
-            }
+            for (int j = 0; j < head_dim; j++) acc[j] += p * v[j];
         }
-        a += n;
     }
     end_partials(m, l, part, group, head_dim);
 }
-
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -185,86 +162,31 @@ static inline __m256 exp_neg8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* split_attend for head_dim a multiple of 8: keys eight at a time, scores of the eight
- * reduced together, probabilities through a vector exp, V accumulated row by row. */
-static inline __attribute__((always_inline)) void split_attend_avx2(
-        const float *q, const void *k_base, const void *v_base, int64_t block_stride,
-        int block_size, int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0,
-        int64_t k1, int h, float scale, int dtype, float *part) {
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float kbuf[8 * MAX_HEAD_DIM], vbuf[8 * MAX_HEAD_DIM];
-    const float *kr[8], *vr[8];
-    const int stride = head_dim + 2;
-    const int64_t row = (int64_t)kv_heads * head_dim;
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    begin_partials(m, l, part, group, head_dim);
-    for (int64_t a = k0; a < k1;) {
-        int64_t blk = a / block_size, first = a % block_size;
-        int n = (int)((k1 - a < block_size - first) ? k1 - a : block_size - first);
-        int64_t off0 = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
-        for (int t0 = 0; t0 < n; t0 += 8) {
-            int c = n - t0 < 8 ? n - t0 : 8;
-            for (int t = 0; t < 8; t++) {
-                int64_t off = off0 + (int64_t)(t0 + (t < c ? t : 0)) * row;
-                kr[t] = row_f32(k_base, off, dtype, head_dim, kbuf + t * head_dim);
-                vr[t] = row_f32(v_base, off, dtype, head_dim, vbuf + t * head_dim);
-            }
-            __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)c), _CMP_LT_OQ);
-            for (int g = 0; g < group; g++) {
-                const float *qg = q + g * head_dim;
-                __m256 dots[8];
-                for (int t = 0; t < 8; t++) dots[t] = _mm256_setzero_ps();
-                for (int j = 0; j < head_dim; j += 8) {
-                    __m256 qv = _mm256_loadu_ps(qg + j);
-                    for (int t = 0; t < 8; t++)
-                        dots[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + j), dots[t]);
-                }
-                __m256 sc = _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(scale));
-                sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, live);
-                float mb = hmax8(sc);
-                float *acc = part + g * stride;
-                if (mb > m[g]) {
-                    float alpha = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
-                    __m256 av = _mm256_set1_ps(alpha);
-                    l[g] *= alpha;
-                    for (int j = 0; j < head_dim; j += 8)
-                        _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), av));
-                    m[g] = mb;
-                }
-                __m256 p = _mm256_and_ps(exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(m[g]))), live);
-                l[g] += hsum8(p);
-                float pf[8];
-                _mm256_storeu_ps(pf, p);
-                if (dtype == 1) {
-                    for (int t = 0; t < 8; t++) pf[t] = round_bf16(pf[t]);
-                }
-                __m256 pb[8];
-                for (int t = 0; t < 8; t++) pb[t] = _mm256_set1_ps(pf[t]);  /* 0 past c */
-                for (int j = 0; j < head_dim; j += 8) {
-                    __m256 o = _mm256_loadu_ps(acc + j);
-                    for (int t = 0; t < 8; t++)
-                        o = _mm256_fmadd_ps(pb[t], _mm256_loadu_ps(vr[t] + j), o);
-                    _mm256_storeu_ps(acc + j, o);
-                }
-            }
-        }
-        a += n;
+/* The split in chunks of CHUNK keys: for each query head, all the chunk's scores first
+ * (independent 8-key groups), one exp pass, then V accumulated in registers. Longer
+ * independent work than a per-8-key score -> max -> exp -> accumulate chain, which left the
+ * core waiting on latencies. K and V rows of a chunk (CHUNK x head_dim) stay in L1/L2 across
+ * the query heads; fp32 rows are read where they lie, bf16 rows widened once per chunk. */
+#define CHUNK 128
+
+/* n bf16 values -> fp32 (exact: a bf16 is the top half of an fp32). */
+static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+        _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
     }
-    end_partials(m, l, part, group, head_dim);
+    for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
 }
 
-/* The fp32 split in chunks of CHUNK keys: for each query head, all the chunk's scores first
- * (independent 8-key groups), one exp pass, then V accumulated with four independent chains
- * per 8 lanes. Longer independent work than the 8-key loop, whose score -> max -> exp ->
- * accumulate chain per group left the core waiting on latencies. K and V rows of a chunk
- * (CHUNK x head_dim floats each) stay in L1/L2 across the query heads. */
-#define CHUNK 128
 static inline __attribute__((always_inline)) void split_attend_chunked(
-        const float *q, const float *kf, const float *vf, int64_t block_stride, int block_size,
+        const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
-        int h, float scale, float *part) {
+        int h, float scale, int dtype, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP];
     float sbuf[CHUNK];
+    float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
+    const float *kf = (const float *)kb, *vf = (const float *)vb;
     const float *kr[CHUNK], *vr[CHUNK];
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
@@ -279,8 +201,16 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
             if (cnt > CHUNK - n) cnt = CHUNK - n;
             int64_t base = table[blk] * block_stride + first * row + (int64_t)h * head_dim;
             for (int t = 0; t < cnt; t++) {
-                kr[n + t] = kf + base + t * row;
-                vr[n + t] = vf + base + t * row;
+                if (dtype) {
+                    float *kd = kw + (n + t) * head_dim, *vd = vw + (n + t) * head_dim;
+                    widen_bf16((const uint16_t *)kb + base + t * row, kd, head_dim);
+                    widen_bf16((const uint16_t *)vb + base + t * row, vd, head_dim);
+                    kr[n + t] = kd;
+                    vr[n + t] = vd;
+                } else {
+                    kr[n + t] = kf + base + t * row;
+                    vr[n + t] = vf + base + t * row;
+                }
             }
             n += (int)cnt;
             a += cnt;
@@ -322,6 +252,9 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
                 sum = _mm256_add_ps(sum, p);
             }
             l[g] += hsum8(sum);
+            if (dtype) {  /* probabilities rounded to bf16, as torch's bf16 kernels weight V */
+                for (int t = 0; t < n; t++) sbuf[t] = round_bf16(sbuf[t]);
+            }
             /* acc in registers over the chunk, up to 64 lanes at a time: per key one
              * broadcast and head_dim / 8 FMAs. */
             for (int jb = 0; jb < head_dim; jb += 64) {
@@ -341,51 +274,26 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     end_partials(m, l, part, group, head_dim);
 }
 
-/* Copies of split_attend_avx2 with head_dim a constant, so its loops unroll fully. */
-#define SPECIALIZED(D)                                                                        \
-    static void split_attend_avx2_##D(const float *q, const void *kb, const void *vb,         \
-                                      int64_t bstride, int bsize, int kvh, int group,          \
-                                      const int32_t *table, int64_t k0, int64_t k1, int h,     \
-                                      float scale, int dtype, float *part) {                   \
-        split_attend_avx2(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, h, scale,  \
-                          dtype, part);                                                        \
-    }
-SPECIALIZED(32)
-SPECIALIZED(64)
-SPECIALIZED(128)
-
+/* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully. */
 #define CHUNKED(D)                                                                            \
     static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
                                          int64_t bstride, int bsize, int kvh, int group,       \
                                          const int32_t *table, int64_t k0, int64_t k1, int h,  \
-                                         float scale, float *part) {                           \
-        split_attend_chunked(q, (const float *)kb, (const float *)vb, bstride, bsize, kvh, D,   \
-                             group, table, k0, k1, h, scale, part);                            \
+                                         float scale, int dtype, float *part) {                \
+        split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, h, scale, \
+                             dtype, part);                                                     \
     }
-CHUNKED(32)
-CHUNKED(64)
-CHUNKED(128)
+CHUNKED(32) CHUNKED(64) CHUNKED(128)
 
 static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
                                   int bsize, int kvh, int head_dim, int group,
                                   const int32_t *table, int64_t k0, int64_t k1, int h, float scale,
                                   int dtype, float *part) {
-    if (dtype == 0) {  /* fp32: the chunked split */
-        switch (head_dim) {
-        case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
-        case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
-        case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, part); return;
-        default:
-            split_attend_chunked(q, (const float *)kb, (const float *)vb, bstride, bsize, kvh, head_dim,
-                                 group, table, k0, k1, h, scale, part);
-            return;
-        }
-    }
     switch (head_dim) {
-    case 32: split_attend_avx2_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    case 64: split_attend_avx2_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    case 128: split_attend_avx2_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    default: split_attend_avx2(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, h, scale, dtype, part);
+    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, h, scale, dtype, part);
     }
 }
 #endif
@@ -468,8 +376,8 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
                  const float *sinks, float scale, float *out, float *scratch, int max_splits,
                  int split_tokens, int dtype, int nthreads) {
     const int group = heads / kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK
-        || group * kv_heads != heads) return -1;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * kv_heads != heads)
+        return -1;
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,
                       scale, out, scratch};
