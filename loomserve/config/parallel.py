@@ -1,5 +1,12 @@
-"""How the engine spreads over devices and processes. One device, one rank so far: the fields
-exist so that the CLI, the config and the executor seam have their place when workers arrive."""
+"""How the engine spreads over devices and processes.
+
+tensor_parallel_size ranks run one model together (every rank holds 1/N of the weights and of
+the KV heads; see loomserve.execution.parallel). The ranks meet at a torch.distributed
+rendezvous: master_addr:master_port (port 0 = a free port, single node only). With nnodes > 1
+the ranks are split evenly over the nodes; node 0 runs the engine core (rank 0, the driver),
+every other node runs `loomserve serve --node-rank K` as headless workers.
+Data parallelism is not built yet and is refused with a clear message.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +17,38 @@ from dataclasses import dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
             n = getattr(self, name)
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
-            if n > 1:
-                raise ValueError(f"{name}={n}: only one device per engine is supported so far")
+        if self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size}: data parallelism is "
+                             "not supported yet (use --tensor-parallel-size)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks do not split evenly over "
+                             f"{self.nnodes} nodes")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("--master-port is required with --nnodes > 1")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} is not a port")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self) -> range:
+        """The global ranks this node runs (rank 0 is the engine core's own process)."""
+        n = self.ranks_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)

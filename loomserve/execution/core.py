@@ -19,7 +19,7 @@ import msgspec
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelOutput
-from loomserve.execution.executor import Executor, UniProcExecutor
+from loomserve.execution.executor import Executor, make_executor
 from loomserve.execution.messages import (
     REJECTED,
     CoreOutput,
@@ -126,7 +126,7 @@ def step_cost_model(runner: ModelRunner) -> StepCostModel:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.executor = executor or UniProcExecutor(config)
+        self.executor = executor or make_executor(config)
         self.runner = self.executor.driver_runner
         self.kv = KVCacheManager(self.runner.kv_cache_config,
                                  enable_caching=config.cache.enable_prefix_caching,

@@ -4,10 +4,14 @@ One worker per rank, each owning a ModelRunner (model weights, its shard of the 
 buffer, the sampler). Today there is one rank in the core's own process (UniProcExecutor); the
 seam is here so that multi-process workers (tensor, data, expert parallelism) plug in behind
 the same three calls without the engine core changing. Invariant: execute_model returns the
-sampled tokens of the driver rank (rank 0), the same on every rank.
+sampled tokens of the driver rank (rank 0), the same on every rank. make_executor picks:
+one rank -> UniProcExecutor (no step message, no collective: today's path, as fast as before);
+more -> MultiprocExecutor (loomserve.execution.parallel.multiproc_executor).
 """
 
 from __future__ import annotations
+
+import os
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
@@ -49,3 +53,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
         return self.worker.execute_model(model_input)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor for the config's world size (LOOMSERVE_EXECUTOR=mp forces the multi-process
+    one at one rank, for measuring its overhead)."""
+    if config.parallel.world_size == 1 and os.environ.get("LOOMSERVE_EXECUTOR") != "mp":
+        return UniProcExecutor(config)
+    from loomserve.execution.parallel.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor(config)

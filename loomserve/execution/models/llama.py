@@ -140,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
         # Llama's own layers hand the residual stream on (DecoderLayer.forward_residual); other
         # families built on this class (gpt-oss) keep x = layer(x).
         self.carries_residual = all(hasattr(layer, "forward_residual") for layer in self.model.layers)
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
 
     def _build_model(self, cfg: ArchConfig) -> nn.Module:
         return LlamaModel(cfg)
@@ -185,7 +186,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
+        logits = lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
+        if self.tp is None:
+            return logits
+        # one rank's vocabulary slice: joined on rank 0, the sampler's
+        from loomserve.execution.layers.parallel_linear import gather_logits
+        return gather_logits(logits, self.model.embed_tokens.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; every parameter must be covered exactly once."""

@@ -20,6 +20,13 @@ from loomserve.execution.models.gguf_loader import cached_conversion
 from loomserve.execution.models.gguf_quant import quantize_from_gguf
 from loomserve.execution.models.registry import resolve
 from loomserve.execution.models.weight_layout import optimize_cpu_layout
+from loomserve.execution.parallel.state import get_tp
+from loomserve.execution.parallel.tensor_parallel import (
+    check_supported,
+    parallelize,
+    shard_config,
+    shard_weights,
+)
 
 
 @dataclass
@@ -64,11 +71,19 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
     folder, name = resolve_model(path, cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
         model_cls, cfg = resolve(json.load(f))
+    weights = _iter_safetensors(folder)
+    tp = get_tp()
     # Build on the meta device: no time spent initializing weights that are overwritten next.
     with torch.device("meta"):
-        model = model_cls(cfg)
+        if tp is None:
+            model = model_cls(cfg)
+        else:  # one rank's slice of the model (loomserve.execution.parallel.tensor_parallel)
+            check_supported(model_cls, cfg, tp, quantization)
+            model = model_cls(shard_config(cfg, tp))
+            parallelize(model, cfg, tp)
+            weights = shard_weights(weights, cfg, tp)
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(_iter_safetensors(folder))
+    model.load_weights(weights)
     if quantization == "gguf":
         quantize_from_gguf(model, gguf_path)
     elif quantization in ("int8", "int4"):

@@ -1,0 +1,127 @@
+"""MultiprocExecutor: the engine core's process is rank 0 (the driver); ranks 1.. are worker
+processes (worker_proc.py), one per rank.
+
+Per step: the driver encodes the step message (step_message.py) and broadcasts it, then every
+rank runs the forward pass together (the model's all-reduces and the logit gather), and rank 0
+samples; its ModelOutput is the step's. Failure is loud, never a hang: before each step the
+driver checks its workers (a dead one raises WorkerDied, which the core loop reports as
+CoreDead), and a worker dying mid-step closes its sockets, which fails the driver's collective
+at once (a stuck one fails it after LOOMSERVE_COLLECTIVE_TIMEOUT_S). Workers die with the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelInput, ModelOutput
+from loomserve.execution.executor import Executor, Worker
+from loomserve.execution.parallel.state import destroy_distributed, free_port, init_distributed
+from loomserve.execution.parallel.step_message import (
+    BlockSyncSender,
+    StepMessage,
+    broadcast_step,
+    encode,
+)
+from loomserve.execution.parallel.worker_proc import WorkerSpec, agree_on_kv_plan
+
+log = logging.getLogger("loomserve.execution")
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def spawn_workers(config: EngineConfig, ranks: list[int], addr: str, port: int
+                  ) -> list[subprocess.Popen]:
+    """One `python -m ...worker_proc` per rank (subprocess, not multiprocessing: the core
+    process is a daemonic multiprocessing child, which may not have multiprocessing children)."""
+    procs = []
+    for rank in ranks:
+        p = subprocess.Popen([sys.executable, "-m", "loomserve.execution.parallel.worker_proc"],
+                             stdin=subprocess.PIPE, env=os.environ.copy())
+        spec = WorkerSpec(config, rank, config.parallel.world_size, addr, port, os.getpid())
+        p.stdin.write(pickle.dumps(spec))
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel
+        if pc.world_size > 1 and config.tier.enabled:
+            raise NotImplementedError("KV tiers with --tensor-parallel-size > 1 are not supported "
+                                      "yet (a tier would hold rank 0's KV heads only)")
+        self.world_size = pc.world_size
+        addr = pc.master_addr
+        port = pc.master_port or free_port(addr)
+        self.procs = spawn_workers(config, [r for r in pc.node_ranks() if r != 0], addr, port)
+        self.tp = None
+        try:
+            if self.world_size > 1:
+                self.tp = init_distributed(0, self.world_size, addr, port,
+                                           config.model.torch_device)
+            self.worker = Worker(config)
+            self.driver_runner = self.worker.runner
+            if self.tp is not None:
+                agree_on_kv_plan(self.driver_runner, self.tp)
+        except BaseException:
+            self._stop_workers(0.0)
+            destroy_distributed()
+            raise
+        self.blocks = BlockSyncSender()
+        self.bytes_sent = 0  # step-message bytes so far (benchmarks/executor_overhead.py)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def execute_model(self, model_input: ModelInput) -> ModelOutput:
+        self._check_workers()
+        payload = encode(self.blocks.message(model_input))
+        self.bytes_sent += len(payload)
+        try:
+            if self.tp is not None:
+                broadcast_step(payload, self.tp.step_group)
+            return self.worker.execute_model(model_input)
+        except RuntimeError as e:  # a collective failed: name the dead rank when there is one
+            self._check_workers()
+            raise WorkerDied(f"a collective failed: {e}") from e
+
+    def _check_workers(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise WorkerDied(f"tensor-parallel worker rank {rank} (pid {p.pid}) died "
+                                 f"({how})")
+
+    def shutdown(self) -> None:
+        if self.tp is not None and all(p.poll() is None for p in self.procs):
+            try:
+                broadcast_step(encode(StepMessage([], [], shutdown=True)), self.tp.step_group)
+            except RuntimeError:
+                log.warning("could not tell the workers to stop; killing them")
+        self._stop_workers(5.0)
+        self.tp = None
+        destroy_distributed()
+
+    def _stop_workers(self, grace_s: float) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node other than node 0: run this node's ranks as workers until they exit."""
+    pc = config.parallel
+    procs = spawn_workers(config, list(pc.node_ranks()), pc.master_addr, pc.master_port)
+    return max(p.wait() for p in procs)

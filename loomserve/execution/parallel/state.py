@@ -1,0 +1,88 @@
+"""Process groups of this process's rank: the world, the tensor-parallel group, the step group.
+
+gloo on CPU and NCCL on CUDA for the model's collectives (all-reduce, logit gather); the step
+message always travels over a gloo group (it is host bytes, and a worker waits for it for as
+long as the engine is idle, so that group's timeout is long while the model group's is short:
+a rank that stops answering mid-step fails the step within COLLECTIVE_TIMEOUT_S, never hangs).
+A peer process that dies closes its sockets, which gloo reports at once as an error.
+Module state: one TPGroup per process (a process is one rank), None until init_distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("LOOMSERVE_COLLECTIVE_TIMEOUT_S", "60"))
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # how long a worker may wait for the next step
+
+
+@dataclass
+class TPGroup:
+    """This rank's place in the tensor-parallel group. Invariant: rank 0 is the driver."""
+
+    rank: int
+    size: int
+    group: object  # the model group (gloo or NCCL)
+    step_group: object  # gloo, for the step message
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x (same shape) on rank 0, in rank order; None elsewhere."""
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(x, out, dst=0, group=self.group)
+        return out
+
+
+_TP: TPGroup | None = None
+
+
+def get_tp() -> TPGroup | None:
+    """The tensor-parallel group, or None on a single rank (no collective ever runs then)."""
+    return _TP
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     device: torch.device) -> TPGroup:
+    """Join the rendezvous (blocks until every rank arrived, at most COLLECTIVE_TIMEOUT_S)."""
+    global _TP
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    step_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+    _TP = TPGroup(rank, world_size, dist.group.WORLD, step_group)
+    return _TP
+
+
+def destroy_distributed() -> None:
+    global _TP
+    _TP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

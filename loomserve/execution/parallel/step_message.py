@@ -1,0 +1,119 @@
+"""The step message: what a worker rank needs of a step's ModelInput, sent once per step.
+
+Compact by construction: msgpack of array-like structs (no field names), only the fields a
+non-driver rank uses (it runs the forward pass; rank 0 alone samples, so sampling parameters,
+histories and grammar bitmasks stay on rank 0), and block tables as diffs. A request's block
+table for a KV group only grows while its list object lives (the scheduler's invariant, see
+batch.ScheduledSeq); the driver sends the ids appended since the last step, or the whole list
+with its `reset` bit when the list object changed (a preempted and readmitted request) or the
+worker cannot have it. Driver (BlockSyncSender) and worker (BlockSyncReceiver) apply the same
+forgetting rule to the same message sequence, so they always know the same requests.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from loomserve.execution.batch import ModelInput, ScheduledSeq
+
+
+class SeqStep(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+    reset: int  # bit g set: blocks[g] is group g's whole table, not an append
+    blocks: list[list[int]]  # per KV group: ids to append (or the whole table, see reset)
+
+
+class StepMessage(msgspec.Struct, array_like=True, gc=False):
+    seqs: list[SeqStep]
+    finished: list[str]
+    shutdown: bool = False
+
+
+def _forget(known: dict, finished: list[str], current: list[str]) -> None:
+    """The rule both sides apply before a step's seqs: drop finished requests, and bound what
+    aborted requests leave behind (the runner's own BlockTables rule)."""
+    for rid in finished:
+        known.pop(rid, None)
+    if len(known) > 4 * max(64, len(current)):
+        keep = set(current)
+        for rid in [r for r in known if r not in keep]:
+            del known[rid]
+
+
+class BlockSyncSender:
+    """Driver side: ModelInput -> StepMessage, remembering what each worker already holds."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[tuple[list[int], int]]] = {}  # rid -> per group (list, length)
+
+    def message(self, inp: ModelInput) -> StepMessage:
+        _forget(self.sent, inp.finished_request_ids, [s.request_id for s in inp.seqs])
+        return StepMessage([self._seq(s) for s in inp.seqs], list(inp.finished_request_ids))
+
+    def _seq(self, s: ScheduledSeq) -> SeqStep:
+        prev = self.sent.get(s.request_id)
+        reset, blocks, now = 0, [], []
+        for g, ids in enumerate(s.block_ids):
+            n = len(ids)
+            if prev is None or g >= len(prev) or prev[g][0] is not ids or prev[g][1] > n:
+                reset |= 1 << g
+                blocks.append(list(ids))
+            else:
+                blocks.append(ids[prev[g][1]:])
+            now.append((ids, n))
+        self.sent[s.request_id] = now
+        return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks)
+
+
+class BlockSyncReceiver:
+    """Worker side: StepMessage -> ModelInput with block lists of its own that only grow
+    (so the runner's incremental BlockTables see stable list objects)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[list[int]]] = {}
+
+    def model_input(self, msg: StepMessage) -> ModelInput:
+        _forget(self.tables, msg.finished, [s.request_id for s in msg.seqs])
+        return ModelInput([self._seq(s) for s in msg.seqs], msg.finished)
+
+    def _seq(self, s: SeqStep) -> ScheduledSeq:
+        have = self.tables.get(s.request_id)
+        out = []
+        for g, ids in enumerate(s.blocks):
+            if s.reset >> g & 1 or have is None or g >= len(have):
+                out.append(list(ids))
+            else:
+                have[g].extend(ids)
+                out.append(have[g])
+        self.tables[s.request_id] = out
+        return ScheduledSeq(s.request_id, s.token_ids, s.start_pos, out, s.sample, None)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode(msg: StepMessage) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data) -> StepMessage:
+    return _DECODER.decode(data)
+
+
+def broadcast_step(payload: bytes | None, group) -> StepMessage:
+    """Rank 0 passes the encoded message and gets None; the other ranks pass None and get it.
+    Two gloo broadcasts: the length, then the bytes."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if payload is not None:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return decode(buf.numpy()) if payload is None else None

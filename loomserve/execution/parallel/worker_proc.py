@@ -1,0 +1,87 @@
+"""A worker process: one rank > 0, owning its ModelRunner (its weight and KV-head slices).
+
+Started by the driver (MultiprocExecutor, in the engine core's process) or by a headless node
+as `python -m loomserve.execution.parallel.worker_proc`, its WorkerSpec pickled on stdin (once,
+at start: the per-step traffic is the step message). It joins the rendezvous, builds its
+runner, agrees with the others on the KV plan, then runs the forward pass of every step the
+driver broadcasts until a shutdown message. It never samples (rank 0 does). It dies with its
+parent (PR_SET_PDEATHSIG) and exits 1 on any error, e.g. when the driver's sockets close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from loomserve.config import EngineConfig
+
+log = logging.getLogger("loomserve.execution.worker")
+
+
+@dataclass
+class WorkerSpec:
+    config: EngineConfig
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    parent_pid: int
+
+
+def agree_on_kv_plan(runner, tp) -> None:
+    """Every rank must plan the same number of blocks (the driver's ids index every pool)."""
+    mine = torch.tensor([runner.kv_cache_config.num_blocks], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(tp.size)]
+    torch.distributed.all_gather(every, mine, group=tp.step_group)
+    counts = [int(t.item()) for t in every]
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"ranks planned different KV block counts {counts}: give every rank "
+                           "the same --kv-cache-memory")
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    from loomserve.execution.model_runner import ModelRunner
+    from loomserve.execution.parallel.state import destroy_distributed, init_distributed
+    from loomserve.execution.parallel.step_message import BlockSyncReceiver, broadcast_step
+
+    config = spec.config
+    tp = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
+                          config.model.torch_device)
+    try:
+        runner = ModelRunner(config)
+        agree_on_kv_plan(runner, tp)
+        blocks = BlockSyncReceiver()
+        while True:
+            msg = broadcast_step(None, tp.step_group)
+            if msg.shutdown:
+                return 0
+            runner.compute_logits(blocks.model_input(msg))
+    finally:
+        destroy_distributed()
+
+
+def main() -> None:
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    from loomserve.execution.core_proc import die_with_parent
+    die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=os.environ.get("LOOMSERVE_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    try:
+        code = run_worker(spec)
+    except BaseException:  # noqa: BLE001 - logged, then a nonzero exit the driver notices
+        log.error("worker rank %d failed\n%s", spec.rank, traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown: no lingering gloo threads
+
+
+if __name__ == "__main__":
+    main()
