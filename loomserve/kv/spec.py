@@ -57,6 +57,29 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek V2/V3): per token and layer ONE compressed row shared
+    by every head, c_kv (kv_lora_rank) then k_pe (qk_rope_head_dim); no V. Build it with
+    `for_latent`.
+
+    Full attention to every manager (kind "full_attention": same hashing, eviction, prefix hits
+    and tiers; pages are opaque bytes to them). The layout stays the full-attention one with one
+    head of half the row width, [2, block_size, 1, ceil(latent_dim / 2)] per layer, so a page
+    region sized for K and V holds exactly one latent row per token, and the model reads each
+    layer's region whole as [block_size, latent_dim] (rounded up to even)."""
+
+    latent_dim: int = 0
+
+    @classmethod
+    def for_latent(cls, block_size: int, latent_dim: int, dtype: torch.dtype) -> "MLAAttentionSpec":
+        return cls(block_size, 1, (latent_dim + 1) // 2, dtype, latent_dim)
+
+    def bytes_per_block_per_layer(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * 2 * self.head_dim * elem  # one latent row per token, K only
+
+
+@dataclass(frozen=True)
 class LinearStateSpec(KVCacheSpec):
     """A fixed-size recurrent state per request (Gated DeltaNet, Mamba2): conv + recurrent tensors.
 

@@ -55,6 +55,7 @@ ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "loomserve.execution.models.gpt_oss:GptOssForCausalLM",
     "Qwen3NextForCausalLM": "loomserve.execution.models.qwen3_next:Qwen3NextForCausalLM",
     "NemotronHForCausalLM": "loomserve.execution.models.nemotron_h:NemotronHForCausalLM",
+    "DeepseekV3ForCausalLM": "loomserve.execution.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 # Config classes of models that do not name one as `config_class` (default: ArchConfig).
 CONFIGS: dict[str, str] = {
@@ -66,6 +67,7 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

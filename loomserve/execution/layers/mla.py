@@ -1,0 +1,191 @@
+"""Multi-head latent attention (DeepSeek V2/V3, Kimi K2) over a paged cache of latent rows.
+
+Per token the layer keeps ONE row shared by every head: c_kv (kv_lora_rank, after
+kv_a_layernorm) then k_pe (qk_rope_head_dim, rotated). Per head, keys and values are linear in
+c_kv: k_nope_h = W_UK_h c_kv, v_h = W_UV_h c_kv (the rows of kv_b_proj), so
+    score_h(t) = q_nope_h . W_UK_h c_kv(t) + q_pe_h . k_pe(t) = (W_UK_h^T q_nope_h) . c_kv(t) + ...
+    out_h      = W_UV_h sum_t p_h(t) c_kv(t)
+- decode (absorbed): the query moves into latent space once per token (q_lat = W_UK^T q_nope),
+  scores and the weighted sum run over the latent rows themselves, and W_UV maps the result
+  back: the cache is read once for all heads, never expanded.
+- prefill (decompressed): a chunk's context rows go through kv_b_proj into per-head k_nope and v
+  (compute-bound work, where the MHA form is cheaper than the absorbed one for long chunks).
+RoPE turns the last qk_rope_head_dim dims of q and k only. DeepSeek checkpoints lay those dims
+out in interleaved pairs (x0, x1), (x2, x3), ...; `deinterleave_rope_rows` reorders the
+producing weight rows at load to [evens | odds], after which the usual rotate-half RoPE gives
+exactly transformers' interleaved rotation (and q.k is unchanged: both sides move alike).
+Softmax scale: qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loomserve.execution.layers.attention import AttentionMetadata
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.layers.rotary import apply_rope
+
+
+def yarn_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
+    """transformers' yarn_apply_mscale: YaRN with mscale_all_dim also sharpens the softmax."""
+    scale = qk_head_dim ** -0.5
+    s = rope_scaling or {}
+    m_all, factor = s.get("mscale_all_dim"), float(s.get("factor", 1.0))
+    if s and m_all and factor > 1:
+        m = 0.1 * float(m_all) * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def deinterleave_rope_rows(t: torch.Tensor, rows_per_head: int, rope_start: int, rope_dim: int) -> torch.Tensor:
+    """t: [heads * rows_per_head, ...] output rows of a projection; within each head, rows
+    rope_start .. rope_start + rope_dim go from pair-interleaved to [evens | odds]."""
+    perm = torch.arange(t.shape[0]).view(-1, rows_per_head)
+    rope = perm[:, rope_start:rope_start + rope_dim]
+    perm[:, rope_start:rope_start + rope_dim] = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+    return t[perm.reshape(-1)]
+
+
+def latent_view(k_view: torch.Tensor, width: int) -> torch.Tensor:
+    """The runner binds a full-attention page region as K and V halves ([blocks, block_size, 1,
+    w/2] each, V right after K); MLA reads the same region whole as [blocks, block_size, w]."""
+    blocks, block_size = k_view.shape[:2]
+    return torch.as_strided(k_view, (blocks, block_size, width), (k_view.stride(0), width, 1))
+
+
+class LatentUpProjection(nn.Module):
+    """kv_b_proj: c_kv -> per head [k_nope | v]. Not an nn.Linear on purpose: the absorbed decode
+    reads its weight per head, so CPU layouts that repack linears must leave it plain."""
+
+    def __init__(self, rank: int, heads: int, nope: int, v: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads * (nope + v), rank))
+        self.heads, self.nope, self.v = heads, nope, v
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, rank] -> (k_nope [n, heads, nope], v [n, heads, v])."""
+        kv = F.linear(c, self.weight).view(c.shape[0], self.heads, self.nope + self.v)
+        return kv.split([self.nope, self.v], dim=-1)
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [heads, nope, rank], W_UV [heads, v, rank])."""
+        w = self.weight.view(self.heads, self.nope + self.v, -1)
+        return w[:, :self.nope], w[:, self.nope:]
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 nope: int, rope: int, v_head_dim: int, bias: bool, scale: float) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim, self.rank = heads, nope, rope, v_head_dim, kv_lora_rank
+        self.qk_dim, self.latent_dim, self.scale = nope + rope, kv_lora_rank + rope, scale
+        if q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)  # transformers: default eps, not the config's
+            self.q_b_proj = nn.Linear(q_lora_rank, heads * self.qk_dim, bias=False)
+            self.q_proj = None
+        else:
+            self.q_proj = nn.Linear(hidden, heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        self.kv_b_proj = LatentUpProjection(kv_lora_rank, heads, nope, v_head_dim)
+        self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=bias)
+        self.latent_cache: torch.Tensor | None = None  # [blocks, block_size, >= latent_dim]
+        self._k_view: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None  # the runner's V half: part of latent_cache
+
+    @property
+    def k_cache(self) -> torch.Tensor | None:
+        return self._k_view
+
+    @k_cache.setter
+    def k_cache(self, view: torch.Tensor | None) -> None:
+        """Bound by the runner (an MLAAttentionSpec page region's K half); see latent_view."""
+        self._k_view = view
+        self.latent_cache = None if view is None else latent_view(view, 2 * view.shape[-1])
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int],
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(n, self.heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        ckv = self.kv_a_layernorm(ckv)
+        cos, sin, half = rope
+        q_pe = apply_rope(q_pe, cos, sin, half)
+        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
+        latent = torch.cat([ckv, k_pe], dim=-1)
+        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = latent
+        out = x.new_empty(n, self.heads, self.v_dim)
+        d = meta.num_decode
+        if d:
+            out[:d] = self._decode(q_nope[:d], q_pe[:d], meta)
+        for c in meta.prefills:
+            out[c.start:c.end] = self._prefill(q_nope[c.start:c.end], q_pe[c.start:c.end],
+                                               latent[c.start:c.end], c, meta)
+        return self.o_proj(out.view(n, self.heads * self.v_dim))
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Absorbed: [decodes, heads, v_dim] from the latent rows, never expanded per head."""
+        tables, valid = decode_inputs(meta)
+        d = q_nope.shape[0]
+        rows = self.latent_cache.index_select(0, tables.view(-1))
+        rows = rows.view(d, -1, rows.shape[-1])[..., :self.latent_dim]  # [d, keys, latent]
+        ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
+        w_uk, w_uv = self.kv_b_proj.absorbed()
+        q_lat = torch.einsum("dhn,hnr->dhr", q_nope, w_uk)
+        scores = torch.matmul(q_lat, ckv.transpose(1, 2)) + torch.matmul(q_pe, k_pe.transpose(1, 2))
+        scores = (scores * self.scale).float().masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(ckv.dtype)
+        out_lat = torch.matmul(probs, ckv)  # [d, heads, rank]
+        return torch.einsum("dhr,hvr->dhv", out_lat, w_uv)
+
+    def _prefill(self, q_nope, q_pe, fresh: torch.Tensor, c, meta: AttentionMetadata) -> torch.Tensor:
+        """Decompressed: the chunk's context rows (its own, or gathered from the pages when it
+        continues a cached prefix) become per-head K and V; [n, heads, v_dim]."""
+        n = c.end - c.start
+        if c.start_pos == 0:
+            rows = fresh
+        else:
+            ctx = c.start_pos + n
+            table = torch.from_numpy(c.table[:(ctx + meta.block_size - 1) // meta.block_size]).long()
+            rows = self.latent_cache.index_select(0, table.to(fresh.device)).flatten(0, 1)[:ctx, :self.latent_dim]
+        ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(ckv)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = None
+        if c.start_pos:
+            q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
+            mask = torch.arange(rows.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return o.transpose(0, 1)
+
+
+def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded block tables [decodes, width] and the valid-key mask [decodes, width * block_size],
+    built once per step for every MLA layer. Padding repeats a seq's last block (finite data)."""
+    got = meta.derived.get("mla_decode")
+    if got is not None:
+        return got
+    if meta.sliding_window is not None:
+        raise ValueError("multi-head latent attention has no sliding-window variant")
+    bs = meta.block_size
+    lens = meta.decode_lens.astype(np.int64)
+    lasts = (lens - 1) // bs
+    width = int(lasts.max()) + 1
+    cols = np.minimum(np.arange(width)[None, :], lasts[:, None])
+    tables = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
+    valid = torch.arange(width * bs)[None, :] < torch.from_numpy(lens)[:, None]
+    got = (torch.from_numpy(tables).to(meta.device), valid.to(meta.device))
+    meta.derived["mla_decode"] = got
+    return got
