@@ -124,6 +124,7 @@ def _add_serve(sub) -> None:
     t.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
                    help="most requests with a tier lookup or load in flight "
                         "(default: %(default)s)")
+    _add_parallel(p)
     a = p.add_argument_group("admission and access")
     a.add_argument("--max-waiting-requests", type=int, default=_DEFAULTS["max_waiting_requests"],
                    help="most requests waiting for admission; more get HTTP 429 with "
@@ -183,6 +184,26 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_serve)
 
 
+def _add_parallel(p) -> None:
+    g = p.add_argument_group("parallelism", "ranks over devices, processes and nodes")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=_DEFAULTS["tensor_parallel_size"], metavar="N",
+                   help="ranks that run the model together, each with 1/N of the weights and KV "
+                        "heads; --kv-cache-memory is per rank (default: %(default)s)")
+    g.add_argument("--data-parallel-size", type=int, default=_DEFAULTS["data_parallel_size"],
+                   metavar="N", help="not supported yet; must be 1")
+    g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
+                   help="nodes the ranks are spread over (default: %(default)s)")
+    g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],
+                   help="this node's index; node 0 serves HTTP, the others run workers only "
+                        "(default: %(default)s)")
+    g.add_argument("--master-addr", default=_DEFAULTS["master_addr"],
+                   help="address of node 0 for the rendezvous (default: %(default)s)")
+    g.add_argument("--master-port", type=int, default=_DEFAULTS["master_port"],
+                   help="rendezvous port on node 0; 0 picks a free one (one node only) "
+                        "(default: %(default)s)")
+
+
 def _add_store(sub) -> None:
     from loomserve.control.store_launcher import add_store_parser  # imports no backend
     add_store_parser(sub)
@@ -229,6 +250,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 2
+    if config.parallel.node_rank > 0:  # a worker node: its ranks only, no HTTP
+        from loomserve.execution.parallel.multiproc_executor import run_headless
+        return run_headless(config)
     return serve(args, config)
 
 
