@@ -11,8 +11,9 @@ Features of a step (StepFeatures, one float each):
 A feature whose layer kind the model lacks stays 0 and its weight is never fitted.
 
 Fit: weighted least squares of the measured step seconds over the features, with exponential
-forgetting (half-life HALF_LIFE_STEPS) and relative weighting (a sample counts by 1/seconds^2,
-so short decode steps are predicted as well as long prefill ones). The unknowns are factors
+forgetting (half-life HALF_LIFE_STEPS) and relative weighting (a sample counts by 1/predicted^2,
+so short decode steps are predicted as well as long prefill ones; after WARMUP_STEPS a sample
+is clipped at 1.5x its prediction, so host noise spikes do not drag the fit). The unknowns are factors
 theta_j >= 0 on a prior (seconds per unit of feature j, from the model's FLOPs): a ridge term
 pulls theta toward 1, so before the first ~8 steps the prior rules and features that never
 vary (e.g. tokens == seqs in pure decode) keep the prior's split. Non-negativity is enforced
@@ -34,6 +35,7 @@ NUM_FEATURES = len(FEATURES)
 HALF_LIFE_STEPS = 200.0  # forgetting: a sample's weight halves after this many later steps
 RIDGE = 1e-2  # pull of the prior, in units of (relative error)^2 of one sample
 ERROR_WINDOW = 4096  # steps whose relative prediction error is kept for quantiles
+WARMUP_STEPS = 8  # samples before outlier clipping starts (the prior may be far off)
 
 
 @dataclass(frozen=True)
@@ -161,11 +163,18 @@ class StepCostModel:
             return
         pred = self.predict(features)
         self.errors.append(abs(pred - seconds) / seconds)
-        z = features * self.prior / seconds  # relative: the target becomes 1
+        # Relative to the prediction (clipped to within 4x of the sample while the prior may
+        # be far off), not to the sample: 1/seconds^2 would favour the luckiest fast steps.
+        scale = min(max(pred, seconds / 4.0), seconds * 4.0)
+        # A step slowed by something else on the host (a spike) teaches at most 1.5x the
+        # prediction; a real cost the model misses still grows it 1.5x per step.
+        if self.num_samples >= WARMUP_STEPS:
+            seconds = min(seconds, 1.5 * pred)
+        z = features * self.prior / scale
         self._A *= self.decay
         self._b *= self.decay
         self._A += np.outer(z, z)
-        self._b += z
+        self._b += z * (seconds / scale)
         self.num_samples += 1
         self._solve()
 
