@@ -268,7 +268,7 @@ class Scheduler:
         if n == 0:
             return None, budget  # no time left this step: the head keeps its place
         if not self.kv.allocate_slots(req, n, hit, num_hit):
-            return None, budget  # the pool is full; running requests free blocks as they finish
+            return None, budget  # the pool is full: running requests free blocks as they end
         self.waiting.remove(req)
         req.num_computed_tokens = num_hit
         # Hit-rate counters count a request once, at its first admission, as its usage's
