@@ -17,7 +17,8 @@ WARMUP_STEPS a sample is clipped at 1.5x its prediction, so host noise spikes do
 fit). The unknowns are factors theta_j >= 0 on a prior (seconds per unit of feature j, from
 the model's FLOPs): a ridge term pulls theta toward 1, so before the first ~8 steps the prior
 rules and features that never vary (e.g. tokens == seqs in pure decode) keep the prior's
-split. Non-negativity is enforced by projected coordinate descent (6 unknowns; microseconds per step).
+split. Non-negativity is enforced by projected coordinate descent (6 unknowns; microseconds
+per step).
 
 Invariants: predict() is monotone non-decreasing in every feature (non-negative weights);
 observe() records the relative error of the prediction made *before* that sample updates it.
