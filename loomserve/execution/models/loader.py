@@ -78,7 +78,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         if tp is None:
             model = model_cls(cfg)
         else:  # one rank's slice of the model (loomserve.execution.parallel.tensor_parallel)
-            check_supported(model_cls, cfg, tp, quantization)
+            check_supported(model_cls, cfg, tp.size, quantization)
             model = model_cls(shard_config(cfg, tp))
             parallelize(model, cfg, tp)
             weights = shard_weights(weights, cfg, tp)

@@ -16,6 +16,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
@@ -27,6 +28,7 @@ from loomserve.execution.parallel.step_message import (
     broadcast_step,
     encode,
 )
+from loomserve.execution.parallel.tensor_parallel import preflight
 from loomserve.execution.parallel.worker_proc import WorkerSpec, agree_on_kv_plan
 
 log = logging.getLogger("loomserve.execution")
@@ -57,6 +59,8 @@ class MultiprocExecutor(Executor):
         if pc.world_size > 1 and config.tier.enabled:
             raise NotImplementedError("KV tiers with --tensor-parallel-size > 1 are not supported "
                                       "yet (a tier would hold rank 0's KV heads only)")
+        if pc.tensor_parallel_size > 1:
+            preflight(config)  # refuse an unsupported model before any process starts
         self.world_size = pc.world_size
         addr = pc.master_addr
         port = pc.master_port or free_port(addr)
@@ -90,8 +94,17 @@ class MultiprocExecutor(Executor):
                 broadcast_step(payload, self.tp.step_group)
             return self.worker.execute_model(model_input)
         except RuntimeError as e:  # a collective failed: name the dead rank when there is one
+            self._await_dead_worker(1.0)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise WorkerDied(f"a tensor-parallel collective failed: {first}") from e
+
+    def _await_dead_worker(self, within_s: float) -> None:
+        """A peer's closed socket can fail the collective a moment before its exit is
+        reaped: give it that moment, so the error names the rank (raises WorkerDied)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
             self._check_workers()
-            raise WorkerDied(f"a collective failed: {e}") from e
+            time.sleep(0.01)
 
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.procs, start=1):

@@ -30,7 +30,8 @@ from loomserve.execution.parallel.state import TPGroup
 SUPPORTED = ("LlamaForCausalLM",)  # the class serves Llama, Mistral, Qwen2 and Qwen3
 
 
-def check_supported(model_cls: type, cfg, tp: TPGroup, quantization: str) -> None:
+def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:
+    """Raise a clear error for what this rank split cannot serve."""
     if model_cls.__name__ not in SUPPORTED or model_cls.__module__ != \
             "loomserve.execution.models.llama":
         raise NotImplementedError(
@@ -38,12 +39,26 @@ def check_supported(model_cls: type, cfg, tp: TPGroup, quantization: str) -> Non
             f"not {model_cls.__name__}: serve it with --tensor-parallel-size 1")
     if quantization != "none":
         raise NotImplementedError(f"--quantization {quantization} with --tensor-parallel-size "
-                                  f"{tp.size} is not supported yet")
-    n, h, kv = tp.size, cfg.num_heads, cfg.num_kv_heads
-    if h % n or cfg.intermediate_size % n or (kv % n and n % kv):
-        raise ValueError(f"tensor_parallel_size={n} must divide num_heads={h} and "
+                                  f"{size} is not supported yet")
+    h, kv = cfg.num_heads, cfg.num_kv_heads
+    if h % size or cfg.intermediate_size % size or (kv % size and size % kv):
+        raise ValueError(f"tensor_parallel_size={size} must divide num_heads={h} and "
                          f"intermediate_size={cfg.intermediate_size}, and divide or be a "
                          f"multiple of num_kv_heads={kv}")
+
+
+def preflight(config) -> None:
+    """check_supported from the checkpoint's config.json alone, before any process starts."""
+    import json
+    import os
+
+    from loomserve.execution.models.loader import resolve_model
+    from loomserve.execution.models.registry import resolve
+    mcfg = config.model
+    folder, _ = resolve_model(mcfg.model, mcfg.resolved_cache_dir)
+    with open(os.path.join(folder, "config.json")) as f:
+        model_cls, cfg = resolve(json.load(f))
+    check_supported(model_cls, cfg, config.parallel.tensor_parallel_size, mcfg.quantization)
 
 
 def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:

@@ -1,0 +1,175 @@
+"""Tensor parallelism on CPU with gloo: 2 ranks (the engine's process + one worker process).
+
+Oracle: the same engine at tensor_parallel_size 1. The all-reduce sums a row's partial products
+in another order than one matmul does, so logits may differ in the last bits; on the tiny
+fixtures greedy tokens are identical (the documented tolerance: identical greedy tokens; where a
+model had near-ties, a different token after the first differing logit would be allowed).
+Every rank runs with one torch thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loomserve.execution.batch import ModelInput, ScheduledSeq
+from loomserve.execution.parallel.step_message import (
+    BlockSyncReceiver,
+    BlockSyncSender,
+    decode,
+    encode,
+)
+from loomserve.sampling_params import SamplingParams
+from tests.entrypoints.server.conftest import running_server
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SYSTEM = list(range(3, 40))  # a shared prefix longer than two 16-token blocks
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")  # the worker inherits the environment
+
+
+def _fixture(name: str) -> str:
+    path = os.path.abspath(os.path.join(FIXTURES, name))
+    if not os.path.isdir(path):
+        pytest.skip(f"tests/fixtures/{name} is missing")
+    return path
+
+
+def _run(model: str, tp: int) -> tuple[list, list, int, int]:
+    """Greedy outputs and cached tokens of two rounds sharing a prefix, plus (blocks, page)."""
+    from loomserve.entrypoints.llm import LLM
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="2MiB", dtype="float32")
+    try:
+        first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
+        second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
+        kc = llm.core.runner.kv_cache_config
+        outs = first + second
+        return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                kc.num_blocks, kc.page_bytes)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_greedy_and_prefix_hits_match_one_rank(name):
+    model = _fixture(name)
+    tokens1, cached1, blocks1, page1 = _run(model, 1)
+    tokens2, cached2, blocks2, page2 = _run(model, 2)
+    assert tokens2 == tokens1
+    assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32  # the hits happened
+    # each rank holds half the KV heads: half a page, so the same budget holds twice the blocks
+    assert page2 * 2 == page1 and blocks2 == 2 * blocks1
+
+
+def test_unsupported_family_is_refused_before_any_process_starts():
+    from loomserve.entrypoints.llm import LLM
+    with pytest.raises(NotImplementedError, match="Llama family"):
+        LLM(_fixture("tiny-qwen3-next"), tensor_parallel_size=2, kv_cache_memory="2MiB")
+    with pytest.raises(NotImplementedError, match="quantization int8"):
+        LLM(_fixture("tiny-llama"), tensor_parallel_size=2, quantization="int8")
+
+
+def test_data_parallel_is_refused_clearly():
+    from loomserve.config import EngineConfig
+    with pytest.raises(ValueError, match="data parallelism is not supported yet"):
+        EngineConfig.from_kwargs(data_parallel_size=2)
+
+
+def test_cli_parallel_flags():
+    from loomserve.entrypoints.cli import build_parser, engine_config_from_args
+    args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "2", "--nnodes",
+                                      "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                                      "--master-port", "29500"])
+    pc = engine_config_from_args(args).parallel
+    assert (pc.tensor_parallel_size, pc.nnodes, pc.node_rank) == (2, 2, 1)
+    assert (pc.master_addr, pc.master_port, list(pc.node_ranks())) == ("10.0.0.1", 29500, [1])
+
+
+# --- served -------------------------------------------------------------------------------------
+
+def _worker_pids(core_pid: int) -> list[int]:
+    with open(f"/proc/{core_pid}/task/{core_pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_served_tp2_answers_then_a_killed_worker_fails_requests_fast():
+    import openai
+    env = {"LOOMSERVE_STEP_DELAY_MS": "30"}  # a long stream is still running at the kill
+    with running_server(tensor_parallel_size=2, core_env=env) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        r = client.chat.completions.create(model=srv.model, max_tokens=5,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        workers = _worker_pids(srv.engine.ready.pid)
+        assert len(workers) == 1
+        stream = client.completions.create(model=srv.model, prompt="a", max_tokens=200,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(openai.APIError) as err:
+            client.completions.create(model=srv.model, prompt="b", max_tokens=2)
+        assert time.monotonic() - t0 < 5
+        dead = srv.engine.dead
+        assert dead is not None and "rank 1" in dead.error, dead
+        del err
+
+
+# --- step message ---------------------------------------------------------------------------------
+
+_step = st.lists(st.tuples(st.integers(0, 7),  # request id
+                           st.integers(0, 3),  # blocks to append (per group)
+                           st.booleans(),  # new list object (readmitted after preemption)
+                           st.booleans()),  # finished after this step
+                 max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_step, min_size=1, max_size=12), st.integers(1, 2))
+def test_step_message_round_trip_rebuilds_every_block_table(steps, groups):
+    """Whatever the order of growth, readmission and finishing, the worker's block tables are
+    the driver's after every step, and the bytes decode to the same message."""
+    sender, receiver = BlockSyncSender(), BlockSyncReceiver()
+    tables: dict[str, list[list[int]]] = {}
+    next_block = 0
+    finished: list[str] = []
+    for step in steps:
+        seqs, done = [], []
+        for rid_n, grow, renew, finish in step:
+            rid = f"r{rid_n}"
+            if any(s.request_id == rid for s in seqs):
+                continue
+            if rid not in tables or renew:
+                tables[rid] = [[] for _ in range(groups)]
+            for ids in tables[rid]:
+                ids.extend(range(next_block, next_block + grow))
+                next_block += grow
+            seqs.append(ScheduledSeq(rid, [rid_n, grow], 5 * rid_n, tables[rid], finish,
+                                     SamplingParams()))
+            if finish:
+                done.append(rid)
+        msg = sender.message(ModelInput(seqs, finished))
+        data = encode(msg)
+        assert decode(data) == msg
+        got = receiver.model_input(decode(data))
+        assert [(s.request_id, s.token_ids, s.start_pos, s.sample, s.block_ids)
+                for s in got.seqs] == \
+            [(s.request_id, s.token_ids, s.start_pos, s.sample, s.block_ids) for s in seqs]
+        assert got.finished_request_ids == finished
+        for rid in done:
+            del tables[rid]
+        finished = done
