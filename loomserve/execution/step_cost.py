@@ -57,10 +57,10 @@ class ModelLayout:
             if kind == "sliding_window":
                 sliding += n
                 window = max(window, g.spec.sliding_window)
-            elif kind == "full_attention":
-                full += n
-            else:
+            elif kind == "linear_state":
                 linear += n
+            else:  # full attention, MLA and any other attention kind
+                full += n
         if not (full or sliding or linear):
             full = 1
         return cls(full, sliding, window, linear)
