@@ -195,3 +195,45 @@ def _greedy(n: int):
     from loomserve.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_bf16_close_to_hf_bf16():
+    from transformers import AutoModelForCausalLM
+
+    name = NAMES[0]
+    runner = tiny_runner(name, dtype="bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.bfloat16).eval()
+    blocks, table, toks = Blocks(runner.block_size), [], _tokens(22, 13)
+    want = ref_logits(ref, toks)
+    got = logits_of(runner, [seq("a", toks[:20], 0, blocks.cover(table, 20))])["a"]
+    torch.testing.assert_close(got, want[19], atol=0.1, rtol=0.05)  # bf16 rounding, ~3 logits range
+    for pos in (20, 21):
+        got = logits_of(runner, [seq("a", [toks[pos]], pos, blocks.cover(table, pos + 1))])["a"]
+        torch.testing.assert_close(got, want[pos], atol=0.1, rtol=0.05)
+
+
+def test_spec_pads_an_odd_latent_row_and_the_runner_views_fit():
+    from loomserve.execution.layers.mla import latent_view
+    from loomserve.kv.spec import FullAttentionSpec, MLAAttentionSpec
+
+    spec = MLAAttentionSpec.for_latent(4, 41, torch.float32)
+    assert spec.bytes_per_block_per_layer() == 4 * 42 * 4 and spec.kind == "full_attention"
+    assert spec != FullAttentionSpec(4, 1, 21, torch.float32)  # never grouped with an MHA layer
+    # The runner's packed page: [layers, 2, block, 1, head_dim] per page; its K half of layer 1
+    # must read back as layer 1's latent rows.
+    page = torch.arange(3 * 2 * spec.bytes_per_block_per_layer() // 4, dtype=torch.float32).view(3, -1)
+    kv = page[:, 168:336].view(3, 2, 4, 1, 21)
+    rows = latent_view(kv[:, 0], 42)
+    assert rows.shape == (3, 4, 42) and torch.equal(rows.reshape(3, -1), page[:, 168:336])
+
+
+def test_config_refuses_what_the_model_cannot_run():
+    import json
+
+    from loomserve.execution.models.deepseek_v3 import DeepseekV3Config
+
+    d = json.loads((FIXTURES / NAMES[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match="FP8"):
+        DeepseekV3Config.from_hf({**d, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="routing"):
+        DeepseekV3Config.from_hf({**d, "scoring_func": "softmax"})
