@@ -67,13 +67,18 @@ class MultiprocExecutor(Executor):
         self.procs = spawn_workers(config, [r for r in pc.node_ranks() if r != 0], addr, port)
         self.tp = None
         try:
+            t0 = time.perf_counter()
             if self.world_size > 1:
                 self.tp = init_distributed(0, self.world_size, addr, port,
                                            config.model.torch_device)
+            t1 = time.perf_counter()
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner
+            t2 = time.perf_counter()
             if self.tp is not None:
                 agree_on_kv_plan(self.driver_runner, self.tp)
+            log.info("%d ranks at %s:%d: rendezvous %.1f s, model %.1f s, all ranks ready %.1f s",
+                     self.world_size, addr, port, t1 - t0, t2 - t1, time.perf_counter() - t2)
         except BaseException:
             self._stop_workers(0.0)
             destroy_distributed()
