@@ -237,3 +237,29 @@ def test_config_refuses_what_the_model_cannot_run():
         DeepseekV3Config.from_hf({**d, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="routing"):
         DeepseekV3Config.from_hf({**d, "scoring_func": "softmax"})
+
+
+def test_host_tier_serves_evicted_latent_prefix():
+    """Latent pages go through the KV tiers like any full-attention page: evicted from a small
+    device pool, A's prefix comes back from the host tier and the output is unchanged."""
+    from loomserve import LLM
+    from tests.kv.connector.conftest import GREEDY as TIER_GREEDY
+    from tests.kv.connector.conftest import OTHERS, A, settle
+
+    path, bs = str(FIXTURES / NAMES[0]), 16
+    plain = LLM(path, dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_memory="1MiB")
+    want = {tuple(p): plain.generate(p, TIER_GREEDY)[0].token_ids for p in [A, *OTHERS]}
+    page = plain.core.runner.kv_cache_config.page_bytes
+    assert page == bs * 3 * 40 * 4  # the default block size: 16 latent rows of 3 layers
+    llm = LLM(path, dtype="float32", device="cpu", block_size=bs, kv_cache_memory=str(page * 16),
+              host_cache_memory=str(page * 64))
+    try:
+        assert llm.generate(A, TIER_GREEDY)[0].token_ids == want[tuple(A)]
+        settle(llm)
+        for p in OTHERS:  # push A out of the 16-block device pool
+            assert llm.generate(p, TIER_GREEDY)[0].token_ids == want[tuple(p)]
+        again = llm.generate(A, TIER_GREEDY)[0]
+        assert again.token_ids == want[tuple(A)]
+        assert again.num_tier_cached_tokens == 96  # 6 full blocks of latent rows from the host tier
+    finally:
+        llm.close()
