@@ -151,21 +151,15 @@ class MultiHeadLatentAttention(nn.Module):
     def _prefill(self, q_nope, q_pe, fresh: torch.Tensor, c, meta: AttentionMetadata) -> torch.Tensor:
         """Decompressed: the chunk's context rows (its own, or gathered from the pages when it
         continues a cached prefix) become per-head K and V; [n, heads, v_dim]."""
-        n = c.end - c.start
-        if c.start_pos == 0:
+        table, mask = chunk_inputs(meta, c)
+        if table is None:
             rows = fresh
         else:
-            ctx = c.start_pos + n
-            table = torch.from_numpy(c.table[:(ctx + meta.block_size - 1) // meta.block_size]).long()
-            rows = self.latent_cache.index_select(0, table.to(fresh.device)).flatten(0, 1)[:ctx, :self.latent_dim]
+            rows = self.latent_cache.index_select(0, table).flatten(0, 1)[:mask.shape[-1], :self.latent_dim]
         ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(ckv)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = None
-        if c.start_pos:
-            q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
-            mask = torch.arange(rows.shape[0], device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return o.transpose(0, 1)
@@ -189,3 +183,21 @@ def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     got = (torch.from_numpy(tables).to(meta.device), valid.to(meta.device))
     meta.derived["mla_decode"] = got
     return got
+
+
+def chunk_inputs(meta: AttentionMetadata, c) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(block ids covering the chunk's context, causal mask [n, context]) of a chunk that
+    continues a cached prefix, once per step; (None, None) for a fresh chunk (plain causal)."""
+    key = ("mla_chunk", c.start)
+    got = meta.derived.get(key)
+    if got is not None:
+        return got
+    table = mask = None
+    if c.start_pos:
+        n, ctx = c.end - c.start, c.start_pos + (c.end - c.start)
+        blocks = c.table[:(ctx + meta.block_size - 1) // meta.block_size].astype(np.int64)
+        table = torch.from_numpy(blocks).to(meta.device)
+        q_pos = torch.arange(c.start_pos, c.start_pos + n)
+        mask = (torch.arange(ctx)[None, :] <= q_pos[:, None]).to(meta.device)
+    meta.derived[key] = (table, mask)
+    return table, mask
