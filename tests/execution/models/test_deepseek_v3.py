@@ -263,3 +263,26 @@ def test_host_tier_serves_evicted_latent_prefix():
         assert again.num_tier_cached_tokens == 96  # 6 full blocks of latent rows from the host tier
     finally:
         llm.close()
+
+
+def test_engine_batch_with_chunked_prefills_matches_hf():
+    """Three prompts at once under a 16-token step budget: the scheduler cuts prefills into
+    chunks and runs them beside other requests' decodes; each output is HF's greedy one."""
+    from transformers import AutoModelForCausalLM
+
+    from loomserve import LLM
+
+    name = NAMES[1]
+    llm = LLM(str(FIXTURES / name), dtype="float32", device="cpu", block_size=4, kv_cache_memory="1MiB",
+              max_num_batched_tokens=16, long_prefill_threshold=0)
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32).eval()
+    prompts = [_tokens(n, 20 + n) for n in (7, 30, 19)]
+    try:
+        outs = llm.generate(prompts, _greedy(8))
+    finally:
+        llm.close()
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert out.token_ids == hf
