@@ -286,3 +286,36 @@ def test_engine_batch_with_chunked_prefills_matches_hf():
             hf = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.token_ids == hf
+
+
+def test_stacked_expert_checkpoint_loads_the_same():
+    """transformers 5 may store experts stacked (mlp.experts.gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]); both layouts fill the same parameters."""
+    import json
+    import re
+
+    from safetensors.torch import load_file
+
+    from loomserve.execution.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    folder = FIXTURES / NAMES[0]
+    cfg = DeepseekV3Config.from_hf(json.loads((folder / "config.json").read_text()))
+    per_expert = load_file(str(folder / "model.safetensors"))
+    stacked, parts = {}, {}
+    for k, t in per_expert.items():
+        m = re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", k)
+        if m:
+            parts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            stacked[k] = t
+    for pre, p in parts.items():
+        n = len(p["down_proj"])
+        stacked[pre + ".gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"][e], p["up_proj"][e]]) for e in range(n)])
+        stacked[pre + ".down_proj"] = torch.stack([p["down_proj"][e] for e in range(n)])
+    a, b = DeepseekV3ForCausalLM(cfg), DeepseekV3ForCausalLM(cfg)
+    a.load_weights(per_expert.items())
+    b.load_weights(stacked.items())
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), name
+    with pytest.raises(ValueError, match="missing"):
+        DeepseekV3ForCausalLM(cfg).load_weights((k, t) for k, t in per_expert.items() if ".experts.3." not in k)
