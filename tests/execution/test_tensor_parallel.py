@@ -76,6 +76,8 @@ def test_unsupported_family_is_refused_before_any_process_starts():
         LLM(_fixture("tiny-qwen3-next"), tensor_parallel_size=2, kv_cache_memory="2MiB")
     with pytest.raises(NotImplementedError, match="quantization int8"):
         LLM(_fixture("tiny-llama"), tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(NotImplementedError, match="KV tiers"):
+        LLM(_fixture("tiny-llama"), tensor_parallel_size=2, host_cache_memory="4MiB")
 
 
 def test_data_parallel_is_refused_clearly():
@@ -173,3 +175,30 @@ def test_step_message_round_trip_rebuilds_every_block_table(steps, groups):
         for rid in done:
             del tables[rid]
         finished = done
+
+
+def test_two_nodes_rendezvous_at_master_addr_and_port():
+    """--nnodes 2: node 1 (`loomserve serve --node-rank 1`) runs rank 1 headless; node 0's
+    engine meets it at the given port, answers, and its shutdown ends node 1 cleanly."""
+    import subprocess
+    import sys
+
+    from loomserve.entrypoints.llm import LLM
+    from loomserve.execution.parallel.state import free_port
+    model, port = _fixture("tiny-llama"), free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "loomserve.entrypoints.cli", "serve", model,
+                              "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                              "--master-port", str(port), "--kv-cache-memory", "2MiB",
+                              "--dtype", "float32"])
+    try:
+        llm = LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port,
+                  kv_cache_memory="2MiB", dtype="float32")
+        try:
+            out = llm.generate([SYSTEM], GREEDY)[0]
+            assert len(out.token_ids) == GREEDY.max_tokens
+        finally:
+            llm.close()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()

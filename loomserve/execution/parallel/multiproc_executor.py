@@ -56,9 +56,10 @@ def spawn_workers(config: EngineConfig, ranks: list[int], addr: str, port: int
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel
-        if pc.world_size > 1 and config.tier.enabled:
-            raise NotImplementedError("KV tiers with --tensor-parallel-size > 1 are not supported "
-                                      "yet (a tier would hold rank 0's KV heads only)")
+        if pc.world_size > 1 and (config.tier.enabled or config.control.role != "both"):
+            raise NotImplementedError("KV tiers and prefill/decode roles with "
+                                      "--tensor-parallel-size > 1 are not supported yet (they "
+                                      "would move rank 0's KV heads only)")
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
         self.world_size = pc.world_size
