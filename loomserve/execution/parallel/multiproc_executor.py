@@ -21,7 +21,12 @@ import time
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.executor import Executor, Worker
-from loomserve.execution.parallel.state import destroy_distributed, free_port, init_distributed
+from loomserve.execution.parallel.state import (
+    destroy_distributed,
+    free_port,
+    init_distributed,
+    set_layout,
+)
 from loomserve.execution.parallel.step_message import (
     BlockSyncSender,
     StepMessage,
@@ -69,17 +74,18 @@ class MultiprocExecutor(Executor):
         self.tp = None
         try:
             t0 = time.perf_counter()
+            device = config.model.torch_device
             if self.world_size > 1:
-                self.tp = init_distributed(0, self.world_size, addr, port,
-                                           config.model.torch_device)
-            t1 = time.perf_counter()
+                set_layout(0, self.world_size, device)
+            # the model loads while the workers start; the rendezvous comes after
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner
-            t2 = time.perf_counter()
-            if self.tp is not None:
+            t1 = time.perf_counter()
+            if self.world_size > 1:
+                self.tp = init_distributed(addr, port, device)
                 agree_on_kv_plan(self.driver_runner, self.tp)
-            log.info("%d ranks at %s:%d: rendezvous %.1f s, model %.1f s, all ranks ready %.1f s",
-                     self.world_size, addr, port, t1 - t0, t2 - t1, time.perf_counter() - t2)
+            log.info("%d ranks at %s:%d: model %.1f s, then rendezvous and KV plan %.1f s",
+                     self.world_size, addr, port, t1 - t0, time.perf_counter() - t1)
         except BaseException:
             self._stop_workers(0.0)
             destroy_distributed()

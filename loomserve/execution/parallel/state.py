@@ -5,7 +5,7 @@ message always travels over a gloo group (it is host bytes, and a worker waits f
 long as the engine is idle, so that group's timeout is long while the model group's is short:
 a rank that stops answering mid-step fails the step within COLLECTIVE_TIMEOUT_S, never hangs).
 A peer process that dies closes its sockets, which gloo reports at once as an error.
-Module state: one TPGroup per process (a process is one rank), None until init_distributed.
+Module state: one TPGroup per process (a process is one rank), None until set_layout.
 """
 
 from __future__ import annotations
@@ -60,18 +60,26 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     device: torch.device) -> TPGroup:
-    """Join the rendezvous (blocks until every rank arrived, at most COLLECTIVE_TIMEOUT_S)."""
+def set_layout(rank: int, world_size: int, device: torch.device) -> TPGroup:
+    """This process's rank, known before the rendezvous so the model can load its slice while
+    the other ranks start (the groups are filled in by init_distributed, before any step)."""
     global _TP
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    step_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
-    _TP = TPGroup(rank, world_size, dist.group.WORLD, step_group)
+    _TP = TPGroup(rank, world_size, None, None)
     return _TP
+
+
+def init_distributed(master_addr: str, master_port: int, device: torch.device) -> TPGroup:
+    """Join the rendezvous as set_layout's rank (blocks until every rank arrived, at most
+    COLLECTIVE_TIMEOUT_S)."""
+    tp = _TP
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=tp.rank, world_size=tp.size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    tp.group = dist.group.WORLD
+    tp.step_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+    return tp
 
 
 def destroy_distributed() -> None:

@@ -48,14 +48,19 @@ def agree_on_kv_plan(runner, tp) -> None:
 
 def run_worker(spec: WorkerSpec) -> int:
     from loomserve.execution.model_runner import ModelRunner
-    from loomserve.execution.parallel.state import destroy_distributed, init_distributed
+    from loomserve.execution.parallel.state import (
+        destroy_distributed,
+        init_distributed,
+        set_layout,
+    )
     from loomserve.execution.parallel.step_message import BlockSyncReceiver, broadcast_step
 
     config = spec.config
-    tp = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                          config.model.torch_device)
+    device = config.model.torch_device
+    set_layout(spec.rank, spec.world_size, device)
     try:
-        runner = ModelRunner(config)
+        runner = ModelRunner(config)  # before the rendezvous: loads while the others start
+        tp = init_distributed(spec.master_addr, spec.master_port, device)
         agree_on_kv_plan(runner, tp)
         blocks = BlockSyncReceiver()
         while True:
