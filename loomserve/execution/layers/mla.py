@@ -73,9 +73,10 @@ class LatentUpProjection(nn.Module):
         return kv.split([self.nope, self.v], dim=-1)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, nope, rank], W_UV [heads, v, rank])."""
+        """(W_UK [heads, nope, rank], W_UV^T [heads, rank, v]): strided views of the weight,
+        which batched matmuls take as they are (no copy, nothing to keep in sync)."""
         w = self.weight.view(self.heads, self.nope + self.v, -1)
-        return w[:, :self.nope], w[:, self.nope:]
+        return w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -138,15 +139,17 @@ class MultiHeadLatentAttention(nn.Module):
         tables, valid = decode_inputs(meta)
         d = q_nope.shape[0]
         rows = self.latent_cache.index_select(0, tables.view(-1))
-        rows = rows.view(d, -1, rows.shape[-1])[..., :self.latent_dim]  # [d, keys, latent]
-        ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
-        w_uk, w_uv = self.kv_b_proj.absorbed()
-        q_lat = torch.einsum("dhn,hnr->dhr", q_nope, w_uk)
-        scores = torch.matmul(q_lat, ckv.transpose(1, 2)) + torch.matmul(q_pe, k_pe.transpose(1, 2))
+        rows = rows.view(d, -1, rows.shape[-1])  # [d, keys, latent (+1 pad)], contiguous
+        if rows.shape[-1] != self.latent_dim:
+            rows = rows[..., :self.latent_dim]
+        w_uk, w_uv_t = self.kv_b_proj.absorbed()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [d, heads, rank]
+        # [q_lat | q_pe] . [c_kv | k_pe]: both score terms in one product over whole rows.
+        scores = torch.bmm(torch.cat([q_lat, q_pe], dim=-1), rows.transpose(1, 2))  # [d, heads, keys]
         scores = (scores * self.scale).float().masked_fill(~valid[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(ckv.dtype)
-        out_lat = torch.matmul(probs, ckv)  # [d, heads, rank]
-        return torch.einsum("dhr,hvr->dhv", out_lat, w_uv)
+        probs = torch.softmax(scores, dim=-1).to(rows.dtype)
+        out_lat = torch.bmm(probs, rows)[..., :self.rank]  # k_pe columns computed and dropped
+        return torch.bmm(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [d, heads, v]
 
     def _prefill(self, q_nope, q_pe, fresh: torch.Tensor, c, meta: AttentionMetadata) -> torch.Tensor:
         """Decompressed: the chunk's context rows (its own, or gathered from the pages when it
