@@ -70,6 +70,34 @@ def test_greedy_and_prefix_hits_match_one_rank(name):
     assert page2 * 2 == page1 and blocks2 == 2 * blocks1
 
 
+@pytest.fixture(scope="module")
+def one_kv_head_odd_vocab(tmp_path_factory):
+    """tiny-llama's shape with ONE KV head (so at 2 ranks it is replicated, not split) and a
+    vocabulary of 515 (not a multiple of 2: the last rank's slice is padded)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    src = _fixture("tiny-llama")
+    out = tmp_path_factory.mktemp("tiny-llama-kv1")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=515,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                      eos_token_id=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), out / name)
+    return str(out)
+
+
+def test_replicated_kv_head_and_padded_vocab_match_one_rank(one_kv_head_odd_vocab):
+    tokens1, cached1, blocks1, page1 = _run(one_kv_head_odd_vocab, 1)
+    tokens2, cached2, blocks2, page2 = _run(one_kv_head_odd_vocab, 2)
+    assert tokens2 == tokens1 and cached2 == cached1
+    assert page2 == page1 and blocks2 == blocks1  # every rank holds the one KV head
+
+
 def test_unsupported_family_is_refused_before_any_process_starts():
     from loomserve.entrypoints.llm import LLM
     with pytest.raises(NotImplementedError, match="Llama family"):
