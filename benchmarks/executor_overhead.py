@@ -11,7 +11,8 @@
    formula for a decode step of B streams, L layers, hidden H, vocabulary V, fp32 activations:
        all-reduce payload  (2L + 1) * B * H * 4     (o_proj + down_proj per layer, embedding)
        logit gather        (N - 1) * B * ceil(V / N) * 4   into rank 0
-       step message        8 + msgpack(B seqs: id, 1 token, position, flags, new block ids)
+       step message        msgpack(B seqs: id, 1 token, position, flags, new block ids), sent
+                           in one 4 KiB broadcast (8-byte length + message) up to 4088 bytes
    A ring all-reduce moves 2 (N - 1) / N of its payload per rank; gloo picks its algorithm.
 
     nice -n -15 python benchmarks/executor_overhead.py [--model PATH] [--streams 32]
@@ -150,7 +151,8 @@ def communication(args) -> dict:
             "measured_bytes_per_step": measured, "step_message_bytes_per_step": msg,
             "formula_bytes_per_step": formula,
             "note": "rank 0's payload bytes per decode step, summed over the timed steps and "
-                    "divided by their count; broadcast = 8-byte length + the step message"}
+                    "divided by their count; broadcast = the fixed 4 KiB first broadcast of the "
+                    "step message (+ the rest of a longer one)"}
 
 
 def main() -> int:

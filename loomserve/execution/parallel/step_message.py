@@ -106,14 +106,28 @@ def decode(data) -> StepMessage:
     return _DECODER.decode(data)
 
 
-def broadcast_step(payload: bytes | None, group) -> StepMessage:
+FIRST_BYTES = 4096  # one broadcast carries a step message up to this size (a decode step's)
+_LEN = 8
+
+
+def broadcast_step(payload: bytes | None, group) -> StepMessage | None:
     """Rank 0 passes the encoded message and gets None; the other ranks pass None and get it.
-    Two gloo broadcasts: the length, then the bytes."""
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    One gloo broadcast of FIRST_BYTES (an 8-byte length, then the message's start); a second
+    one only for the rest of a larger message (a prefill's token ids)."""
+    head = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
     if payload is not None:
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=group)
-    return decode(buf.numpy()) if payload is None else None
+        n = len(payload)
+        head[:_LEN] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+        first = min(n, FIRST_BYTES - _LEN)
+        head[_LEN:_LEN + first] = torch.frombuffer(bytearray(payload[:first]), dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    n = int(head[:_LEN].view(torch.int64).item())
+    rest = n - (FIRST_BYTES - _LEN)
+    if rest > 0:
+        tail = (torch.frombuffer(bytearray(payload[FIRST_BYTES - _LEN:]), dtype=torch.uint8)
+                if payload is not None else torch.empty(rest, dtype=torch.uint8))
+        dist.broadcast(tail, src=0, group=group)
+    if payload is not None:
+        return None
+    body = head[_LEN:_LEN + n].numpy().tobytes()
+    return decode(body + tail.numpy().tobytes() if rest > 0 else body)
