@@ -108,6 +108,18 @@ def test_unsupported_family_is_refused_before_any_process_starts():
         LLM(_fixture("tiny-llama"), tensor_parallel_size=2, host_cache_memory="4MiB")
 
 
+def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
+    from loomserve.entrypoints.llm import LLM
+    from loomserve.execution.parallel.multiproc_executor import WorkerDied
+    monkeypatch.setenv("LOOMSERVE_WORKER_FAIL_AT_START", "1")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="rank 1 .* failed to start"):
+        LLM(_fixture("tiny-llama"), tensor_parallel_size=2, kv_cache_memory="2MiB")
+    assert time.monotonic() - t0 < 30  # not the rendezvous timeout (60 s)
+    from loomserve.execution.parallel.state import get_tp
+    assert get_tp() is None  # the failed start left no process group behind
+
+
 def test_data_parallel_is_refused_clearly():
     from loomserve.config import EngineConfig
     with pytest.raises(ValueError, match="data parallelism is not supported yet"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -39,23 +40,59 @@ from loomserve.execution.parallel.worker_proc import WorkerSpec, agree_on_kv_pla
 log = logging.getLogger("loomserve.execution")
 
 
+START_TIMEOUT_S = float(os.environ.get("LOOMSERVE_WORKER_START_TIMEOUT_S", "1800"))
+
+
 class WorkerDied(RuntimeError):
     pass
 
 
-def spawn_workers(config: EngineConfig, ranks: list[int], addr: str, port: int
-                  ) -> list[subprocess.Popen]:
+def spawn_workers(config: EngineConfig, ranks: list[int], addr: str, port: int,
+                  ready_pipes: bool = True) -> list[subprocess.Popen]:
     """One `python -m ...worker_proc` per rank (subprocess, not multiprocessing: the core
-    process is a daemonic multiprocessing child, which may not have multiprocessing children)."""
+    process is a daemonic multiprocessing child, which may not have multiprocessing children).
+    With ready_pipes, each Popen gets `.ready`: the read end of its ready pipe."""
     procs = []
     for rank in ranks:
+        r, w = os.pipe() if ready_pipes else (None, None)
         p = subprocess.Popen([sys.executable, "-m", "loomserve.execution.parallel.worker_proc"],
-                             stdin=subprocess.PIPE, env=os.environ.copy())
-        spec = WorkerSpec(config, rank, config.parallel.world_size, addr, port, os.getpid())
+                             stdin=subprocess.PIPE, env=os.environ.copy(),
+                             pass_fds=(w,) if w is not None else ())
+        if w is not None:
+            os.close(w)
+        p.ready = r
+        spec = WorkerSpec(config, rank, config.parallel.world_size, addr, port, os.getpid(), w)
         p.stdin.write(pickle.dumps(spec))
         p.stdin.close()
         procs.append(p)
     return procs
+
+
+def wait_loaded(procs: list[subprocess.Popen], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until every worker reported its model loaded; WorkerDied at once when one exits first."""
+    waiting = {p.ready: (rank, p) for rank, p in enumerate(procs, start=1)}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerDied(f"workers {sorted(r for r, _ in waiting.values())} did not "
+                                 f"load the model within {timeout_s:.0f} s")
+            ready, _, _ = select.select(list(waiting), [], [], left)
+            for fd in ready:
+                rank, p = waiting.pop(fd)
+                if not os.read(fd, 1):  # the pipe closed without the byte: the worker exited
+                    try:
+                        code = p.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    raise WorkerDied(f"tensor-parallel worker rank {rank} (pid {p.pid}) failed "
+                                     f"to start (exit code {code}; its log is above)")
+    finally:
+        for p in procs:
+            if p.ready is not None:
+                os.close(p.ready)
+                p.ready = None
 
 
 class MultiprocExecutor(Executor):
@@ -82,6 +119,7 @@ class MultiprocExecutor(Executor):
             self.driver_runner = self.worker.runner
             t1 = time.perf_counter()
             if self.world_size > 1:
+                wait_loaded(self.procs)
                 self.tp = init_distributed(addr, port, device)
                 agree_on_kv_plan(self.driver_runner, self.tp)
             log.info("%d ranks at %s:%d: model %.1f s, then rendezvous and KV plan %.1f s",
@@ -138,6 +176,9 @@ class MultiprocExecutor(Executor):
 
     def _stop_workers(self, grace_s: float) -> None:
         for p in self.procs:
+            if p.ready is not None:
+                os.close(p.ready)
+                p.ready = None
             try:
                 p.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -148,5 +189,6 @@ class MultiprocExecutor(Executor):
 def run_headless(config: EngineConfig) -> int:
     """A node other than node 0: run this node's ranks as workers until they exit."""
     pc = config.parallel
-    procs = spawn_workers(config, list(pc.node_ranks()), pc.master_addr, pc.master_port)
+    procs = spawn_workers(config, list(pc.node_ranks()), pc.master_addr, pc.master_port,
+                          ready_pipes=False)
     return max(p.wait() for p in procs)

@@ -4,7 +4,10 @@ Started by the driver (MultiprocExecutor, in the engine core's process) or by a 
 as `python -m loomserve.execution.parallel.worker_proc`, its WorkerSpec pickled on stdin (once,
 at start: the per-step traffic is the step message). It joins the rendezvous, builds its
 runner, agrees with the others on the KV plan, then runs the forward pass of every step the
-driver broadcasts until a shutdown message. It never samples (rank 0 does). It dies with its
+driver broadcasts until a shutdown message. It never samples (rank 0 does). A byte on its
+ready pipe tells the driver its model loaded, so a worker that fails at start is seen at once
+(the pipe's end) instead of at the rendezvous timeout. LOOMSERVE_WORKER_FAIL_AT_START=RANK
+makes that rank fail at start (a debug hook for tests). It dies with its
 parent (PR_SET_PDEATHSIG) and exits 1 on any error, e.g. when the driver's sockets close.
 """
 
@@ -33,6 +36,7 @@ class WorkerSpec:
     master_addr: str
     master_port: int
     parent_pid: int
+    ready_fd: int | None = None  # a pipe to the driver: one byte once the model is loaded
 
 
 def agree_on_kv_plan(runner, tp) -> None:
@@ -59,7 +63,12 @@ def run_worker(spec: WorkerSpec) -> int:
     device = config.model.torch_device
     set_layout(spec.rank, spec.world_size, device)
     try:
+        if os.environ.get("LOOMSERVE_WORKER_FAIL_AT_START") == str(spec.rank):  # debug hook
+            raise RuntimeError(f"LOOMSERVE_WORKER_FAIL_AT_START={spec.rank}")
         runner = ModelRunner(config)  # before the rendezvous: loads while the others start
+        if spec.ready_fd is not None:
+            os.write(spec.ready_fd, b"R")
+            os.close(spec.ready_fd)
         tp = init_distributed(spec.master_addr, spec.master_port, device)
         agree_on_kv_plan(runner, tp)
         blocks = BlockSyncReceiver()
