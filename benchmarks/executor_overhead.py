@@ -5,7 +5,8 @@
    MultiprocExecutor at one rank (LOOMSERVE_EXECUTOR=mp: the step message is built and encoded
    every step, as at N ranks, but there is no peer to send it to). Runs alternate between the
    two (--repeats each); reported: median step ms per run, and the overhead of the medians.
-   Target: < 5% at 32 streams.
+   Target: < 5% at 32 streams. Whole steps are noisy on a shared host, so the message's own
+   cost (build + encode, microseconds per step) is also measured alone (`message`).
 2. Communication at --tp ranks (default 2): rank 0's collectives counted during the same decode
    steps (all-reduce payload bytes, gathered logit bytes, step-message bytes), beside the
    formula for a decode step of B streams, L layers, hidden H, vocabulary V, fp32 activations:
@@ -30,10 +31,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 FIXTURE = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "tiny-llama")
 
-from benchmarks.common.host import host_info  # noqa: E402
+from common.host import host_info  # noqa: E402
 
 
 def _engine(model: str, tp: int, executor: str | None, streams: int, prompt_len: int):
@@ -91,6 +92,32 @@ def overhead(args) -> dict:
     uni, mp = statistics.median(runs["uniproc"]), statistics.median(runs["multiproc_tp1"])
     return {"step_ms_runs": runs, "uniproc_step_ms": uni, "multiproc_tp1_step_ms": mp,
             "overhead_pct": 100.0 * (mp - uni) / uni, "target_pct": 5.0}
+
+
+def message_cost(args, steps: int = 2000) -> dict:
+    """Microseconds per step to build and encode the step message of --streams decoding
+    requests (each past --prompt-len tokens, a block appended every 16 steps): the driver's
+    only added work at one rank, measured without the noise of whole steps."""
+    from loomserve.execution.batch import ModelInput, ScheduledSeq
+    from loomserve.execution.parallel.step_message import BlockSyncSender, encode
+    from loomserve.sampling_params import SamplingParams
+    sp = SamplingParams()
+    tables = [[list(range(i * 1000, i * 1000 + args.prompt_len // 16 + 1))]
+              for i in range(args.streams)]
+    sender, size, spent = BlockSyncSender(), 0, 0.0
+    for step in range(steps):
+        seqs = []
+        for i, t in enumerate(tables):
+            if step % 16 == i % 16:
+                t[0].append(t[0][-1] + 1)
+            seqs.append(ScheduledSeq(f"req-{i}", [step % 500], args.prompt_len + step, t, True,
+                                     sp))
+        inp = ModelInput(seqs)
+        t0 = time.perf_counter()
+        size += len(encode(sender.message(inp)))
+        spent += time.perf_counter() - t0
+    return {"us_per_step": spent / steps * 1e6,
+            "bytes_per_step": size / steps, "streams": args.streams}
 
 
 class _Counter:
@@ -170,7 +197,7 @@ def main() -> int:
                   datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": host_info(), "model": args.model,
               "threads_per_rank": int(os.environ["LOOMSERVE_NUM_THREADS"]),
-              "overhead": overhead(args)}
+              "message": message_cost(args), "overhead": overhead(args)}
     if args.tp > 1:
         result["communication"] = communication(args)
     print(json.dumps(result, indent=2))
