@@ -143,10 +143,10 @@ class MultiprocExecutor(Executor):
             if self.tp is not None:
                 broadcast_step(payload, self.tp.step_group)
             return self.worker.execute_model(model_input)
-        except RuntimeError as e:  # a collective failed: name the dead rank when there is one
-            self._await_dead_worker(1.0)
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise WorkerDied(f"a tensor-parallel collective failed: {first}") from e
+        except RuntimeError:  # a collective failed? name the dead rank when there is one
+            if self.procs:
+                self._await_dead_worker(1.0)
+            raise
 
     def _await_dead_worker(self, within_s: float) -> None:
         """A peer's closed socket can fail the collective a moment before its exit is
