@@ -98,6 +98,19 @@ def test_replicated_kv_head_and_padded_vocab_match_one_rank(one_kv_head_odd_voca
     assert page2 == page1 and blocks2 == blocks1  # every rank holds the one KV head
 
 
+def test_one_rank_keeps_todays_path():
+    """tp 1: the in-process executor, no process group, no parallel layer, no step message."""
+    from loomserve.config import EngineConfig
+    from loomserve.execution.executor import UniProcExecutor, make_executor
+    from loomserve.execution.layers.parallel_linear import RowParallelLinear
+    from loomserve.execution.parallel.state import get_tp
+    ex = make_executor(EngineConfig.from_kwargs(model=_fixture("tiny-llama"),
+                                                kv_cache_memory="2MiB", dtype="float32"))
+    model = ex.driver_runner.model
+    assert type(ex) is UniProcExecutor and get_tp() is None and model.tp is None
+    assert not any(isinstance(m, RowParallelLinear) for m in model.modules())
+
+
 def test_unsupported_family_is_refused_before_any_process_starts():
     from loomserve.entrypoints.llm import LLM
     with pytest.raises(NotImplementedError, match="Llama family"):
