@@ -52,19 +52,24 @@ class BlockSyncSender:
         self.sent: dict[str, list[tuple[list[int], int]]] = {}  # rid -> per group (list, length)
 
     def message(self, inp: ModelInput) -> StepMessage:
-        _forget(self.sent, inp.finished_request_ids, [s.request_id for s in inp.seqs])
-        return StepMessage([self._seq(s) for s in inp.seqs], list(inp.finished_request_ids))
+        seqs = inp.seqs
+        _forget(self.sent, inp.finished_request_ids, [s.request_id for s in seqs])
+        return StepMessage([self._seq(s) for s in seqs], list(inp.finished_request_ids))
 
     def _seq(self, s: ScheduledSeq) -> SeqStep:
+        # ~1.5 us a seq on the 2-core host: ~50 us for a 32-stream decode step
         prev = self.sent.get(s.request_id)
         reset, blocks, now = 0, [], []
         for g, ids in enumerate(s.block_ids):
             n = len(ids)
-            if prev is None or g >= len(prev) or prev[g][0] is not ids or prev[g][1] > n:
-                reset |= 1 << g
-                blocks.append(list(ids))
-            else:
-                blocks.append(ids[prev[g][1]:])
+            if prev is not None and g < len(prev):
+                src, had = prev[g]
+                if src is ids and had <= n:
+                    blocks.append(ids[had:])
+                    now.append((ids, n))
+                    continue
+            reset |= 1 << g
+            blocks.append(list(ids))
             now.append((ids, n))
         self.sent[s.request_id] = now
         return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks)
