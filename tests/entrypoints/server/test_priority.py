@@ -63,3 +63,23 @@ def test_scheduler_metrics_are_exported(seen):
     errors = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("loomserve_step_cost_relative_error{")]
     assert len(errors) == 2 and all(e >= 0 for e in errors) and errors[0] <= errors[1]
+
+
+def test_scheduler_flags_map_to_the_config():
+    from loomserve.config import EngineConfig
+    from loomserve.entrypoints.cli import build_parser, engine_config_from_args
+
+    def config(*flags):
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags]))
+
+    default = config().scheduler
+    assert (default.scheduling_policy, default.target_step_ms, default.max_postpone_ms) == \
+        ("cache_aware", None, 10_000.0)
+    assert config("--target-step-ms", "auto").scheduler.target_step_ms is None
+    c = config("--target-step-ms", "0", "--scheduling-policy", "fcfs", "--max-postpone-ms", "500")
+    assert c == EngineConfig.from_kwargs(model="m", target_step_ms=0.0, scheduling_policy="fcfs",
+                                         max_postpone_ms=500.0)
+    with pytest.raises(SystemExit):
+        config("--target-step-ms", "-3")
+    with pytest.raises(ValueError):
+        EngineConfig.from_kwargs(scheduling_policy="lifo")
