@@ -38,6 +38,9 @@ class Executor:
     def execute_model(self, model_input: ModelInput) -> ModelOutput:
         raise NotImplementedError
 
+    def check_health(self) -> None:
+        """Raise if a rank is gone (cheap: for the core's idle loop; a step checks anyway)."""
+
     def shutdown(self) -> None:
         pass
 

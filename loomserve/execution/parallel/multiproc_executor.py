@@ -156,6 +156,9 @@ class MultiprocExecutor(Executor):
             self._check_workers()
             time.sleep(0.01)
 
+    def check_health(self) -> None:
+        self._check_workers()
+
     def _check_workers(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
             code = p.poll()
