@@ -1,12 +1,12 @@
 """The executor: how a step's ModelInput reaches the model on every rank.
 
 One worker per rank, each owning a ModelRunner (model weights, its shard of the paged KV
-buffer, the sampler). Today there is one rank in the core's own process (UniProcExecutor); the
-seam is here so that multi-process workers (tensor, data, expert parallelism) plug in behind
-the same three calls without the engine core changing. Invariant: execute_model returns the
-sampled tokens of the driver rank (rank 0), the same on every rank. make_executor picks:
-one rank -> UniProcExecutor (no step message, no collective: today's path, as fast as before);
-more -> MultiprocExecutor (loomserve.execution.parallel.multiproc_executor).
+buffer, the sampler). The engine core only calls execute_model / check_health / shutdown, so
+how ranks are laid out stays behind this seam. Invariant: execute_model returns the sampled
+tokens of the driver rank (rank 0), the only rank that samples. make_executor picks:
+one rank -> UniProcExecutor (in the core's process; no step message, no collective);
+more -> MultiprocExecutor (loomserve.execution.parallel.multiproc_executor: rank 0 in the
+core's process, one worker process per other rank).
 """
 
 from __future__ import annotations
