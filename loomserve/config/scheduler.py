@@ -22,6 +22,9 @@ class SchedulerConfig:
     target_step_ms: float | None = None
     # Aging: a request waiting longer than this goes to the front of the admission order.
     max_postpone_ms: float = 10_000.0
+    # New prefill work (admitting a waiting request) only on steps whose number is a multiple
+    # of this; decodes and running prefill chunks continue every step (see Scheduler).
+    prefill_schedule_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -36,3 +39,5 @@ class SchedulerConfig:
             raise ValueError("target_step_ms must be >= 0 (0: off, None: auto)")
         if self.max_postpone_ms < 0:
             raise ValueError("max_postpone_ms must be >= 0")
+        if self.prefill_schedule_interval < 1:
+            raise ValueError("prefill_schedule_interval must be >= 1")

@@ -74,6 +74,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
                    help="aging: a request waiting longer goes to the front of the admission "
                         "order (default: %(default)s)")
+    p.add_argument("--prefill-schedule-interval", type=int, metavar="N",
+                   default=_DEFAULTS["prefill_schedule_interval"],
+                   help="admit new prefill work only every N steps (decodes and running prefill "
+                        "chunks continue every step), so data-parallel ranks prefill on the same "
+                        "steps (default: %(default)s = every step)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
                    help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU "
                         "(default: %(default)s)")
@@ -191,7 +196,9 @@ def _add_parallel(p) -> None:
                    help="ranks that run the model together, each with 1/N of the weights and KV "
                         "heads; --kv-cache-memory is per rank (default: %(default)s)")
     g.add_argument("--data-parallel-size", type=int, default=_DEFAULTS["data_parallel_size"],
-                   metavar="N", help="not supported yet; must be 1")
+                   metavar="N", help="engine cores (each its own scheduler and KV pool) "
+                   "behind one front end, which places requests by session, cached prefix and "
+                   "load; --kv-cache-memory is per core (default: %(default)s)")
     g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
                    help="nodes the ranks are spread over (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],

@@ -140,7 +140,8 @@ class EngineCore:
                                    sc.long_prefill_threshold, self.tiers,
                                    policy=sc.scheduling_policy, cost_model=self.cost_model,
                                    target_step_ms=sc.target_step_ms,
-                                   max_postpone_ms=sc.max_postpone_ms)
+                                   max_postpone_ms=sc.max_postpone_ms,
+                                   prefill_schedule_interval=sc.prefill_schedule_interval)
         self.scheduler.transfer = self.transfer
         capacity = self.runner.kv_cache_config.capacity_tokens
         if capacity < config.cache.block_size:

@@ -65,9 +65,17 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  long_prefill_threshold: int = 0, tiers=None, *, policy: str = "fcfs",
                  cost_model: StepCostModel | None = None, target_step_ms: float | None = 0,
-                 max_postpone_ms: float = 10_000.0, clock=time.monotonic) -> None:
+                 max_postpone_ms: float = 10_000.0, clock=time.monotonic,
+                 prefill_schedule_interval: int = 1) -> None:
         """Defaults keep the plain behaviour (fcfs, token budget only); EngineCore passes the
         configured policy, cost model and target (loomserve.config.scheduler)."""
+        # The prefill schedule interval: a waiting request is admitted (new prefill work) only
+        # on steps whose number is a multiple of it; decodes and running prefill chunks go on
+        # every step. Data-parallel ranks then start prefills on the same steps, so none waits
+        # for another's prefill at the MoE all-to-all. step_number counts this scheduler's
+        # schedule() calls (each DP core its own; a lockstep driver may set it).
+        self.prefill_schedule_interval = prefill_schedule_interval
+        self.step_number = 0
         self.kv = kv
         self.tiers = tiers  # TierConnector or None
         self.transfer = None  # KVTransferConnector (prefill/decode legs) or None
@@ -151,7 +159,12 @@ class Scheduler:
         elif not out.preempted:
             self._admit_waiting(out, budget, plan)
         self._finish_plan(out, plan)
+        self.step_number += 1
         return out
+
+    def _prefill_allowed(self) -> bool:
+        """May this step admit new prefill work (the prefill schedule interval)?"""
+        return self.step_number % self.prefill_schedule_interval == 0
 
     def _run_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan,
                  done: set[str]) -> int:
@@ -252,7 +265,7 @@ class Scheduler:
                    ) -> tuple[bool | None, int]:
         """Try to admit one waiting request: (True admitted / False skipped, it waits for
         something of its own / None: stop admitting this step, budget left)."""
-        if len(self.running) >= self.max_num_seqs:
+        if len(self.running) >= self.max_num_seqs or not self._prefill_allowed():
             return None, budget
         if self._held(req):
             return False, budget
