@@ -104,6 +104,12 @@ class MultiprocExecutor(Executor):
                                       "would move rank 0's KV heads only)")
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
+        device = config.model.torch_device
+        if device.type == "cuda" and pc.world_size > 1:
+            import torch
+            if torch.cuda.device_count() < pc.ranks_per_node:
+                raise ValueError(f"{pc.ranks_per_node} ranks on this node need as many GPUs; "
+                                 f"found {torch.cuda.device_count()} (NCCL takes one per rank)")
         self.world_size = pc.world_size
         addr = pc.master_addr
         port = pc.master_port or free_port(addr)
@@ -111,7 +117,6 @@ class MultiprocExecutor(Executor):
         self.tp = None
         try:
             t0 = time.perf_counter()
-            device = config.model.torch_device
             if self.world_size > 1:
                 set_layout(0, self.world_size, device)
             # the model loads while the workers start; the rendezvous comes after
