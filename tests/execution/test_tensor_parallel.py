@@ -133,10 +133,10 @@ def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
     assert get_tp() is None  # the failed start left no process group behind
 
 
-def test_data_parallel_is_refused_clearly():
+def test_data_parallel_with_tensor_parallel_is_refused_clearly():
     from loomserve.config import EngineConfig
-    with pytest.raises(ValueError, match="data parallelism is not supported yet"):
-        EngineConfig.from_kwargs(data_parallel_size=2)
+    with pytest.raises(ValueError, match="not supported yet"):
+        EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2)
 
 
 def test_cli_parallel_flags():
