@@ -5,7 +5,10 @@ the KV heads; see loomserve.execution.parallel). The ranks meet at a torch.distr
 rendezvous: master_addr:master_port (port 0 = a free port, single node only). With nnodes > 1
 the ranks are split evenly over the nodes; node 0 runs the engine core (rank 0, the driver),
 every other node runs `loomserve serve --node-rank K` as headless workers.
-Data parallelism is not built yet and is refused with a clear message.
+data_parallel_size engine cores (each its own scheduler, KV pool and process) serve behind one
+front end, which places each request on one core (loomserve.entrypoints.dp_client);
+data_parallel_rank is the core's index, set by the front end in each core's copy of the config.
+DP x TP > 1 combined and DP over several nodes are refused for now (not tested).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # which DP engine core this config is for (set per core)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -27,9 +31,13 @@ class ParallelConfig:
             n = getattr(self, name)
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
-        if self.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size}: data parallelism is "
-                             "not supported yet (use --tensor-parallel-size)")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} must be in "
+                             f"[0, data_parallel_size={self.data_parallel_size})")
+        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
+            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 or "
+                             "--nnodes > 1 is not supported yet (DP runs one single-rank engine "
+                             "core per DP rank on one node)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
@@ -42,7 +50,9 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Ranks of ONE engine core (its tensor-parallel group): DP engine cores are separate
+        cores, each with its own executor, so they are not counted here."""
+        return self.tensor_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

@@ -65,7 +65,14 @@ class AsyncLLM:
         self._dead: CoreDead | None = None
         self._dead_callbacks: list[Callable[[CoreDead], None]] = []
         self._stats = EngineStats()
-        if in_process:
+        if config.parallel.data_parallel_size > 1:  # N engine cores (entrypoints.dp_client)
+            if in_process:
+                raise EngineStartError("--data-parallel-size > 1 runs one process per engine "
+                                       "core: drop --engine-in-process")
+            from loomserve.entrypoints.dp_client import DPCoreClient
+            self.client = DPCoreClient(config, self._on_event, log_level)
+            Tokenizer.preload()
+        elif in_process:
             self.client = ThreadCoreClient(config, self._on_event)
         else:
             self.client = ProcCoreClient(config, self._on_event, log_level)

@@ -30,6 +30,9 @@ def _human(n: float) -> str:
 def startup_line(engine, config: EngineConfig, url: str) -> str:
     ready = engine.ready
     layout = "engine in-process" if engine.core is not None else f"engine core pid {ready.pid}"
+    pids = getattr(engine.client, "pids", None)  # data parallelism: one core per DP rank
+    if pids:
+        layout = f"{len(pids)} data-parallel engine cores (pids {', '.join(map(str, pids))})"
     return (f"loomserve: serving {engine.model_name} "
             f"(from {config.model.model or 'built-in default'}, {ready.dtype}, {ready.device}, "
             f"{_human(ready.num_params)} params), context {engine.max_model_len} tokens, "
