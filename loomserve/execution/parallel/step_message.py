@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loomserve.execution.batch import ModelInput, ScheduledSeq
+from loomserve.kv.directives import StateDirective
 
 
 class SeqStep(msgspec.Struct, array_like=True, gc=False):
@@ -26,6 +27,9 @@ class SeqStep(msgspec.Struct, array_like=True, gc=False):
     sample: bool
     reset: int  # bit g set: blocks[g] is group g's whole table, not an append
     blocks: list[list[int]]  # per KV group: ids to append (or the whole table, see reset)
+    # linear/SSM-state groups only (hybrid models): per group [g, running_block, init_from
+    # (-1: none), zero_init, n0, page0, n1, page1, ...] (StateDirective, flattened)
+    states: list[list[int]] = []
 
 
 class StepMessage(msgspec.Struct, array_like=True, gc=False):
@@ -72,6 +76,9 @@ class BlockSyncSender:
             blocks.append(list(ids))
             now.append((ids, n))
         self.sent[s.request_id] = now
+        if s.states:
+            return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks,
+                           [_flat_state(g, d) for g, d in s.states.items()])
         return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks)
 
 
@@ -96,7 +103,22 @@ class BlockSyncReceiver:
                 have[g].extend(ids)
                 out.append(have[g])
         self.tables[s.request_id] = out
-        return ScheduledSeq(s.request_id, s.token_ids, s.start_pos, out, s.sample, None)
+        seq = ScheduledSeq(s.request_id, s.token_ids, s.start_pos, out, s.sample, None)
+        if s.states:
+            seq.states = dict(_state_of(f) for f in s.states)
+        return seq
+
+
+def _flat_state(g: int, d: StateDirective) -> list[int]:
+    out = [g, d.running_block, -1 if d.init_from is None else d.init_from, int(d.zero_init)]
+    for n, page in d.saves:
+        out += (n, page)
+    return out
+
+
+def _state_of(f: list[int]) -> tuple[int, StateDirective]:
+    saves = [(f[i], f[i + 1]) for i in range(4, len(f), 2)]
+    return f[0], StateDirective(f[1], None if f[2] < 0 else f[2], bool(f[3]), saves)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

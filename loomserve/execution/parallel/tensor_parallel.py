@@ -25,21 +25,28 @@ from loomserve.execution.layers.parallel_linear import (
     VocabParallelEmbedding,
     vocab_per_rank,
 )
+from loomserve.execution.parallel import tp_families
 from loomserve.execution.parallel.state import TPGroup
 
-SUPPORTED = ("LlamaForCausalLM",)  # the class serves Llama, Mistral, Qwen2 and Qwen3
+# The Llama class serves Llama, Mistral, Qwen2 and Qwen3; Gemma 3 is the same split (its extra
+# norms are replicated, its soft-cap applies after the logits are gathered).
+SUPPORTED = {"LlamaForCausalLM": "loomserve.execution.models.llama",
+             "Gemma3ForCausalLM": "loomserve.execution.models.gemma3"}
+SUPPORTED_NAMES = "the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss and Qwen3-Next"
 
 
 def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:
     """Raise a clear error for what this rank split cannot serve."""
-    if model_cls.__name__ not in SUPPORTED or model_cls.__module__ != \
-            "loomserve.execution.models.llama":
+    fam = tp_families.family(model_cls)
+    if fam is None and SUPPORTED.get(model_cls.__name__) != model_cls.__module__:
         raise NotImplementedError(
-            f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3) so far, "
+            f"tensor parallelism supports {SUPPORTED_NAMES} so far, "
             f"not {model_cls.__name__}: serve it with --tensor-parallel-size 1")
     if quantization != "none":
         raise NotImplementedError(f"--quantization {quantization} with --tensor-parallel-size "
                                   f"{size} is not supported yet")
+    if fam is not None:
+        return tp_families.check(fam, cfg, size)
     h, kv = cfg.num_heads, cfg.num_kv_heads
     if h % size or cfg.intermediate_size % size or (kv % size and size % kv):
         raise ValueError(f"tensor_parallel_size={size} must divide num_heads={h} and "
@@ -71,6 +78,9 @@ def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
 
 def shard_config(cfg, tp: TPGroup):
     """The config a rank builds its slice of the model from."""
+    fam = tp_families.family_of_cfg(cfg)
+    if fam is not None:
+        return tp_families.shard_config(fam, cfg, tp)
     return dataclasses.replace(
         cfg, num_heads=cfg.num_heads // tp.size,
         num_kv_heads=kv_heads_of(tp.rank, tp.size, cfg.num_kv_heads)[1],
@@ -80,6 +90,9 @@ def shard_config(cfg, tp: TPGroup):
 
 def parallelize(model: torch.nn.Module, cfg, tp: TPGroup) -> None:
     """Swap in the communicating layers (on the meta device, before the weights load)."""
+    fam = tp_families.family(type(model))
+    if fam is not None:
+        return tp_families.parallelize(fam, model, cfg, tp)
     inner = model.model
     for layer in inner.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp)
@@ -93,6 +106,10 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg, tp: TPGroup
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors -> the same names with this rank's slices (the names the
     parallelized model's load_weights expects: RowParallelLinear's inner `.linear.`)."""
+    fam = tp_families.family_of_cfg(cfg)
+    if fam is not None:
+        yield from tp_families.shard_weights(fam, weights, cfg, tp)
+        return
     r, n, d = tp.rank, tp.size, cfg.head_dim
     heads = cfg.num_heads // n
     kv_first, kv_count = kv_heads_of(r, n, cfg.num_kv_heads)
