@@ -49,7 +49,8 @@ def _run(model: str, tp: int) -> tuple[list, list, int, int]:
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gpt-oss", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-gpt-oss",
+                                  "tiny-gemma3"])
 def test_greedy_and_prefix_hits_match_one_rank(name):
     model = _fixture(name)
     tokens1, cached1, blocks1, page1 = _run(model, 1)

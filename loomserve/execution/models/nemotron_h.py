@@ -244,6 +244,7 @@ class NemotronHForCausalLM(nn.Module):
         self.model = NemotronHModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.groups: list[int] | None = None
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tp_families.py)
 
     def init_rotary(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         pass  # no positional encoding
@@ -276,7 +277,12 @@ class NemotronHForCausalLM(nn.Module):
         return self.model.embeddings
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(self, hidden, self.lm_head, self.model.embeddings)
+        logits = lm_head_logits(self, hidden, self.lm_head, self.model.embeddings)
+        if self.tp is None:
+            return logits
+        # one rank's vocabulary slice: joined on rank 0, the sampler's
+        from loomserve.execution.layers.parallel_linear import gather_logits
+        return gather_logits(logits, self.model.embeddings.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (`backbone.` or `model.` trunk) in; every parameter exactly once."""

@@ -1,5 +1,5 @@
-"""Tensor-parallel rules for the families beyond the Llama class's own: gpt-oss and Qwen3-Next
-(Gemma 3 is the Llama split as it is: tensor_parallel.py).
+"""Tensor-parallel rules for the families beyond the Llama class's own: gpt-oss, Qwen3-Next and
+Nemotron-H (Gemma 3 is the Llama split as it is: tensor_parallel.py).
 
 The scheme is Megatron's, as for Llama: every head-shaped or intermediate-shaped dimension is
 split in N contiguous slices (rank r builds the single-rank module from a per-rank config and
@@ -16,6 +16,9 @@ rank 0 only (zeros elsewhere), so the all-reduce adds it once.
   DeltaNet key heads split with their `rep` value heads, so a rank's conv channels, decay and
   recurrent state are its heads' only (LinearStateSpec pages 1/N per rank, planned alike on
   every rank); routed and shared experts and the dense MLPs split by intermediate columns.
+- Nemotron-H: Mamba2 heads split with their B/C groups (n_groups divisible by N), so conv
+  channels, the grouped gated norm and the SSM state are per rank; attention heads, relu^2 MLP
+  and routed / shared experts split like the others (the router replicated).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from loomserve.execution.layers.parallel_linear import VocabParallelEmbedding, v
 from loomserve.execution.parallel.state import TPGroup
 
 FAMILIES = {"loomserve.execution.models.gpt_oss": "gpt_oss",
-            "loomserve.execution.models.qwen3_next": "qwen3_next"}
+            "loomserve.execution.models.qwen3_next": "qwen3_next",
+            "loomserve.execution.models.nemotron_h": "nemotron_h"}
 
 
 def family(model_cls: type) -> str | None:
@@ -40,6 +44,8 @@ def family(model_cls: type) -> str | None:
 def family_of_cfg(cfg) -> str | None:
     if type(cfg).__name__ == "Qwen3NextConfig":
         return "qwen3_next"
+    if type(cfg).__name__ == "NemotronHConfig":
+        return "nemotron_h"
     if getattr(cfg, "architecture", None) == "GptOssForCausalLM":
         return "gpt_oss"
     return None
@@ -58,6 +64,10 @@ def divisions(fam: str, cfg) -> dict[str, int]:
     d = {"num_heads": cfg.num_heads}
     if fam == "gpt_oss":
         d["intermediate_size"] = cfg.intermediate_size
+    elif fam == "nemotron_h":
+        d.update(intermediate_size=cfg.intermediate_size, mamba_num_heads=cfg.mamba_num_heads,
+                 n_groups=cfg.n_groups, moe_intermediate_size=cfg.moe_intermediate_size,
+                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
     else:
         d.update(intermediate_size=cfg.intermediate_size,
                  linear_num_key_heads=cfg.linear_num_key_heads,
@@ -92,11 +102,12 @@ def _reduce_output(module: torch.nn.Module, tp: TPGroup) -> None:
 def parallelize(fam: str, model: torch.nn.Module, cfg, tp: TPGroup) -> None:
     inner = model.model
     for layer in inner.layers:
-        for name in ("self_attn", "linear_attn", "mlp"):
+        for name in ("self_attn", "linear_attn", "mlp", "mixer"):
             if hasattr(layer, name):
                 _reduce_output(getattr(layer, name), tp)
-    inner.embed_tokens = VocabParallelEmbedding(vocab_per_rank(cfg.vocab_size, tp.size),
-                                                cfg.hidden_size, cfg.vocab_size, tp)
+    table = VocabParallelEmbedding(vocab_per_rank(cfg.vocab_size, tp.size), cfg.hidden_size,
+                                   cfg.vocab_size, tp)
+    setattr(inner, "embeddings" if fam == "nemotron_h" else "embed_tokens", table)
     model.tp = tp
 
 
@@ -104,12 +115,14 @@ def shard_weights(fam: str, weights: Iterable[tuple[str, torch.Tensor]], cfg, tp
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     from loomserve.execution.parallel.tensor_parallel import _vocab_rows
     vocab = vocab_per_rank(cfg.vocab_size, tp.size)
-    rule = _gpt_oss_rule if fam == "gpt_oss" else _qwen3_next_rule
+    rule = {"gpt_oss": _gpt_oss_rule, "qwen3_next": _qwen3_next_rule,
+            "nemotron_h": _nemotron_h_rule}[fam]
     for name, t in weights:
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight",
+                    "model.embeddings.weight"):
             t = _vocab_rows(t, tp.rank * vocab, vocab)
         else:
-            m = re.match(r"^model\.layers\.\d+\.(.*)$", name)
+            m = re.match(r"^(?:model|backbone)\.layers\.\d+\.(.*)$", name)
             if m:
                 t = rule(m.group(1), t, cfg, tp)
         yield name, t.contiguous()
@@ -126,10 +139,11 @@ def _bias_once(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return t if tp.is_driver else torch.zeros_like(t)
 
 
-def _attention(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor | None:
-    """q/k/v/o and sinks of a self_attn block (q rows per head, whatever a head's rows are);
+def _attention(rest: str, t: torch.Tensor, cfg, tp: TPGroup, block: str = "self_attn."
+               ) -> torch.Tensor | None:
+    """q/k/v/o and sinks of an attention block (q rows per head, whatever a head's rows are);
     None when `rest` is not one of them."""
-    leaf = rest.split(".")[1] if rest.startswith("self_attn.") else None
+    leaf = rest.split(".")[1] if rest.startswith(block) else None
     if leaf == "q_proj" or leaf == "sinks":
         return _part(t, 0, cfg.num_heads, tp)
     if leaf in ("k_proj", "v_proj"):
@@ -198,3 +212,50 @@ def _deltanet(name: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
     if name == "out_proj.weight":
         return _part(t, 1, hv, tp)
     return t  # the per-head norm
+
+
+def _nemotron_h_rule(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
+    """Blocks are `mixer.*` whatever their kind: the kind follows from the tensor's name."""
+    a = _attention(rest, t, cfg, tp, block="mixer.")
+    if a is not None:
+        return a
+    if not rest.startswith("mixer."):
+        return t  # the block's norm
+    name = rest[len("mixer."):]
+    if name.startswith(("in_proj.", "conv1d.", "norm.")) or name in ("dt_bias", "A_log", "D",
+                                                                       "out_proj.weight",
+                                                                       "out_proj.bias"):
+        return _mamba2(name, t, cfg, tp)
+    m = re.match(r"^(?:(shared_experts)\.|experts\.\d+\.)?(up_proj|down_proj)\.(weight|bias)$", name)
+    if m:
+        if m.group(1):
+            total = cfg.moe_shared_expert_intermediate_size
+        elif name.startswith("experts."):
+            total = cfg.moe_intermediate_size
+        else:
+            total = cfg.intermediate_size
+        if m.group(2) == "up_proj":
+            return _part(t, 0, total, tp)
+        return _bias_once(t, tp) if m.group(3) == "bias" else _part(t, 1, total, tp)
+    if name == "fc2_latent_proj.bias":  # replicated, applied to each rank's partial expert sum
+        return _bias_once(t, tp)
+    return t  # norms, router, latent projections
+
+
+def _mamba2(name: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
+    """Mamba2: heads split, and with them their groups (B and C rows), so a rank's conv channels,
+    grouped norm and SSM state are its heads' only. in_proj rows [z | x | B | C | dt]."""
+    h, g = cfg.mamba_num_heads, cfg.n_groups
+    inner, bc = h * cfg.mamba_head_dim, g * cfg.ssm_state_size
+    if name in ("in_proj.weight", "in_proj.bias"):
+        z, x, b, c, dt = t.split([inner, inner, bc, bc, h], dim=0)
+        return torch.cat([_part(z, 0, h, tp), _part(x, 0, h, tp), _part(b, 0, g, tp),
+                          _part(c, 0, g, tp), _part(dt, 0, h, tp)])
+    if name in ("conv1d.weight", "conv1d.bias"):  # channels [x | B | C]
+        x, b, c = t.split([inner, bc, bc], dim=0)
+        return torch.cat([_part(x, 0, h, tp), _part(b, 0, g, tp), _part(c, 0, g, tp)])
+    if name == "out_proj.weight":
+        return _part(t, 1, h, tp)
+    if name == "out_proj.bias":
+        return _bias_once(t, tp)
+    return _part(t, 0, h, tp)  # dt_bias, A_log, D, the grouped norm's weight [inner]
