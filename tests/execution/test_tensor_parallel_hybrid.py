@@ -1,6 +1,8 @@
 """Tensor parallelism for the families beyond the Llama class: Qwen3-Next (Gated DeltaNet heads
-and their state pages split, gated attention, MoE experts' columns split), gpt-oss (sinks split
-with their heads, biases added once, experts' columns split), Gemma 3 (the Llama split).
+and their state pages split, gated attention, MoE experts' columns split), Nemotron-H (Mamba2
+heads and groups split), gpt-oss (sinks split with their heads, biases added once, experts'
+columns split), Gemma 3 (the Llama split), DeepSeek-V3 (MLA heads split, latent cache
+replicated).
 
 Oracle: the same engine at tensor_parallel_size 1 (itself checked against transformers in the
 family tests). The all-reduce sums partial products in another order than one matmul, so
@@ -82,3 +84,14 @@ def test_step_message_carries_state_directives():
     got = receiver.model_input(decode(encode(msg))).seqs
     assert got[0].states == states and got[1].states == {}
     assert msg.seqs[1].states == []  # nothing extra for a seq without state groups
+
+
+def test_mla_heads_split_latent_cache_replicated():
+    """DeepSeek-V3: MLA heads split, the one latent row per token replicated on every rank (so
+    the page and block count are the single rank's); MoE experts split by columns."""
+    model = _fixture("tiny-deepseek-v3")  # q-LoRA + YaRN; the q_proj variant shares the rule
+    tokens1, cached1, blocks1, page1 = _run(model, 1)
+    tokens2, cached2, blocks2, page2 = _run(model, 2)
+    assert tokens2 == tokens1
+    assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32
+    assert page2 == page1 and blocks2 == blocks1

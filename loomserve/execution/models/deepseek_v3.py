@@ -163,6 +163,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int | None] | None = None
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tp_families.py)
 
     # --- runner contract --------------------------------------------------------------------------
 
@@ -197,7 +198,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
+        logits = lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
+        if self.tp is None:
+            return logits
+        # one rank's vocabulary slice: joined on rank 0, the sampler's
+        from loomserve.execution.layers.parallel_linear import gather_logits
+        return gather_logits(logits, self.model.embed_tokens.vocab_size, self.tp)
 
     # --- HF weights -------------------------------------------------------------------------------
 

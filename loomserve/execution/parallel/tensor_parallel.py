@@ -1,5 +1,6 @@
 """Tensor parallelism for the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3: how a
-model is built, split and loaded on one rank of N (gpt-oss, Qwen3-Next, Nemotron-H: tp_families).
+model is built, split and loaded on one rank of N (gpt-oss, Qwen3-Next, Nemotron-H, DeepSeek-V3:
+tp_families.py).
 
 Rank r of N builds the single-rank model from a per-rank config (num_heads/N query heads, its
 KV heads, intermediate/N MLP columns, a vocabulary slice of ceil(V/N) rows), swaps o_proj and
@@ -9,8 +10,8 @@ KV heads: with num_kv_heads >= N each rank owns num_kv_heads/N of them; with few
 N > num_kv_heads) each rank holds the one KV head its query heads read, replicated N/kv times.
 So a rank's KV page is 1/N of the single-rank page (1/kv when replicated), every rank plans the
 same number of blocks from the same budget, and the driver's block ids mean the same
-everywhere. Other families (DeepSeek-V3's MLA) and quantized weights are refused at N > 1 with
-a clear error.
+everywhere. Other model classes (a registered plugin) and quantized weights are refused at
+N > 1 with a clear error.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from loomserve.execution.parallel.state import TPGroup
 # norms are replicated, its soft-cap applies after the logits are gathered).
 SUPPORTED = {"LlamaForCausalLM": "loomserve.execution.models.llama",
              "Gemma3ForCausalLM": "loomserve.execution.models.gemma3"}
-SUPPORTED_NAMES = "the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss, Qwen3-Next and Nemotron-H"
+SUPPORTED_NAMES = "the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss, Qwen3-Next, Nemotron-H and DeepSeek-V3"
 
 
 def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:

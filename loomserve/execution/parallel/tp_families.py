@@ -1,5 +1,5 @@
-"""Tensor-parallel rules for the families beyond the Llama class's own: gpt-oss, Qwen3-Next and
-Nemotron-H (Gemma 3 is the Llama split as it is: tensor_parallel.py).
+"""Tensor-parallel rules for the families beyond the Llama class's own: gpt-oss, Qwen3-Next,
+Nemotron-H and DeepSeek-V3 (Gemma 3 is the Llama split as it is: tensor_parallel.py).
 
 The scheme is Megatron's, as for Llama: every head-shaped or intermediate-shaped dimension is
 split in N contiguous slices (rank r builds the single-rank module from a per-rank config and
@@ -19,6 +19,9 @@ rank 0 only (zeros elsewhere), so the all-reduce adds it once.
 - Nemotron-H: Mamba2 heads split with their B/C groups (n_groups divisible by N), so conv
   channels, the grouped gated norm and the SSM state are per rank; attention heads, relu^2 MLP
   and routed / shared experts split like the others (the router replicated).
+- DeepSeek-V3 (MLA): query heads, kv_b_proj's per-head rows and o_proj's columns split; the
+  latent path and its cache replicated (every rank stores the same latent rows: page and block
+  count as one rank's; splitting the cache itself is DCP's job, not TP's); MoE as above.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from loomserve.execution.parallel.state import TPGroup
 
 FAMILIES = {"loomserve.execution.models.gpt_oss": "gpt_oss",
             "loomserve.execution.models.qwen3_next": "qwen3_next",
-            "loomserve.execution.models.nemotron_h": "nemotron_h"}
+            "loomserve.execution.models.nemotron_h": "nemotron_h",
+            "loomserve.execution.models.deepseek_v3": "deepseek_v3"}
 
 
 def family(model_cls: type) -> str | None:
@@ -46,6 +50,8 @@ def family_of_cfg(cfg) -> str | None:
         return "qwen3_next"
     if type(cfg).__name__ == "NemotronHConfig":
         return "nemotron_h"
+    if type(cfg).__name__ == "DeepseekV3Config":
+        return "deepseek_v3"
     if getattr(cfg, "architecture", None) == "GptOssForCausalLM":
         return "gpt_oss"
     return None
@@ -64,6 +70,9 @@ def divisions(fam: str, cfg) -> dict[str, int]:
     d = {"num_heads": cfg.num_heads}
     if fam == "gpt_oss":
         d["intermediate_size"] = cfg.intermediate_size
+    elif fam == "deepseek_v3":
+        d.update(intermediate_size=cfg.intermediate_size,
+                 moe_intermediate_size=cfg.moe_intermediate_size)
     elif fam == "nemotron_h":
         d.update(intermediate_size=cfg.intermediate_size, mamba_num_heads=cfg.mamba_num_heads,
                  n_groups=cfg.n_groups, moe_intermediate_size=cfg.moe_intermediate_size,
@@ -78,7 +87,7 @@ def divisions(fam: str, cfg) -> dict[str, int]:
 
 def check(fam: str, cfg, size: int) -> None:
     bad = {k: v for k, v in divisions(fam, cfg).items() if v % size}
-    kv = cfg.num_kv_heads
+    kv = getattr(cfg, "num_kv_heads", size)  # MLA: one latent row per token, replicated
     if bad or (kv % size and size % kv):
         raise ValueError(f"tensor_parallel_size={size} must divide {bad or divisions(fam, cfg)} "
                          f"and divide or be a multiple of num_kv_heads={kv}")
@@ -87,7 +96,8 @@ def check(fam: str, cfg, size: int) -> None:
 def shard_config(fam: str, cfg, tp: TPGroup):
     n = tp.size
     kw = {k: v // n for k, v in divisions(fam, cfg).items()}
-    kw["num_kv_heads"] = kv_heads_of(tp.rank, n, cfg.num_kv_heads)[1]
+    if fam != "deepseek_v3":
+        kw["num_kv_heads"] = kv_heads_of(tp.rank, n, cfg.num_kv_heads)[1]
     kw["vocab_size"] = vocab_per_rank(cfg.vocab_size, n)
     if fam == "qwen3_next":
         kw["linear_num_value_heads"] = cfg.linear_num_value_heads // n
@@ -116,7 +126,7 @@ def shard_weights(fam: str, weights: Iterable[tuple[str, torch.Tensor]], cfg, tp
     from loomserve.execution.parallel.tensor_parallel import _vocab_rows
     vocab = vocab_per_rank(cfg.vocab_size, tp.size)
     rule = {"gpt_oss": _gpt_oss_rule, "qwen3_next": _qwen3_next_rule,
-            "nemotron_h": _nemotron_h_rule}[fam]
+            "nemotron_h": _nemotron_h_rule, "deepseek_v3": _deepseek_v3_rule}[fam]
     for name, t in weights:
         if name in ("model.embed_tokens.weight", "lm_head.weight", "backbone.embeddings.weight",
                     "model.embeddings.weight"):
@@ -170,7 +180,7 @@ def _gpt_oss_rule(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
     return t  # norms, router
 
 
-_QN_MLP = re.compile(r"^mlp\.(?:(shared_expert)\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)\.weight$")
+_QN_MLP = re.compile(r"^mlp\.(?:(shared_experts?)\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _qwen3_next_rule(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
@@ -179,16 +189,19 @@ def _qwen3_next_rule(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tens
         return a
     if rest.startswith("linear_attn."):
         return _deltanet(rest[len("linear_attn."):], t, cfg, tp)
+    return _moe_rule(rest, t, cfg.intermediate_size, cfg.moe_intermediate_size,
+                     cfg.shared_expert_intermediate_size, tp)
+
+
+def _moe_rule(rest: str, t: torch.Tensor, inter: int, moe_inter: int, shared: int,
+              tp: TPGroup) -> torch.Tensor:
+    """SwiGLU MLPs by intermediate columns: the dense one, every routed expert (per-expert or
+    stacked), the shared expert(s); routers and gates replicated."""
     m = _QN_MLP.match(rest)
     if m:
-        if m.group(1):
-            total = cfg.shared_expert_intermediate_size
-        elif rest.startswith("mlp.experts."):
-            total = cfg.moe_intermediate_size
-        else:
-            total = cfg.intermediate_size
+        total = shared if m.group(1) else moe_inter if rest.startswith("mlp.experts.") else inter
         return _part(t, 1 if m.group(2) == "down_proj" else 0, total, tp)
-    i = cfg.moe_intermediate_size
+    i = moe_inter
     if rest == "mlp.experts.gate_up_proj":  # stacked [experts, 2 * inter, hidden]: gate; up
         gate, up = t.split(i, dim=1)
         return torch.cat([_part(gate, 1, i, tp), _part(up, 1, i, tp)], dim=1)
@@ -259,3 +272,19 @@ def _mamba2(name: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
     if name == "out_proj.bias":
         return _bias_once(t, tp)
     return _part(t, 0, h, tp)  # dt_bias, A_log, D, the grouped norm's weight [inner]
+
+
+def _deepseek_v3_rule(rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
+    """MLA: query heads, kv_b_proj's per-head [k_nope | v] rows and o_proj's columns split; the
+    latent path (q_a / kv_a projections and norms, one latent row per token) replicated, so the
+    latent cache is whole on every rank (same page, same blocks as one rank). MoE as Qwen3-Next's
+    (shared experts one MLP n_shared times as wide: its columns split the same way)."""
+    leaf = rest.split(".")[1] if rest.startswith("self_attn.") else None
+    if leaf in ("q_proj", "q_b_proj") or rest == "self_attn.kv_b_proj.weight":
+        return _part(t, 0, cfg.num_heads, tp)
+    if leaf == "o_proj":
+        return _bias_once(t, tp) if rest.endswith("bias") else _part(t, 1, cfg.num_heads, tp)
+    if leaf is not None:
+        return t
+    return _moe_rule(rest, t, cfg.intermediate_size, cfg.moe_intermediate_size,
+                     cfg.moe_intermediate_size * cfg.n_shared_experts, tp)
