@@ -21,6 +21,10 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # which DP engine core this config is for (set per core)
+    # DEP: MoE experts sharded over the DP ranks, which step in lockstep (dp_lockstep.py);
+    # dp_master_port is where the DP ranks' gloo group meets (set by the front end).
+    enable_expert_parallel: bool = False
+    dp_master_port: int = 0
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

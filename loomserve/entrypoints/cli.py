@@ -199,6 +199,11 @@ def _add_parallel(p) -> None:
                    metavar="N", help="engine cores (each its own scheduler and KV pool) "
                    "behind one front end, which places requests by session, cached prefix and "
                    "load; --kv-cache-memory is per core (default: %(default)s)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   default=_DEFAULTS["enable_expert_parallel"],
+                   help="with --data-parallel-size N on an MoE model: each DP rank holds 1/N of "
+                        "the experts, the ranks step in lockstep (idle ones run dummy steps) and "
+                        "exchange tokens at every MoE layer")
     g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
                    help="nodes the ranks are spread over (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ log = logging.getLogger("loomserve.entrypoints")
 LOAD_SLACK = 2  # a rank this many requests above the least loaded one is not chosen for a hit
 MAX_INDEXED_BLOCKS = 1 << 16  # per rank, LRU
 MAX_SESSIONS = 1 << 16
+SHUTDOWN_GRACE_S = 3.0  # then a rank still exiting is terminated (its core is closed by then)
 
 
 def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -144,6 +146,13 @@ class DPPlacement:
             lru.popitem(last=False)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of DP rank `rank`'s engine core."""
     return dataclasses.replace(
@@ -170,6 +179,9 @@ class DPCoreClient:
         self._lock = threading.Lock()  # placement state, and one event forwarded at a time
         self._dead = False
         self.placement = DPPlacement(n, config.cache.block_size)
+        if config.parallel.enable_expert_parallel and not config.parallel.dp_master_port:
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                config.parallel, dp_master_port=_free_port()))
         self.rank_stats = [EngineStats() for _ in range(n)]
         self.clients: list[ProcCoreClient] = []
         try:  # all ranks load their model at the same time
@@ -232,8 +244,19 @@ class DPCoreClient:
         return all(client.is_alive() for client in self.clients)
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._dead = True  # closing: a rank failing as its peers leave is no news
+        for client in self.clients:  # all at once: lockstep ranks leave together
+            if client.is_alive():
+                client.submit(Shutdown())
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for client in self.clients:
-            client.shutdown()
+            client.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for client in self.clients:
+            if client.proc.is_alive():  # closed, but its interpreter teardown is slow (gloo)
+                client._close(kill=True)  # noqa: SLF001
+            else:
+                client.shutdown()
 
     def _kill_all(self) -> None:
         for client in self.clients:

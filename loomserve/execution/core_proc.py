@@ -91,6 +91,8 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
             from loomserve.execution.core import EngineCore
             core = EngineCore(config)
             faults.install(core)
+            from loomserve.execution.parallel.dp_lockstep import maybe_lockstep
+            core = maybe_lockstep(core, config)  # DEP: DP ranks step together (else core)
         except BaseException as exc:  # noqa: BLE001 - a failed start is reported, then exit 1
             log.error("the engine core could not start\n%s", traceback.format_exc())
             transport.send(CoreFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))

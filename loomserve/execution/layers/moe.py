@@ -11,6 +11,17 @@ Routing, as transformers' DeepseekV3TopkRouter does it (all in fp32):
 
 Experts are stacked [experts, 2 * inter, hidden] (gate; up) and [experts, hidden, inter] and run
 as a loop over the experts the step routes to (no grouped GEMM; correctness first).
+
+Expert parallelism (DEP, `--enable-expert-parallel` with data parallelism): enable_ep() keeps
+only this rank's contiguous slice of the experts (experts / ranks each). Each MoE forward then
+runs, over the DP ranks' gloo group: all-gather of every rank's token count, all-gather of the
+tokens with their routing (padded to the largest count; the "dispatch"), this rank's experts over
+all gathered tokens, and an all-reduce of the partial outputs, of which each rank keeps its own
+rows (the "combine"). That is the naive all-gather/all-reduce form of the all-to-all (gloo has
+no all-to-all on every build; per layer ~N x tokens x hidden both ways). Every rank must call
+forward once per MoE layer per step, in the same order: a rank without work calls ep_dummy().
+Reduction order differs from one rank (partial sums per rank), so outputs match within fp
+rounding.
 """
 
 from __future__ import annotations
@@ -70,18 +81,76 @@ class DeepseekMoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, inter))
         self.inter, self.num_experts = inter, experts
         self.shared_experts = SwiGLU(hidden, inter * n_shared) if n_shared else None
+        self.ep = None  # (group, rank, size, first local expert) once enable_ep() ran
+        self.ep_calls = 0  # forwards (real or dummy) under EP: the lockstep driver checks it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
-            gate, up = F.linear(x[tok], self.experts_gate_up[e]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(x.dtype))
+        if self.ep is not None:
+            out = self._ep_routed(x, weights, ids)
+        else:
+            out = self._routed(x, weights, ids, 0, self.num_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _routed(self, x, weights, ids, first: int, count: int) -> torch.Tensor:
+        """The routed experts [first, first + count) over x (rows of other experts add 0)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            if not first <= e < first + count:
+                continue
+            tok, slot = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.experts_gate_up[e - first]).split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[e - first]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(x.dtype))
+        return out
+
+    # -- expert parallelism ------------------------------------------------------------------
+    def enable_ep(self, group, rank: int, size: int) -> None:
+        """Keep only experts [rank * E / size, (rank + 1) * E / size) of the loaded stacks."""
+        if self.num_experts % size:
+            raise ValueError(f"expert parallel: {self.num_experts} experts do not split over "
+                             f"{size} ranks")
+        per = self.num_experts // size
+        first = rank * per
+        self.experts_gate_up = nn.Parameter(self.experts_gate_up.data[first:first + per].clone(),
+                                            requires_grad=False)
+        self.experts_down = nn.Parameter(self.experts_down.data[first:first + per].clone(),
+                                         requires_grad=False)
+        self.ep = (group, rank, size, first)
+
+    def ep_dummy(self, hidden: int, dtype: torch.dtype, device) -> None:
+        """This layer's collectives with no tokens (a rank without work this step)."""
+        x = torch.zeros(0, hidden, dtype=dtype, device=device)
+        k = self.gate.top_k
+        self._ep_routed(x, torch.zeros(0, k), torch.zeros(0, k, dtype=torch.long))
+
+    def _ep_routed(self, x, weights, ids) -> torch.Tensor:
+        import torch.distributed as dist
+        group, rank, size, first = self.ep
+        self.ep_calls += 1
+        n, hidden, k = x.shape[0], x.shape[1], ids.shape[1]
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([n]), group=group)
+        counts = [int(c) for c in counts]
+        m = max(counts)
+        if m == 0:
+            return torch.zeros_like(x)
+        # One float tensor per rank: hidden | routing weights | expert ids (-1: padding row).
+        packed = torch.zeros(m, hidden + 2 * k, dtype=torch.float32)
+        packed[:, hidden + k:] = -1
+        packed[:n, :hidden] = x.float()
+        packed[:n, hidden:hidden + k] = weights.float()
+        packed[:n, hidden + k:] = ids.float()
+        gathered = [torch.empty_like(packed) for _ in range(size)]
+        dist.all_gather(gathered, packed, group=group)
+        allp = torch.cat(gathered)
+        xs = allp[:, :hidden].to(x.dtype)
+        part = self._routed(xs, allp[:, hidden:hidden + k], allp[:, hidden + k:].long(), first,
+                            self.experts_down.shape[0]).float()
+        dist.all_reduce(part, group=group)
+        return part[rank * m:rank * m + n].to(x.dtype)
 
     def load_expert(self, e: int, proj: str, t: torch.Tensor) -> str:
         """One expert's HF gate_proj / up_proj / down_proj weight into the stacks; returns the key

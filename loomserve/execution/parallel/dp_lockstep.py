@@ -1,0 +1,114 @@
+"""DEP: data-parallel engine cores of an MoE model stepping in lockstep, experts sharded
+across them (`--data-parallel-size N --enable-expert-parallel`).
+
+Each DP rank is its own engine core process (loomserve.entrypoints.dp_client). With expert
+parallelism every MoE layer's forward is a collective over the DP ranks' gloo group
+(loomserve.execution.layers.moe), so all ranks must run the same number of forwards:
+
+- every loop turn each rank all-reduces (max) "I have work"; when no rank has any, all idle
+  together (a short sleep, the core's idle housekeeping now and then);
+- otherwise every rank steps: a rank with work runs its real step; a rank without work, or
+  whose step ran no model forward (nothing schedulable, e.g. between prefill-interval steps),
+  runs a dummy step: each MoE layer's collectives with zero tokens (not a whole 1-token model
+  forward: only the MoE layers communicate, and zero tokens touch no KV);
+- the step number is global (the count of lockstep steps, the same on every rank) and is set
+  into the scheduler before each step, so --prefill-schedule-interval admits prefills on the
+  same steps on every rank.
+
+The group meets at 127.0.0.1:dp_master_port (one node; set by the front end). Dense models
+need no lockstep: LockstepCore is only used when the model has MoE layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger("loomserve.execution")
+
+IDLE_SLEEP_S = 0.005  # an all-idle turn's pause (every rank polls together)
+IDLE_HOUSEKEEPING_S = 0.25
+GROUP_TIMEOUT_S = 60.0
+
+
+def maybe_lockstep(core, config):
+    """The core to run: `core` itself, or a LockstepCore around it under DEP."""
+    pc = config.parallel
+    if not (getattr(pc, "enable_expert_parallel", False) and pc.data_parallel_size > 1):
+        return core
+    from loomserve.execution.layers.moe import DeepseekMoE
+    moes = [m for m in core.runner.model.modules() if isinstance(m, DeepseekMoE)]
+    if not moes:
+        log.info("--enable-expert-parallel: the model has no MoE layers; DP ranks run freely")
+        return core
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pc.dp_master_port}",
+                                rank=pc.data_parallel_rank, world_size=pc.data_parallel_size,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    group = dist.group.WORLD
+    for m in moes:
+        m.enable_ep(group, pc.data_parallel_rank, pc.data_parallel_size)
+    log.info("DP rank %d/%d: expert parallel over %d MoE layers, %d experts each",
+             pc.data_parallel_rank, pc.data_parallel_size, len(moes),
+             moes[0].experts_down.shape[0])
+    return LockstepCore(core, moes, group)
+
+
+class LockstepCore:
+    """An EngineCore whose steps are in lockstep with the other DP ranks' (see the module
+    docstring). has_work() is always True so the core loop turns without blocking; step()
+    decides, with the other ranks, whether this turn is a step or an idle pause."""
+
+    def __init__(self, core, moes, group) -> None:
+        self.core, self.moes, self.group = core, moes, group
+        self.global_step = 0
+        self.dummy_steps = 0
+        self._idle_at = 0.0
+        emb = next(core.runner.model.parameters())
+        self._hidden = moes[0].experts_down.shape[1]
+        self._dtype, self._device = emb.dtype, emb.device
+
+    def __getattr__(self, name):  # add, abort, end_session, stats, ready, close ...
+        return getattr(self.core, name)
+
+    def has_work(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Close the core, then leave the DP group (else the process's exit waits seconds
+        on the group's teardown)."""
+        import torch.distributed as dist
+        try:
+            self.core.close()
+        finally:
+            t0 = time.monotonic()
+            dist.destroy_process_group()
+            log.info("left the DP group in %.2f s", time.monotonic() - t0)
+
+    def idle(self) -> None:  # never called: has_work() is always True
+        self.core.idle()
+
+    def step(self):
+        import torch.distributed as dist
+        flag = torch.tensor([1 if self.core.has_work() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            now = time.monotonic()
+            if now - self._idle_at >= IDLE_HOUSEKEEPING_S:
+                self.core.idle()
+                self._idle_at = now
+            time.sleep(IDLE_SLEEP_S)
+            return []
+        self.core.scheduler.step_number = self.global_step
+        self.global_step += 1
+        before = self.moes[0].ep_calls
+        outputs = self.core.step() if self.core.has_work() else []
+        if self.moes[0].ep_calls == before:  # this rank ran no forward: keep the others company
+            self.dummy_steps += 1
+            for m in self.moes:
+                m.ep_dummy(self._hidden, self._dtype, self._device)
+        return outputs
