@@ -169,3 +169,25 @@ def test_stats_sum_over_ranks():
                                      num_preemptions_by_cause={"decode_blocks": 2})])
     assert (s.num_running, s.kv_blocks_total, s.target_step_ms) == (3, 20, 7.0)
     assert s.num_preemptions_by_cause == {"decode_blocks": 3}
+
+
+def test_cli_flags_and_refusals():
+    from loomserve.config import EngineConfig
+    from loomserve.entrypoints.async_llm import AsyncLLM
+    from loomserve.entrypoints.cli import build_parser, engine_config_from_args
+    from loomserve.entrypoints.core_client import EngineStartError
+    from loomserve.entrypoints.dp_client import check_dp_supported
+    args = build_parser().parse_args(["serve", "m", "--data-parallel-size", "2",
+                                      "--enable-expert-parallel",
+                                      "--prefill-schedule-interval", "4"])
+    config = engine_config_from_args(args)
+    assert config.parallel.data_parallel_size == 2 and config.parallel.enable_expert_parallel
+    assert config.parallel.world_size == 1  # ranks of one engine core
+    assert config.scheduler.prefill_schedule_interval == 4
+    with pytest.raises(ValueError, match="not supported yet"):
+        EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, master_port=1234)
+    with pytest.raises(EngineStartError, match="KV tiers"):
+        check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2,
+                                                    host_cache_memory="4MiB"))
+    with pytest.raises(EngineStartError, match="engine-in-process"):
+        AsyncLLM(EngineConfig.from_kwargs(data_parallel_size=2), in_process=True)
