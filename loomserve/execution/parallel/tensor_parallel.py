@@ -33,7 +33,8 @@ from loomserve.execution.parallel.state import TPGroup
 # norms are replicated, its soft-cap applies after the logits are gathered).
 SUPPORTED = {"LlamaForCausalLM": "loomserve.execution.models.llama",
              "Gemma3ForCausalLM": "loomserve.execution.models.gemma3"}
-SUPPORTED_NAMES = "the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss, Qwen3-Next, Nemotron-H and DeepSeek-V3"
+SUPPORTED_NAMES = ("the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss, Qwen3-Next, "
+                   "Nemotron-H and DeepSeek-V3")
 
 
 def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:
