@@ -31,8 +31,8 @@ class RowParallelLinear(nn.Module):
         self.linear = linear
         self.tp = tp
         if linear.bias is not None:
-            # it would be summed N times; no supported family has one (gpt-oss, whose o_proj
-            # does, is refused at tp > 1)
+            # it would be summed N times; the Llama split has none (gpt-oss's biased o_proj
+            # goes through tp_families' hooks, its bias loaded on rank 0 only)
             raise NotImplementedError("a row-parallel linear with a bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
