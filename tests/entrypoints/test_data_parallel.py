@@ -62,7 +62,7 @@ def dp2():
 
 
 def test_dp2_greedy_matches_dp1_and_uses_both_ranks(dp2):
-    with running_server(core_env=ENV) as dp1:
+    with running_server(in_process=True) as dp1:  # one core, in a thread: the reference
         expected = complete_all(dp1.url, dp1.model)
     assert complete_all(dp2.url, dp2.model) == expected
     client = dp2.engine.client

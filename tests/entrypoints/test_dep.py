@@ -19,10 +19,10 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 9, 30)]
 MAX_TOKENS = [4, 12, 20, 6]  # unequal: ranks finish at different steps
 
 
-def run(**kw) -> list[list[int]]:
+def run(in_process: bool = False, **kw) -> list[list[int]]:
     config = EngineConfig.from_kwargs(model=os.path.abspath(FIXTURE), dtype="float32",
                                       kv_cache_memory="2MiB", block_size=4, **kw)
-    engine = AsyncLLM(config)
+    engine = AsyncLLM(config, in_process=in_process)
     try:
         async def one(prompt, n):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -43,7 +43,7 @@ def test_dep_dp2_greedy_matches_dp1(monkeypatch):
     if not os.path.isdir(FIXTURE):
         pytest.skip("tests/fixtures/tiny-deepseek-v3 is missing")
     monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")
-    expected = run()
+    expected = run(in_process=True)  # one rank, in a thread: the reference
     got = run(data_parallel_size=2, enable_expert_parallel=True, prefill_schedule_interval=2)
     assert got == expected
     assert [len(t) for t in got] == MAX_TOKENS
