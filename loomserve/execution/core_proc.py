@@ -73,8 +73,10 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
                      log_level: str = "INFO") -> None:
     """Process target: serve the front end at the two addresses until told to stop."""
     die_with_parent(parent_pid)
+    pc = config.parallel  # a data-parallel core labels its lines with its DP rank
+    label = f"core dp{pc.data_parallel_rank}" if pc.data_parallel_size > 1 else "core"
     logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
