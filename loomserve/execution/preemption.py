@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from loomserve.execution.step_cost import StepFeatures
+
 
 def held_blocks(kv, request_id: str) -> int:
     """Blocks the request holds (the largest group: attention groups grow with tokens)."""
@@ -63,3 +65,23 @@ def choose_victim(requester, candidates: Sequence, kv, deficit: int,
                 c if suffices else -held, -pos)
 
     return min(info, key=key)[0]
+
+
+def victim_for(requester, num_new: int, running: Sequence, done: set[str], kv,
+               cost_model=None, layout=None):
+    """choose_victim for `requester` needing blocks for `num_new` more tokens, among the
+    running requests not given blocks this step (ids in `done`), costs from the step cost
+    model (token counts without one), a session holding a KV pin protected."""
+    bs = kv.block_size
+    need = -(-(requester.num_computed_tokens + num_new) // bs) - held_blocks(
+        kv, requester.request_id)
+    deficit = max(1, need - getattr(kv, "num_free_blocks", 0))
+    candidates = [r for r in running if r is not requester and r.request_id not in done]
+    cost = None
+    if cost_model is not None:
+        cost = lambda ctx, new: cost_model.predict(  # noqa: E731
+            StepFeatures(layout).chunk(ctx, new))
+    pins = getattr(kv, "pins", None)
+    protected = lambda r: (pins is not None and r.session_id is not None  # noqa: E731
+                           and bool(pins.blocks(r.session_id)))
+    return choose_victim(requester, candidates, kv, deficit, cost, protected)

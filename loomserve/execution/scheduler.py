@@ -2,10 +2,9 @@
 
 Every request has `num_tokens - num_computed_tokens` tokens left to compute (a fresh prompt, a
 preempted request's prompt + outputs, or one decode token). Each step serves running requests
-first, preempting the most recently admitted by recompute when the pool cannot hold them, then
-admits waiting ones, each claiming its longest cached prefix, asking the TierConnector first
-when there is one. The policy: docs/architecture.md, "Scheduling"; the step in detail:
-"Details by module".
+first, preempting by recompute when the pool cannot hold them, then admits waiting ones, each
+claiming its longest cached prefix (asking the TierConnector first when there is one). The
+policy: docs/architecture.md, "Scheduling"; the step in detail: "Details by module".
 
 Policies (each in its own module): the waiting queue's admission order and aging
 (waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the
@@ -31,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from loomserve.execution.batch import ModelInput, ScheduledSeq
-from loomserve.execution.preemption import choose_victim, held_blocks
+from loomserve.execution.preemption import victim_for
 from loomserve.execution.request import Request, RequestStatus
 from loomserve.execution.step_cost import ModelLayout, StepCostModel, StepFeatures
 from loomserve.execution.waiting_queue import WaitingQueue
@@ -86,8 +85,7 @@ class Scheduler:
         self.cost_model = cost_model
         self.target_step_ms = target_step_ms
         self.layout = ModelLayout.from_kv_config(getattr(kv, "config", None))
-        self.waiting = WaitingQueue(policy, max_postpone_ms / 1000.0, self._uncached,
-                                    self._pinned, clock)
+        self.waiting = WaitingQueue(policy, max_postpone_ms / 1000.0, kv, clock)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the runner, reported once
@@ -194,7 +192,8 @@ class Scheduler:
         key = self.waiting.key
         items = [(key(r, r.num_tokens - r.num_computed_tokens), k, r)
                  for k, r in enumerate(deferred)]
-        admit = not out.preempted and self.waiting and len(self.running) < self.max_num_seqs
+        admit = not out.preempted and bool(self.waiting) and self._prefill_allowed() and \
+            len(self.running) < self.max_num_seqs
         if admit:
             items += [(key(r), len(deferred) + k, r) for k, r in enumerate(self.waiting.order())]
         items.sort(key=lambda x: x[:2])
@@ -235,24 +234,15 @@ class Scheduler:
         self.last_target_s = plan.target
 
     def _victim(self, req: Request, n: int, done: set[str]) -> Request:
-        """fcfs: the most recently admitted; otherwise preemption.choose_victim among the
-        running requests not given blocks yet this step."""
+        """fcfs: the most recently admitted; otherwise the cheapest to recompute among the
+        running requests not given blocks yet this step (preemption.py)."""
         if self.policy == "fcfs":
             return self.running[-1]
-        bs = self.kv.block_size
-        need = -(-(req.num_computed_tokens + n) // bs) - held_blocks(self.kv, req.request_id)
-        deficit = max(1, need - getattr(self.kv, "num_free_blocks", 0))
-        candidates = [r for r in self.running if r is not req and r.request_id not in done]
-        return choose_victim(req, candidates, self.kv, deficit, self._recompute_cost,
-                             lambda r: r.session_id is not None and self._pinned(r.session_id))
-
-    def _recompute_cost(self, context: int, new: int) -> float:
-        if self.cost_model is None:
-            return float(new)
-        return self.cost_model.predict(StepFeatures(self.layout).chunk(context, new))
+        return victim_for(req, n, self.running, done, self.kv, self.cost_model, self.layout)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
-        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs or \
+                not self._prefill_allowed():
             return  # before ordering: the order may probe the prefix cache
         for req in self.waiting.order():
             if budget <= 0:
@@ -302,15 +292,6 @@ class Scheduler:
         self._add_to_batch(out, req, n)
         plan.feats.add(num_hit, n)
         return True, budget - n
-
-    def _uncached(self, req: Request) -> int:
-        """Tokens left to compute after the request's cached prefix (a probe: no stats)."""
-        _, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
-        return req.num_tokens - num_hit
-
-    def _pinned(self, session_id: str) -> bool:
-        pins = getattr(self.kv, "pins", None)
-        return pins is not None and bool(pins.blocks(session_id))
 
     def _held(self, req: Request) -> bool:
         """A waiting request sits out while its grammar compiles, or while the request whose

@@ -38,16 +38,16 @@ _MAX_SESSIONS = 8192  # recent-turn memo size before old entries are pruned
 class WaitingQueue:
     """A deque of waiting requests (the scheduler's own operations) plus a policy's order."""
 
-    def __init__(self, policy: str = "fcfs", max_postpone_s: float = 10.0,
-                 uncached: Callable | None = None, pinned: Callable | None = None,
+    def __init__(self, policy: str = "fcfs", max_postpone_s: float = 10.0, kv=None,
                  clock: Callable[[], float] = time.monotonic,
                  warm_window_s: float = WARM_WINDOW_S) -> None:
+        """kv: the KV manager, probed for cached prefixes (get_computed_blocks without stats)
+        and session pins (kv.pins); None: no probes, no pins."""
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; one of {POLICIES}")
         self.policy = policy
         self.max_postpone_s = max_postpone_s
-        self.uncached = uncached  # req -> tokens left after its cached prefix
-        self.pinned = pinned  # session id -> bool: the session holds a KV pin
+        self.kv = kv
         self.clock = clock
         self.warm_window_s = warm_window_s
         self._q: deque = deque()
@@ -105,7 +105,8 @@ class WaitingQueue:
         t = self._last_turn.get(sid)
         if t is not None and self.clock() - t <= self.warm_window_s:
             return True
-        return bool(self.pinned is not None and self.pinned(sid))
+        pins = getattr(self.kv, "pins", None)
+        return pins is not None and bool(pins.blocks(sid))
 
     def waited(self, req) -> float:
         """Seconds since the request first entered the queue."""
@@ -134,11 +135,12 @@ class WaitingQueue:
         return (1, getattr(req, "priority", 0), not self.is_warm(req), work)
 
     def _uncached(self, req) -> int:
-        if self.uncached is None:
+        """Tokens left after the request's cached prefix (a probe: no hit-rate stats)."""
+        if self.kv is None:
             return 0
         memo = self._probe.get(req.request_id)
         if memo is not None and self._orderings - memo[0] < PROBE_EVERY:
             return memo[1]
-        n = self.uncached(req)
+        n = req.num_tokens - self.kv.get_computed_blocks(req, record_stats=False)[1]
         self._probe[req.request_id] = (self._orderings, n)
         return n
