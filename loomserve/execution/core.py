@@ -263,7 +263,10 @@ class EngineCore:
         return self.tiers
 
     def idle(self) -> None:
-        """No request to run: release finished tier writes and start due prefetches."""
+        """No request to run: notice a dead worker rank (so an idle engine reports it within
+        the loop's idle wait, not at the next request), release finished tier writes and
+        start due prefetches."""
+        self.executor.check_health()
         if self.tiers is not None:
             self.tiers.poll()
         self.transfer.poll()
