@@ -1,0 +1,41 @@
+"""Shared by the tensor-parallel tests: fixture paths, one torch thread per rank, and a run
+of two prefix-sharing rounds at a given tp size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from loomserve.sampling_params import SamplingParams
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SYSTEM = list(range(3, 40))  # a shared prefix longer than two 16-token blocks
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")  # the worker inherits the environment
+
+
+def _fixture(name: str) -> str:
+    path = os.path.abspath(os.path.join(FIXTURES, name))
+    if not os.path.isdir(path):
+        pytest.skip(f"tests/fixtures/{name} is missing")
+    return path
+
+
+def _run(model: str, tp: int) -> tuple[list, list, int, int]:
+    """Greedy outputs and cached tokens of two rounds sharing a prefix, plus (blocks, page)."""
+    from loomserve.entrypoints.llm import LLM
+    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="2MiB", dtype="float32")
+    try:
+        first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
+        second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
+        kc = llm.core.runner.kv_cache_config
+        outs = first + second
+        return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                kc.num_blocks, kc.page_bytes)
+    finally:
+        llm.close()
