@@ -5,7 +5,7 @@ Traces: `loomserve bench synth --profile agentx --forked-subagents 0.5` (cached 
 dir), replayed by `loomserve bench agentx` with one --max-context / --max-output / --scale for
 every system. Systems, interleaved per repeat, a fresh server each:
   today:         loomserve --target-step-ms 0 --scheduling-policy fcfs
-  new:           loomserve with its defaults (auto step-time target, cache_aware)
+  new:           loomserve --target-step-ms auto (step-time budget; cache_aware order, the default)
   llama-server:  -np = the largest concurrency, -c = that x the context cap (as agentx_cpu.py)
 Reported per system and concurrency: ITL p50 / p99 and their ratio, TTFT p50 / p90 of warm
 turns (a theoretical cached share >= --warm-share of the prompt: the work is the same for every
@@ -44,7 +44,8 @@ from common import (  # noqa: E402
 )
 from mixed_traffic import scrape  # noqa: E402
 
-SCHED_FLAGS = {"today": ["--target-step-ms", "0", "--scheduling-policy", "fcfs"], "new": []}
+SCHED_FLAGS = {"today": ["--target-step-ms", "0", "--scheduling-policy", "fcfs"],
+               "new": ["--target-step-ms", "auto"]}
 
 
 def synth_traces(args) -> str:

@@ -9,7 +9,7 @@ per config and repeat: the streams' worst inter-token gap while the prefill is i
 TTFT, and the server's step-time target and step cost model error (median / p90) scraped
 from /metrics while the prefill runs. Configs (interleaved, `--repeats` times each):
   today: --target-step-ms 0 --scheduling-policy fcfs (token budget only, arrival order)
-  new:   the defaults (auto step-time target, cache_aware)
+  new:   --target-step-ms auto (the step-time budget; cache_aware, the default order)
 Writes benchmarks/results/mixed_traffic.json (or --out).
 
     nice -n -15 python benchmarks/mixed_traffic.py [--repeats 3]
@@ -42,7 +42,7 @@ from common import (  # noqa: E402
 
 CONFIGS = {
     "today": ["--target-step-ms", "0", "--scheduling-policy", "fcfs"],
-    "new": [],
+    "new": ["--target-step-ms", "auto"],
 }
 
 

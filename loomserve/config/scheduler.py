@@ -18,8 +18,11 @@ class SchedulerConfig:
     # the request's priority, then arrival), fcfs (arrival; preempted first).
     scheduling_policy: str = "cache_aware"
     # Step-time budget in ms: None = auto (2x the learned cost of the step's decodes), 0 = off
-    # (token budget only); the token budget stays the upper bound.
-    target_step_ms: float | None = None
+    # (token budget only); the token budget stays the upper bound. Off by default: on the
+    # 2-core test CPU the auto budget cut stream stalls (worst gap 7.8 -> 1.8 s beside a cold
+    # 6K prefill) but cost the AgentX replay 22% of its TPGS and stretched cold prefills 5.6x
+    # (BENCHMARKS.md "Mixed traffic"); opt in with --target-step-ms auto (or a number).
+    target_step_ms: float | None = 0.0
     # Aging: a request waiting longer than this goes to the front of the admission order.
     max_postpone_ms: float = 10_000.0
     # New prefill work (admitting a waiting request) only on steps whose number is a multiple

@@ -70,7 +70,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--target-step-ms", type=_target_ms, default=_DEFAULTS["target_step_ms"],
                    help="step-time budget: prefill chunks are cut so a step's predicted time "
                         "stays within it; auto: 2x the learned cost of the running decodes; 0: "
-                        "off (token budget only) (default: auto)")
+                        "off, the token budget only (default: 0; see README)")
     p.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
                    help="aging: a request waiting longer goes to the front of the admission "
                         "order (default: %(default)s)")

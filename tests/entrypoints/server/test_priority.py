@@ -74,7 +74,7 @@ def test_scheduler_flags_map_to_the_config():
 
     default = config().scheduler
     assert (default.scheduling_policy, default.target_step_ms, default.max_postpone_ms) == \
-        ("cache_aware", None, 10_000.0)
+        ("cache_aware", 0.0, 10_000.0)
     assert config("--target-step-ms", "auto").scheduler.target_step_ms is None
     c = config("--target-step-ms", "0", "--scheduling-policy", "fcfs", "--max-postpone-ms", "500")
     assert c == EngineConfig.from_kwargs(model="m", target_step_ms=0.0, scheduling_policy="fcfs",
