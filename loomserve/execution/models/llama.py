@@ -186,12 +186,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
-        if self.tp is None:
-            return logits
-        # one rank's vocabulary slice: joined on rank 0, the sampler's
-        from loomserve.execution.layers.parallel_linear import gather_logits
-        return gather_logits(logits, self.model.embed_tokens.vocab_size, self.tp)
+        return lm_head_logits(self, hidden, self.lm_head, self.model.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; every parameter must be covered exactly once."""

@@ -277,12 +277,7 @@ class NemotronHForCausalLM(nn.Module):
         return self.model.embeddings
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_logits(self, hidden, self.lm_head, self.model.embeddings)
-        if self.tp is None:
-            return logits
-        # one rank's vocabulary slice: joined on rank 0, the sampler's
-        from loomserve.execution.layers.parallel_linear import gather_logits
-        return gather_logits(logits, self.model.embeddings.vocab_size, self.tp)
+        return lm_head_logits(self, hidden, self.lm_head, self.model.embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (`backbone.` or `model.` trunk) in; every parameter exactly once."""

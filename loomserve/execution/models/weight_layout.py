@@ -117,7 +117,18 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
 def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,
                    embedding: nn.Embedding) -> torch.Tensor:
     """Logits through the untied LM head, else through the embedding matrix (its packed copy
-    when optimize_cpu_layout made one)."""
+    when optimize_cpu_layout made one). Under tensor parallelism (`model.tp` set) each rank
+    has one vocabulary slice: the slices are joined on rank 0, the sampler's."""
+    logits = _local_logits(model, hidden, lm_head, embedding)
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return logits
+    from loomserve.execution.layers.parallel_linear import gather_logits
+    return gather_logits(logits, embedding.vocab_size, tp)
+
+
+def _local_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,
+                  embedding: nn.Embedding) -> torch.Tensor:
     if lm_head is not None:
         return lm_head(hidden)
     if isinstance(embedding, QuantEmbedding):
