@@ -9,6 +9,10 @@ data_parallel_size engine cores (each its own scheduler, KV pool and process) se
 front end, which places each request on one core (loomserve.entrypoints.dp_client);
 data_parallel_rank is the core's index, set by the front end in each core's copy of the config.
 DP x TP > 1 combined and DP over several nodes are refused for now (not tested).
+decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
+ranks that each hold the whole model and 1/D of every sequence's KV (token t on rank
+(t // I) % D, I = dcp_kv_cache_interleave_size); accepted with tensor_parallel_size 1 and
+data_parallel_size 1 only (world = D). prefill_context_parallel_size > 1 is refused (not built).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class ParallelConfig:
     # DEP: MoE experts sharded over the DP ranks, which step in lockstep (dp_lockstep.py);
     # dp_master_port is where the DP ranks' gloo group meets (set by the front end).
     enable_expert_parallel: bool = False
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1  # tokens per rank before the next rank's turn
+    prefill_context_parallel_size: int = 1
     dp_master_port: int = 0
     nnodes: int = 1
     node_rank: int = 0
@@ -31,7 +38,9 @@ class ParallelConfig:
     master_port: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes",
+                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
+                     "prefill_context_parallel_size"):
             n = getattr(self, name)
             if n < 1:
                 raise ValueError(f"{name} must be >= 1, got {n}")
@@ -42,6 +51,7 @@ class ParallelConfig:
             raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 or "
                              "--nnodes > 1 is not supported yet (DP runs one single-rank engine "
                              "core per DP rank on one node)")
+        self._check_context_parallel()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes:
@@ -52,11 +62,22 @@ class ParallelConfig:
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port} is not a port")
 
+    def _check_context_parallel(self) -> None:
+        if self.prefill_context_parallel_size > 1:
+            raise ValueError("--prefill-context-parallel-size > 1 is not supported yet (only "
+                             "decode context parallelism is built: --decode-context-parallel-size)")
+        if self.decode_context_parallel_size > 1 and (self.tensor_parallel_size > 1
+                                                      or self.data_parallel_size > 1):
+            raise ValueError("--decode-context-parallel-size > 1 is supported with "
+                             "--tensor-parallel-size 1 and --data-parallel-size 1 only (its D "
+                             "ranks each run the whole model and hold 1/D of the KV)")
+
     @property
     def world_size(self) -> int:
-        """Ranks of ONE engine core (its tensor-parallel group): DP engine cores are separate
-        cores, each with its own executor, so they are not counted here."""
-        return self.tensor_parallel_size
+        """Ranks of ONE engine core (its tensor-parallel or decode-context-parallel group): DP
+        engine cores are separate cores, each with its own executor, so they are not counted
+        here. At most one of the two sizes exceeds 1 (__post_init__)."""
+        return self.tensor_parallel_size * self.decode_context_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

@@ -204,6 +204,19 @@ def _add_parallel(p) -> None:
                    help="with --data-parallel-size N on an MoE model: each DP rank holds 1/N of "
                         "the experts, the ranks step in lockstep (idle ones run dummy steps) and "
                         "exchange tokens at every MoE layer")
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=int,
+                   default=_DEFAULTS["decode_context_parallel_size"], metavar="D",
+                   help="ranks that each hold the whole model and 1/D of every sequence's KV "
+                        "(token t on rank (t // I) %% D), attention merged across them by "
+                        "log-sum-exp: D x the context per rank's --kv-cache-memory. With "
+                        "--tensor-parallel-size 1 only; Llama family (default: %(default)s)")
+    g.add_argument("--dcp-kv-cache-interleave-size", type=int,
+                   default=_DEFAULTS["dcp_kv_cache_interleave_size"], metavar="I",
+                   help="consecutive tokens a DCP rank stores before the next rank's turn; "
+                        "I x D must divide --block-size (default: %(default)s)")
+    g.add_argument("--prefill-context-parallel-size", "-pcp", type=int,
+                   default=_DEFAULTS["prefill_context_parallel_size"], metavar="N",
+                   help="not supported yet: values above 1 are refused (default: %(default)s)")
     g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
                    help="nodes the ranks are spread over (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],

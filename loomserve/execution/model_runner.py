@@ -12,10 +12,14 @@ state the concatenated state tensors of each layer in turn. Each layer gets view
 Per step: attention metadata per attention group (from ScheduledSeq.block_ids[g]); for state
 groups the StateDirectives are applied to whole pages before the forward pass, then a
 StateBatch per group is handed to the linear layers (the contract: loomserve.execution.models.registry).
+Decode context parallelism (loomserve.execution.parallel.context_parallel): kv_cache_config is the
+scheduler's view (blocks of block_size tokens), kv_layout this rank's pool (pages of block_size / D
+tokens: its share of each block); without DCP they are the same.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -23,18 +27,26 @@ import numpy as np
 import torch
 
 from loomserve.config import EngineConfig
+from loomserve.execution.attention import (
+    BlockTables,
+    GatherWorkspace,
+    build_metadata,
+    select_backend,
+)
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
-from loomserve.execution.attention import BlockTables, GatherWorkspace, build_metadata, select_backend
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
+from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
 from loomserve.execution.sampler import Sampler
-from loomserve.kv.planning import kv_budget_bytes, plan_kv_cache
+from loomserve.kv.planning import kv_budget_bytes, plan_context_parallel, plan_kv_cache
 from loomserve.kv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     LinearStateSpec,
     SlidingWindowSpec,
 )
+
+log = logging.getLogger("loomserve.execution")
 
 
 class ModelRunner:
@@ -62,12 +74,13 @@ class ModelRunner:
         # parameters()); weight_bytes: the weight bytes a decode step reads (loader.count_weights).
         self.num_params, self.weight_bytes = loaded.num_params, loaded.weight_bytes
         self.block_size = config.cache.block_size
+        self.dcp = layout_for(config, self.block_size)
         self.kv_cache_config = self._kv_cache_config()
         self.kv_buffer = self._allocate_kv()
         groups = self.kv_cache_config.groups
         self.attn_groups = [g for g, grp in enumerate(groups) if isinstance(grp.spec, FullAttentionSpec)]
         self.state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.spec, LinearStateSpec)]
-        self.group_bytes = [grp.bytes_per_block() for grp in groups]
+        self.group_bytes = [grp.bytes_per_block() for grp in self.kv_layout.groups]
         # Pages of state groups hold arbitrary bytes, which read as K/V of another dtype may be
         # NaN; masked positions must be finite, so attention blocks are zeroed when first written.
         self.zero_new_blocks = any(grp.spec.kind not in ("full_attention", "sliding_window")
@@ -75,19 +88,34 @@ class ModelRunner:
         self.sampler = Sampler(self.device, mcfg.seed)
         self.workspace = GatherWorkspace()
         self.attention = select_backend(mcfg.attention_backend, self.device, self.dtype)
+        if self.dcp is not None:
+            from loomserve.execution.parallel.state import get_dcp
+            self.attention = DcpBackend(self.attention, self.dcp, get_dcp())
         self.block_tables = BlockTables()
 
     # --- KV cache -----------------------------------------------------------------------------
 
     def _kv_cache_config(self) -> KVCacheConfig:
-        self.layer_specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
+        """The scheduler's view; sets self.kv_layout (this rank's pool) and self.layer_specs."""
         budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
-        return plan_kv_cache(self.layer_specs, self.block_size, budget)
+        if self.dcp is None:
+            self.layer_specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
+            self.kv_layout = plan_kv_cache(self.layer_specs, self.block_size, budget)
+            return self.kv_layout
+        d = self.dcp
+        self.layer_specs = list(self.model.kv_cache_specs(d.local_block_size, self.dtype))
+        self.kv_layout, view = plan_context_parallel(self.layer_specs, self.block_size, d.size,
+                                                     budget)
+        log.info("DCP rank %d/%d: %d blocks of %d tokens here (%d of each %d-token block): the "
+                 "pool holds %d tokens, %d on this rank", d.rank, d.size, view.num_blocks,
+                 d.local_block_size, d.local_block_size, self.block_size, view.capacity_tokens,
+                 self.kv_layout.capacity_tokens)
+        return view
 
     def _allocate_kv(self) -> torch.Tensor:
         """One backing buffer of packed pages; every layer gets strided views into its group's
         region of each page (see the module docstring for the layout)."""
-        kc = self.kv_cache_config
+        kc = self.kv_layout
         n, page = kc.num_blocks, kc.page_bytes
         if self.device.type == "cpu":
             # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
@@ -157,6 +185,8 @@ class ModelRunner:
                  for s in prefills],
                 self.block_size, self.device, self.dtype, self.attention,
                 spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None, self.workspace)
+            if self.dcp is not None:
+                self.attention.localize(meta, positions)
             if self.zero_new_blocks:
                 fresh = meta.slot_blocks[meta.slot_offsets == 0]
                 if fresh.numel():
@@ -173,7 +203,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, attn_meta, state_batch)
         due = [s for s in seqs if s.sample]
-        if not due:
+        if not due or (self.dcp is not None and self.dcp.rank != 0):  # rank 0 alone samples
             return [], torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
         return due, self.model.compute_logits(hidden[rows]).float()

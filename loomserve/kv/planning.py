@@ -2,11 +2,13 @@
 
 Layers with equal KV specs form a group, ordered full attention, then sliding window, then
 linear state (within a kind, by first layer). Every page is as large as the largest group's
-block; the pool is as many pages as the budget holds.
+block; the pool is as many pages as the budget holds. Under decode context parallelism
+(plan_context_parallel) a rank's page holds block_size / D tokens of each block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -76,3 +78,20 @@ def plan_kv_cache(specs: list[KVCacheSpec | None], block_size: int,
     if num_blocks < 1:
         raise ValueError("kv-cache-memory is too small to hold one block")
     return KVCacheConfig(num_blocks, groups)
+
+
+def plan_context_parallel(local_specs: list[KVCacheSpec | None], block_size: int, dcp: int,
+                          budget_bytes: int) -> tuple[KVCacheConfig, KVCacheConfig]:
+    """(this rank's pool, the scheduler's view) under decode context parallelism of size dcp.
+    local_specs: the model's specs at block_size // dcp tokens per page, what a rank stores of
+    each block; the pool gets as many pages as the budget holds. The scheduler's view is the
+    same block count with block_size-token blocks (hashing, hits and tiers unchanged), so its
+    capacity_tokens is dcp x what one rank stores."""
+    for spec in local_specs:
+        if spec is not None and type(spec) is not FullAttentionSpec:  # no window, no MLA
+            raise NotImplementedError(f"decode context parallelism supports full-attention "
+                                      f"layers only so far, not {spec.kind} ({type(spec).__name__})")
+    local = plan_kv_cache(local_specs, block_size // dcp, budget_bytes)
+    groups = tuple(KVCacheGroup(dataclasses.replace(g.spec, block_size=block_size), g.layer_ids)
+                   for g in local.groups)
+    return local, KVCacheConfig(local.num_blocks, groups)

@@ -46,8 +46,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views of the packed pages.
     sinks: [heads] fp32 sink logits or None. Writes the new K/V into their slots, returns
     [tokens, heads, head_dim]."""
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    rows = meta.write_rows
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k if rows is None else k[rows]
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v if rows is None else v[rows]
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
 
 

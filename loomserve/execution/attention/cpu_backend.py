@@ -91,14 +91,43 @@ class CpuPagedBackend:
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
                sinks: torch.Tensor | None) -> torch.Tensor:
+        out = self._kernel_decode(q, k_cache, v_cache, meta, scale, group, sinks)
+        if out is None:
+            self.calls["decode_fallback"] += 1
+            return torch_backend.decode(q, k_cache, v_cache, meta, scale, group, sinks)
+        self.calls["decode_kernel"] += 1
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def decode_lse(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                   group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp32 (out, lse) of the decode rows (decode context parallelism's partials), or None
+        where the kernel cannot run. A row with no keys gets out 0 and lse -inf. The LSE comes
+        from the kernel's per-split partials left in scratch: lse = logsumexp(max + log sum)."""
+        out = self._kernel_decode(q, k_cache, v_cache, meta, scale, group, None)
+        if out is None:
+            return None
+        d, heads, hd = q.shape
+        kv_heads = heads // group
+        _, lens, split, max_splits, _ = self._decode_plan(meta, kv_heads, heads)
+        part = self.scratch[:d * kv_heads * max_splits * group * (hd + 2)].view(
+            d, kv_heads, max_splits, group, hd + 2)
+        nsplit = torch.from_numpy((lens.astype(np.int64) + split - 1) // split)
+        stale = torch.arange(max_splits)[None, :] >= nsplit[:, None]  # splits not written
+        logl = (part[..., hd] + torch.log(part[..., hd + 1])).masked_fill(
+            stale[:, None, :, None], float("-inf"))
+        lse = torch.logsumexp(logl, dim=2).reshape(d, heads)
+        return out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0), lse
+
+    def _kernel_decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                       group: int, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """The C kernel's fp32 output, or None where it cannot run (then the torch path)."""
         d, heads, head_dim = q.shape
         kv_heads = heads // group
         code = _DTYPES.get(k_cache.dtype)
         inner = (kv_heads * head_dim, head_dim, 1)
         if (code is None or q.device.type != "cpu" or k_cache.stride()[1:] != inner
                 or v_cache.stride() != k_cache.stride()):
-            self.calls["decode_fallback"] += 1
-            return torch_backend.decode(q, k_cache, v_cache, meta, scale, group, sinks)
+            return None
         ptrs, lens, split, max_splits, threads = self._decode_plan(meta, kv_heads, heads)
         qf = q.float().contiguous()
         out = torch.empty((d, heads, head_dim), dtype=torch.float32)
@@ -111,11 +140,7 @@ class CpuPagedBackend:
             k_cache.shape[1], kv_heads, head_dim, heads, d, ptrs.ctypes.data, lens.ctypes.data,
             meta.sliding_window or 0, None if sk is None else kernels.ptr(sk), scale,
             kernels.ptr(out), kernels.ptr(self.scratch), max_splits, split, code, threads)
-        if rc != 0:
-            self.calls["decode_fallback"] += 1
-            return torch_backend.decode(q, k_cache, v_cache, meta, scale, group, sinks)
-        self.calls["decode_kernel"] += 1
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out if rc == 0 else None
 
     # --- prefill --------------------------------------------------------------------------
 

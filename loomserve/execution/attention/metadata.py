@@ -42,6 +42,9 @@ class AttentionMetadata:
     device: torch.device = torch.device("cpu")
     workspace: Any = None  # the runner's GatherWorkspace, reused across steps
     derived: dict = field(default_factory=dict)  # per-step, built by backends on first use
+    # Decode context parallelism: the rows of the step's K/V this rank stores (slot_blocks and
+    # slot_offsets are theirs); None: every row (parallel/context_parallel.py)
+    write_rows: torch.Tensor | None = None
 
 
 def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[int, int, np.ndarray]],

@@ -22,6 +22,7 @@ import time
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.executor import Executor, Worker
+from loomserve.execution.parallel.context_parallel import preflight as dcp_preflight
 from loomserve.execution.parallel.state import (
     destroy_distributed,
     free_port,
@@ -104,6 +105,8 @@ class MultiprocExecutor(Executor):
                                       "would move rank 0's KV heads only)")
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
+        if pc.decode_context_parallel_size > 1:
+            dcp_preflight(config)
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch
@@ -118,7 +121,7 @@ class MultiprocExecutor(Executor):
         try:
             t0 = time.perf_counter()
             if self.world_size > 1:
-                set_layout(0, self.world_size, device)
+                set_layout(0, self.world_size, device, pc.decode_context_parallel_size)
             # the model loads while the workers start; the rendezvous comes after
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner

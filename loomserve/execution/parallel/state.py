@@ -5,7 +5,9 @@ message always travels over a gloo group (it is host bytes, and a worker waits f
 long as the engine is idle, so that group's timeout is long while the model group's is short:
 a rank that stops answering mid-step fails the step within COLLECTIVE_TIMEOUT_S, never hangs).
 A peer process that dies closes its sockets, which gloo reports at once as an error.
-Module state: one TPGroup per process (a process is one rank), None until set_layout.
+Module state: one TPGroup per process (a process is one rank), None until set_layout. Under
+decode context parallelism (dcp_size = size) the same group holds the ranks, but they are no
+tensor-parallel slices: get_tp() is None then (the model loads whole) and get_dcp() names it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class TPGroup:
     size: int
     group: object  # the model group (gloo or NCCL)
     step_group: object  # gloo, for the step message
+    dcp_size: int = 1  # > 1: the ranks are decode-context-parallel, each with the whole model
 
     @property
     def is_driver(self) -> bool:
@@ -39,6 +42,12 @@ class TPGroup:
         """Sum x over the ranks, in place."""
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x (same shape), in rank order, on every rank."""
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
 
     def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's x (same shape) on rank 0, in rank order; None elsewhere."""
@@ -52,21 +61,28 @@ _TP: TPGroup | None = None
 
 
 def get_tp() -> TPGroup | None:
-    """The tensor-parallel group, or None on a single rank (no collective ever runs then)."""
-    return _TP
+    """The tensor-parallel group, or None on a single rank (no collective ever runs then) and
+    under decode context parallelism (each rank holds the whole model)."""
+    return _TP if _TP is None or _TP.dcp_size == 1 else None
+
+
+def get_dcp() -> TPGroup | None:
+    """The decode-context-parallel group (every rank of this engine core), or None."""
+    return _TP if _TP is not None and _TP.dcp_size > 1 else None
 
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def set_layout(rank: int, world_size: int, device: torch.device) -> TPGroup:
+def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int = 1) -> TPGroup:
     """This process's rank, known before the rendezvous so the model can load its slice while
-    the other ranks start (the groups are filled in by init_distributed, before any step)."""
+    the other ranks start (the groups are filled in by init_distributed, before any step).
+    dcp_size: world_size when the ranks are decode-context-parallel, else 1."""
     global _TP
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    _TP = TPGroup(rank, world_size, None, None)
+    _TP = TPGroup(rank, world_size, None, None, dcp_size)
     return _TP
 
 

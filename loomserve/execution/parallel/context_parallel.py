@@ -1,0 +1,235 @@
+"""Decode context parallelism (DCP): every sequence's KV split over D ranks by token.
+
+Layout, and how it maps to vLLM's. vLLM keeps its KV manager on a *virtual* block of
+block_size x D tokens, of which each rank physically stores block_size. Here the scheduler's
+block IS the virtual block: --block-size B stays the unit of the KV manager, prefix hashing,
+tiers and hit accounting, and each rank's page of a block holds b = B / D of its tokens. Token
+t of a sequence lives on rank (t // I) % D, at local slot (t % B) // (I D) * I + t % I of block
+t // B (I = --dcp-kv-cache-interleave-size; I x D divides B). A block id names the same block on
+every rank, so a prefix hit is a hit on every rank and cached_tokens is what it is at D = 1;
+a page holds b tokens, so the same --kv-cache-memory per rank plans D x the blocks: the pool
+holds D x the tokens (the scheduler sees capacity_tokens D x larger).
+
+Ranks: world = D with tensor_parallel_size 1. Every rank runs the whole model on every token
+(the non-attention work is replicated, as vLLM's DCP ranks replicate it inside their TP group),
+writes only the K/V rows it owns, and attends over its share: per query row a softmax partial
+(o_r, lse_r) over rank r's keys the row may see (global positions <= its own). The partials are
+all-gathered and merged exactly (merge_partials): lse = logsumexp_r lse_r,
+o = sum_r exp(lse_r - lse) o_r. Every rank merges the same gathered tensor in the same order, so
+the replicas hold identical hidden states and never drift. Decodes read the local pages with the
+C paged kernel (its per-split maxima and sums give the LSE, cpu_backend.decode_lse); prefill
+chunks (cached context and their own keys, causal by global position) take a tiled torch path.
+Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
+Refused at start: TP x DCP, sliding windows, linear-state (hybrid) and MLA layers, KV tiers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
+
+TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
+TILE_ROWS = 256  # query rows per step of the prefill partial
+SUPPORTED = ("LlamaForCausalLM",)  # Llama, Mistral (no sliding window), Qwen2, Qwen3
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """Where each token's K/V lives. Invariant: block_size % (interleave * size) == 0."""
+
+    rank: int
+    size: int
+    block_size: int  # B, the scheduler's block
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size % (self.interleave * self.size):
+            raise ValueError(f"--block-size {self.block_size} must be a multiple of "
+                             f"--dcp-kv-cache-interleave-size {self.interleave} x "
+                             f"--decode-context-parallel-size {self.size}")
+
+    @property
+    def local_block_size(self) -> int:
+        return self.block_size // self.size
+
+    def owner(self, pos: np.ndarray) -> np.ndarray:
+        return (pos % self.block_size) // self.interleave % self.size
+
+    def local_slot(self, pos: np.ndarray) -> np.ndarray:
+        w, i = pos % self.block_size, self.interleave
+        return w // (i * self.size) * i + w % i
+
+    def local_count(self, lengths) -> np.ndarray:
+        """Keys of a sequence of `lengths` tokens that this rank holds (local slots 0..n-1)."""
+        n = np.asarray(lengths, dtype=np.int64)
+        i, d = self.interleave, self.size
+        w = n % self.block_size
+        return (n // self.block_size * self.local_block_size + w // (i * d) * i
+                + np.clip(w % (i * d) - self.rank * i, 0, i))
+
+    def global_positions(self, n_local: int) -> np.ndarray:
+        """Sequence positions of this rank's local keys 0..n_local-1."""
+        j = np.arange(n_local, dtype=np.int64)
+        off, i = j % self.local_block_size, self.interleave
+        return (j // self.local_block_size * self.block_size + off // i * (i * self.size)
+                + self.rank * i + off % i)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax partials over disjoint key sets -> the joint attention.
+    outs: [P, ..., head_dim] (each normalized over its own keys; 0 where it saw none),
+    lses: [P, ...] (-inf where it saw none). Returns (out [..., head_dim], lse [...])."""
+    lse = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # no key at all: out 0
+    w = torch.exp(lses - safe)
+    return (w.unsqueeze(-1) * outs).sum(0), lse
+
+
+def softmax_partial(q, k, v, allowed, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (out, lse) of q [..., rows, hd] over k, v [..., keys, hd], `allowed` broadcast to
+    [..., rows, keys]; rows that see no key get out 0 and lse -inf."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+    return torch.matmul(p, v.float()), lse
+
+
+def decode_partial(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int):
+    """Torch (out, lse) of the decode rows over this rank's pages (meta localized)."""
+    d, heads, hd = q.shape
+    kvh, b = heads // group, meta.block_size
+    lens = meta.decode_lens.astype(np.int64)
+    nblk = (lens + b - 1) // b
+    width = max(int(nblk.max()), 1)
+    cols = np.minimum(np.arange(width)[None, :], np.maximum(nblk - 1, 0)[:, None])
+    ids = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
+    ids_t = torch.from_numpy(ids).view(-1).to(q.device)
+    kb = k_cache[ids_t].view(d, width * b, kvh, hd).transpose(1, 2)
+    vb = v_cache[ids_t].view(d, width * b, kvh, hd).transpose(1, 2)
+    allowed = torch.arange(width * b)[None, :] < torch.from_numpy(lens)[:, None]
+    o, lse = softmax_partial(q.view(d, kvh, group, hd), kb, vb,
+                             allowed[:, None, None, :].to(q.device), scale)
+    return o.reshape(d, heads, hd), lse.reshape(d, heads)
+
+
+def prefill_partial(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk,
+                    layout: DcpLayout, scale: float, group: int):
+    """(out, lse) of a chunk's rows q [n, heads, hd] over this rank's keys of positions
+    < the chunk's end, each row seeing keys at positions <= its own (its own chunk included:
+    the rows were written before the call)."""
+    n, heads, hd = q.shape
+    kvh, b = heads // group, meta.block_size
+    nk = int(layout.local_count(c.start_pos + n))
+    out = torch.zeros(n, heads, hd, dtype=torch.float32, device=q.device)
+    lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if nk == 0:
+        return out, lse
+    key_pos = torch.from_numpy(layout.global_positions(nk)).to(q.device)
+    q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
+    tile = max(1, TILE_KEYS // b) * b
+    qh = q.view(n, kvh, group, hd).permute(1, 2, 0, 3)  # [kvh, group, n, hd]
+    for a in range(0, nk, tile):
+        z = min(a + tile, nk)
+        blocks = torch.from_numpy(c.table[a // b:math.ceil(z / b)].astype(np.int64)).to(q.device)
+        kt = k_cache[blocks].flatten(0, 1)[:z - a].permute(1, 0, 2).unsqueeze(1)
+        vt = v_cache[blocks].flatten(0, 1)[:z - a].permute(1, 0, 2).unsqueeze(1)
+        for r in range(0, n, TILE_ROWS):
+            e = min(r + TILE_ROWS, n)
+            allowed = key_pos[None, a:z] <= q_pos[r:e, None]
+            ot, lt = softmax_partial(qh[:, :, r:e], kt, vt, allowed, scale)
+            ot = ot.permute(2, 0, 1, 3).reshape(e - r, heads, hd)
+            lt = lt.permute(2, 0, 1).reshape(e - r, heads)
+            out[r:e], lse[r:e] = merge_partials(torch.stack([out[r:e], ot]),
+                                                torch.stack([lse[r:e], lt]))
+    return out, lse
+
+
+class DcpBackend:
+    """The attention backend of a DCP rank: local partials, one all-gather, the exact merge.
+    `inner` is the device's backend (its C decode kernel reads the local pages on CPU)."""
+
+    name = "dcp"
+
+    def __init__(self, inner, layout: DcpLayout, group) -> None:
+        self.inner, self.layout, self.group = inner, layout, group
+        self.calls = {"decode_kernel": 0, "decode_torch": 0, "prefill": 0}
+        self.gathered_bytes = 0  # bytes of every all-gathered [tokens, heads, hd + 1] tensor
+
+    def localize(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:
+        """Turn the scheduler-block metadata (block size B) into this rank's: only its own
+        rows are written, at their local slots in pages of b tokens; decode key counts local."""
+        lay = self.layout
+        pos = positions.cpu().numpy()
+        rows = np.flatnonzero(lay.owner(pos) == lay.rank)
+        rows_t = torch.from_numpy(rows).to(meta.slot_blocks.device)
+        meta.slot_blocks = meta.slot_blocks[rows_t]
+        meta.slot_offsets = torch.from_numpy(lay.local_slot(pos[rows])).to(rows_t.device)
+        meta.write_rows = rows_t
+        meta.block_size = lay.local_block_size
+        if meta.decode_lens is not None:
+            meta.decode_lens = lay.local_count(meta.decode_lens).astype(np.int32)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        tokens, heads, hd = q.shape
+        group = heads // k.shape[1]
+        part = torch.empty(tokens, heads, hd + 1, dtype=torch.float32, device=q.device)
+        d = meta.num_decode
+        if d:
+            part[:d, :, :hd], part[:d, :, hd] = self._decode(q[:d], k_cache, v_cache, meta,
+                                                             scale, group)
+        for c in meta.prefills:
+            self.calls["prefill"] += 1
+            part[c.start:c.end, :, :hd], part[c.start:c.end, :, hd] = prefill_partial(
+                q[c.start:c.end], k_cache, v_cache, meta, c, self.layout, scale, group)
+        every = self.group.all_gather(part)  # [D, tokens, heads, hd + 1]
+        self.gathered_bytes += every.numel() * 4
+        out, lse = merge_partials(every[..., :hd], every[..., hd])
+        if sinks is not None:  # softmax over [scores, sink]: scale by e^lse / (e^lse + e^sink)
+            out = out * torch.sigmoid(lse - sinks.float().view(1, -1)).unsqueeze(-1)
+        return out.to(q.dtype)
+
+    def _decode(self, q, k_cache, v_cache, meta, scale: float, group: int):
+        kernel = getattr(self.inner, "decode_lse", None)
+        got = kernel(q, k_cache, v_cache, meta, scale, group) if kernel is not None else None
+        if got is not None:
+            self.calls["decode_kernel"] += 1
+            return got
+        self.calls["decode_torch"] += 1
+        return decode_partial(q, k_cache, v_cache, meta, scale, group)
+
+
+def layout_for(config, block_size: int) -> DcpLayout | None:
+    """This process's DCP layout (set_layout ran before the runner), or None without DCP."""
+    from loomserve.execution.parallel.state import get_dcp
+    g = get_dcp()
+    if g is None:
+        return None
+    return DcpLayout(g.rank, g.size, block_size, config.parallel.dcp_kv_cache_interleave_size)
+
+
+def preflight(config) -> None:
+    """Refuse what DCP cannot serve from the config and checkpoint alone, before any process
+    starts (the runner refuses unsupported layer kinds again at planning)."""
+    import json
+    import os
+
+    from loomserve.execution.models.loader import resolve_model
+    from loomserve.execution.models.registry import resolve
+    pc = config.parallel
+    DcpLayout(0, pc.decode_context_parallel_size, config.cache.block_size,
+              pc.dcp_kv_cache_interleave_size)
+    folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
+    with open(os.path.join(folder, "config.json")) as f:
+        model_cls, _ = resolve(json.load(f))
+    if model_cls.__name__ not in SUPPORTED:
+        raise NotImplementedError(f"decode context parallelism supports the Llama family "
+                                  f"(Llama, Mistral, Qwen2, Qwen3) so far, not "
+                                  f"{model_cls.__name__}: serve it with "
+                                  f"--decode-context-parallel-size 1")

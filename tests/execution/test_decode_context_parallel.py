@@ -1,0 +1,203 @@
+"""Decode context parallelism: the LSE merge, the token layout, the per-rank partials, and the
+engine at D = 2 (two processes on gloo) against D = 1.
+
+Oracle for the partials: full attention (SDPA) over the whole context. Oracle for the engine:
+the same engine at decode_context_parallel_size 1. The merge sums the ranks' partials in
+another order than one softmax does, so logits may differ in the last bits; the documented
+tolerance is identical greedy tokens on the tiny fixtures (as for tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
+from loomserve.execution.parallel.context_parallel import (
+    DcpLayout,
+    decode_partial,
+    merge_partials,
+    prefill_partial,
+    softmax_partial,
+)
+from tests.execution.tp_util import GREEDY, SYSTEM, _fixture, one_thread_per_rank  # noqa: F401
+
+
+def _full(q, k, v, scale, q_pos=None):
+    """Reference: q [n, H, hd] over k, v [keys, KVH, hd]; causal by position when q_pos given."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, 1).transpose(0, 1)
+    vv = v.repeat_interleave(group, 1).transpose(0, 1)
+    mask = None
+    if q_pos is not None:
+        mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask,
+                                          scale=scale).transpose(0, 1)
+
+
+@pytest.mark.parametrize("splits", [[7], [3, 4], [1, 5, 1], [0, 4, 3], [2, 2, 2, 1]])
+def test_merge_of_partials_is_full_attention(splits):
+    torch.manual_seed(len(splits))
+    n, heads, hd = 3, 4, 16
+    keys = sum(splits)
+    q, k, v = torch.randn(n, heads, hd), torch.randn(keys, heads, hd), torch.randn(keys, heads, hd)
+    outs, lses, a = [], [], 0
+    for s in splits:  # each "rank" sees a disjoint key range (an empty one too)
+        o, lse = softmax_partial(q.transpose(0, 1), k[a:a + s].transpose(0, 1),
+                                 v[a:a + s].transpose(0, 1), torch.ones(n, s, dtype=torch.bool),
+                                 0.25)
+        outs.append(o.transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+        a += s
+    out, lse = merge_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(out, _full(q, k, v, 0.25), rtol=1e-5, atol=1e-5)
+    ref = torch.logsumexp(torch.einsum("nhd,khd->nhk", q, k) * 0.25, dim=-1)
+    torch.testing.assert_close(lse, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_of_no_keys_anywhere_is_zero_not_nan():
+    out, lse = merge_partials(torch.zeros(2, 3, 4), torch.full((2, 3), float("-inf")))
+    assert torch.equal(out, torch.zeros(3, 4)) and torch.isinf(lse).all()
+
+
+@pytest.mark.parametrize("size,interleave,block", [(2, 1, 16), (2, 4, 16), (4, 2, 16), (3, 1, 12)])
+def test_layout_places_every_token_once(size, interleave, block):
+    """owner/local_slot, local_count and global_positions describe one bijection."""
+    lays = [DcpLayout(r, size, block, interleave) for r in range(size)]
+    pos = np.arange(5 * block + 3)
+    owner = lays[0].owner(pos)
+    for lay in lays:
+        mine = pos[owner == lay.rank]
+        assert np.array_equal(lay.global_positions(len(mine)), mine)
+        # local index = block * b + local slot, dense and increasing
+        assert np.array_equal(mine // block * lay.local_block_size + lay.local_slot(mine),
+                              np.arange(len(mine)))
+        for n in range(len(pos) + 1):
+            assert lay.local_count(n) == int((mine < n).sum())
+    if interleave == 1:
+        assert np.array_equal(owner[:2 * size], np.tile(np.arange(size), 2))
+
+
+def test_layout_refuses_a_block_it_cannot_split():
+    with pytest.raises(ValueError, match="multiple of"):
+        DcpLayout(0, 2, 16, 3)
+
+
+def _scatter(k, v, lay: DcpLayout, table: list[int], nblocks: int):
+    """Rank lay.rank's paged caches [nblocks, b, KVH, hd] holding its tokens of k, v."""
+    b = lay.local_block_size
+    kc = torch.randn(nblocks, b, *k.shape[1:])  # garbage where nothing is written
+    vc = torch.randn(nblocks, b, *k.shape[1:])
+    pos = np.arange(k.shape[0])
+    mine = pos[lay.owner(pos) == lay.rank]
+    blk = torch.tensor([table[p // lay.block_size] for p in mine], dtype=torch.long)
+    off = torch.from_numpy(lay.local_slot(mine))
+    kc[blk, off], vc[blk, off] = k[mine], v[mine]
+    return kc, vc
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_rank_partials_merge_to_full_attention(interleave):
+    """Decode rows (C kernel and torch) and a prefill chunk over cached context, each rank on
+    its pages only, merged: full attention over the whole sequence."""
+    from loomserve.execution.attention import select_backend
+    torch.manual_seed(interleave)
+    size, block, heads, kvh, hd = 2, 8, 4, 2, 16
+    length = 37  # a decode at position 36; the chunk covers positions 30..36
+    k, v = torch.randn(length, kvh, hd), torch.randn(length, kvh, hd)
+    q = torch.randn(1, heads, hd)
+    qc = torch.randn(7, heads, hd)
+    table = [5, 2, 7, 0, 3]  # scheduler blocks of 8 tokens
+    tab = np.asarray(table, dtype=np.int32)
+    cpu = select_backend("cpu_paged", torch.device("cpu"), torch.float32)
+    dec_k, dec_t, pre = [], [], []
+    for r in range(size):
+        lay = DcpLayout(r, size, block, interleave)
+        kc, vc = _scatter(k, v, lay, table, 8)
+        meta = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
+                                 num_decode=1,
+                                 decode_lens=lay.local_count([length]).astype(np.int32),
+                                 decode_tables=[tab])
+        dec_k.append(cpu.decode_lse(q, kc, vc, meta, 0.3, heads // kvh))
+        dec_t.append(decode_partial(q, kc, vc, meta, 0.3, heads // kvh))
+        chunk = PrefillChunk(0, 7, 30, tab)
+        pre.append(prefill_partial(qc, kc, vc, meta, chunk, lay, 0.3, heads // kvh))
+    want = _full(q, k, v, 0.3)
+    for parts in (dec_k, dec_t):
+        out, _ = merge_partials(torch.stack([o for o, _ in parts]),
+                                torch.stack([s for _, s in parts]))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    out, _ = merge_partials(torch.stack([o for o, _ in pre]), torch.stack([s for _, s in pre]))
+    torch.testing.assert_close(out, _full(qc, k, v, 0.3, torch.arange(30, 37)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_without_keys_gives_an_empty_partial():
+    """A decode whose only keys live on the other rank: out 0, lse -inf (the kernel path)."""
+    from loomserve.execution.attention import select_backend
+    cpu = select_backend("cpu_paged", torch.device("cpu"), torch.float32)
+    kc = torch.randn(2, 4, 1, 16)
+    meta = AttentionMetadata(torch.empty(0), torch.empty(0), 4, None, num_decode=1,
+                             decode_lens=np.array([0], dtype=np.int32),
+                             decode_tables=[np.array([1], dtype=np.int32)])
+    out, lse = cpu.decode_lse(torch.randn(1, 2, 16), kc, kc.clone(), meta, 0.25, 2)
+    assert torch.equal(out, torch.zeros(1, 2, 16)) and torch.isinf(lse).all()
+
+
+# --- configuration --------------------------------------------------------------------------
+
+def test_unsupported_combinations_fail_at_start():
+    from loomserve.config import ParallelConfig
+    with pytest.raises(ValueError, match="prefill-context-parallel-size > 1 is not supported"):
+        ParallelConfig(prefill_context_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+    assert ParallelConfig(decode_context_parallel_size=2).world_size == 2
+
+
+def test_unsupported_model_fails_before_any_process_starts():
+    from loomserve.config import EngineConfig
+    from loomserve.execution.parallel.context_parallel import preflight
+    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-qwen3-next"),
+                                   decode_context_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="Llama family"):
+        preflight(cfg)
+    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-llama"), decode_context_parallel_size=2,
+                                   block_size=16, dcp_kv_cache_interleave_size=16)
+    with pytest.raises(ValueError, match="multiple of"):
+        preflight(cfg)
+
+
+# --- the engine at D = 2 ----------------------------------------------------------------------
+
+def _run(model: str, dcp: int):
+    """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
+    from loomserve.entrypoints.llm import LLM
+    llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32")
+    try:
+        first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
+        second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
+        r = llm.core.runner
+        outs = first + second
+        return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                r.kv_cache_config, r.kv_layout, r.attention)
+    finally:
+        llm.close()
+
+
+def test_greedy_prefix_hits_and_capacity_match_one_rank():
+    model = _fixture("tiny-llama")
+    tokens1, cached1, view1, pool1, _ = _run(model, 1)
+    tokens2, cached2, view2, pool2, attn = _run(model, 2)
+    assert tokens2 == tokens1
+    assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32  # the hits happened
+    # a rank's page holds half of each block's tokens: the same budget plans twice the blocks
+    assert pool2.page_bytes * 2 == pool1.page_bytes
+    assert view2.num_blocks == 2 * view1.num_blocks
+    assert view2.capacity_tokens == 2 * view1.capacity_tokens
+    assert pool2.capacity_tokens == view1.capacity_tokens  # what one rank stores of them
+    assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
+    assert attn.gathered_bytes > 0
+    assert view2.block_size == 16 and pool2.block_size == 8
