@@ -101,8 +101,9 @@ class MultiprocExecutor(Executor):
         pc = config.parallel
         if pc.world_size > 1 and (config.tier.enabled or config.control.role != "both"):
             raise NotImplementedError("KV tiers and prefill/decode roles with "
-                                      "--tensor-parallel-size > 1 are not supported yet (they "
-                                      "would move rank 0's KV heads only)")
+                                      "--tensor-parallel-size or --decode-context-parallel-size"
+                                      " > 1 are not supported yet (they would move rank 0's KV "
+                                      "heads or tokens only)")
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
         if pc.decode_context_parallel_size > 1:

@@ -46,7 +46,7 @@ class TPGroup:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x (same shape), in rank order, on every rank."""
         out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
         return out
 
     def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
