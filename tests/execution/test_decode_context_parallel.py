@@ -187,8 +187,10 @@ def _run(model: str, dcp: int):
         llm.close()
 
 
-def test_greedy_prefix_hits_and_capacity_match_one_rank():
-    model = _fixture("tiny-llama")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+def test_greedy_prefix_hits_and_capacity_match_one_rank(name):
+    """Two processes on gloo against one rank; DeepSeek-V3: MLA's latent rows split by token."""
+    model = _fixture(name)
     tokens1, cached1, view1, pool1, _ = _run(model, 1)
     tokens2, cached2, view2, pool2, attn = _run(model, 2)
     assert tokens2 == tokens1
@@ -198,6 +200,51 @@ def test_greedy_prefix_hits_and_capacity_match_one_rank():
     assert view2.num_blocks == 2 * view1.num_blocks
     assert view2.capacity_tokens == 2 * view1.capacity_tokens
     assert pool2.capacity_tokens == view1.capacity_tokens  # what one rank stores of them
-    assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
+    if name == "tiny-llama":  # (MLA runs its own partials, layers/mla.py)
+        assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
     assert attn.gathered_bytes > 0
     assert view2.block_size == 16 and pool2.block_size == 8
+
+
+def test_mla_rank_partials_merge_to_the_single_rank_layer():
+    """MLA: each rank's absorbed-decode partial (latent space) and decompressed-prefill partial
+    over its latent rows, merged (decodes then through W_UV): the layer's own one-rank paths."""
+    from loomserve.execution.layers.mla import MultiHeadLatentAttention
+    torch.manual_seed(3)
+    block, heads, rank, nope, rope, vd = 8, 4, 16, 8, 8, 8
+    layer = MultiHeadLatentAttention(32, heads, None, rank, nope, rope, vd, False, 0.3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    length, table = 29, [3, 0, 6, 1]
+    tab = np.asarray(table, dtype=np.int32)
+    latent = torch.randn(length, rank + rope)
+    q_nope, q_pe = torch.randn(6, heads, nope), torch.randn(6, heads, rope)
+    full = torch.randn(8, block, rank + rope)
+    pos = np.arange(length)
+    full[torch.tensor([table[p // block] for p in pos]), torch.from_numpy(pos % block)] = latent
+    layer.latent_cache = full
+    meta = AttentionMetadata(torch.empty(0), torch.empty(0), block, None, num_decode=1,
+                             decode_lens=np.array([length], dtype=np.int32), decode_tables=[tab])
+    chunk = PrefillChunk(1, 6, length - 5, tab)  # rows 1..5: positions 24..28
+    want_dec = layer._decode(q_nope[:1], q_pe[:1], meta)
+    want_pre = layer._prefill(q_nope[1:], q_pe[1:], latent[-5:], chunk, meta)
+    dec, pre = [], []
+    for r in range(2):
+        lay = DcpLayout(r, 2, block)
+        local = torch.randn(8, lay.local_block_size, rank + rope)
+        mine = pos[lay.owner(pos) == r]
+        local[torch.tensor([table[p // block] for p in mine]),
+              torch.from_numpy(lay.local_slot(mine))] = latent[mine]
+        layer.latent_cache = local
+        m = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
+                              num_decode=1, decode_lens=lay.local_count([length]).astype(np.int32),
+                              decode_tables=[tab])
+        dec.append(layer._dcp_decode_partial(q_nope[:1], q_pe[:1], m))
+        pre.append(layer._dcp_prefill_partial(q_nope[1:], q_pe[1:], chunk, m, lay))
+    o_lat, _ = merge_partials(torch.stack([o for o, _ in dec]), torch.stack([s for _, s in dec]))
+    _, w_uv_t = layer.kv_b_proj.absorbed()
+    got_dec = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+    torch.testing.assert_close(got_dec, want_dec, rtol=1e-4, atol=1e-5)
+    pre_t = torch.stack(pre)
+    got_pre, _ = merge_partials(pre_t[..., :-1], pre_t[..., -1])
+    torch.testing.assert_close(got_pre, want_pre, rtol=1e-4, atol=1e-5)

@@ -124,15 +124,79 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, half)
         k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
         latent = torch.cat([ckv, k_pe], dim=-1)
-        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = latent
+        rows = meta.write_rows  # decode context parallelism: the rows this rank stores
+        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (
+            latent if rows is None else latent[rows])
         out = x.new_empty(n, self.heads, self.v_dim)
         d = meta.num_decode
+        if getattr(meta.backend, "name", None) == "dcp":
+            self._dcp_attention(q_nope, q_pe, meta, out)
+            return self.o_proj(out.view(n, self.heads * self.v_dim))
         if d:
             out[:d] = self._decode(q_nope[:d], q_pe[:d], meta)
         for c in meta.prefills:
             out[c.start:c.end] = self._prefill(q_nope[c.start:c.end], q_pe[c.start:c.end],
                                                latent[c.start:c.end], c, meta)
         return self.o_proj(out.view(n, self.heads * self.v_dim))
+
+    # --- decode context parallelism (loomserve.execution.parallel.context_parallel) -----------
+
+    def _dcp_attention(self, q_nope, q_pe, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """This rank's partials over its latent rows, merged across the ranks: decodes in
+        latent space before W_UV (linear: the merge commutes with it), prefill rows per head.
+        One all-gather per kind present (every rank has the same step, so the same calls)."""
+        dcp, d = meta.backend, meta.num_decode
+        if d:
+            o_lat, lse = self._dcp_decode_partial(q_nope[:d], q_pe[:d], meta)
+            o_lat, _ = dcp.merge_across(torch.cat([o_lat, lse.unsqueeze(-1)], dim=-1))
+            _, w_uv_t = self.kv_b_proj.absorbed()
+            o_lat = o_lat.to(w_uv_t.dtype)
+            out[:d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+        if meta.prefills:
+            parts = [self._dcp_prefill_partial(q_nope[c.start:c.end], q_pe[c.start:c.end], c,
+                                               meta, dcp.layout) for c in meta.prefills]
+            merged, _ = dcp.merge_across(torch.cat(parts))
+            out[d:] = merged.to(out.dtype)  # prefill chunks follow the decodes, back to back
+
+    def _dcp_decode_partial(self, q_nope, q_pe, meta: AttentionMetadata):
+        """Absorbed scores over the local rows: (out_lat [d, heads, rank], lse [d, heads])."""
+        from loomserve.execution.parallel.context_parallel import softmax_partial
+        d, bs = q_nope.shape[0], meta.block_size
+        lens = meta.decode_lens.astype(np.int64)  # local key counts (0 allowed)
+        nblk = (lens + bs - 1) // bs
+        width = max(int(nblk.max()), 1)
+        cols = np.minimum(np.arange(width)[None, :], np.maximum(nblk - 1, 0)[:, None])
+        tables = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
+        ids = torch.from_numpy(tables).view(-1).to(q_nope.device)
+        rows = self.latent_cache.index_select(0, ids).view(d, width * bs, -1)[..., :self.latent_dim]
+        w_uk, _ = self.kv_b_proj.absorbed()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        valid = torch.arange(width * bs)[None, :] < torch.from_numpy(lens)[:, None]
+        return softmax_partial(torch.cat([q_lat, q_pe], dim=-1), rows, rows[..., :self.rank],
+                               valid[:, None, :].to(rows.device), self.scale)
+
+    def _dcp_prefill_partial(self, q_nope, q_pe, c, meta: AttentionMetadata, layout):
+        """Decompressed over the local rows of positions < the chunk's end, causal by global
+        position: [n, heads, v_dim + 1] fp32, the LSE last."""
+        from loomserve.execution.parallel.context_parallel import softmax_partial
+        n, bs = q_nope.shape[0], meta.block_size
+        nk = int(layout.local_count(c.start_pos + n))
+        part = torch.zeros(n, self.heads, self.v_dim + 1, dtype=torch.float32, device=q_nope.device)
+        part[..., -1] = float("-inf")
+        if nk == 0:
+            return part
+        blocks = torch.from_numpy(c.table[:(nk + bs - 1) // bs].astype(np.int64)).to(q_nope.device)
+        rows = self.latent_cache.index_select(0, blocks).flatten(0, 1)[:nk, :self.latent_dim]
+        ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
+        k_nope, v = self.kv_b_proj(ckv)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        key_pos = torch.from_numpy(layout.global_positions(nk)).to(q.device)
+        q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
+        o, lse = softmax_partial(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                 key_pos[None, :] <= q_pos[:, None], self.scale)
+        part[..., :-1], part[..., -1] = o.transpose(0, 1), lse.transpose(0, 1)
+        return part
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed: [decodes, heads, v_dim] from the latent rows, never expanded per head."""

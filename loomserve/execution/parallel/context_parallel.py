@@ -20,7 +20,9 @@ the replicas hold identical hidden states and never drift. Decodes read the loca
 C paged kernel (its per-split maxima and sums give the LSE, cpu_backend.decode_lse); prefill
 chunks (cached context and their own keys, causal by global position) take a tiled torch path.
 Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
-Refused at start: TP x DCP, sliding windows, linear-state (hybrid) and MLA layers, KV tiers.
+MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent space, before
+W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
+Refused at start: TP x DCP, sliding windows, linear-state (hybrid) layers, KV tiers.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChu
 
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial
-SUPPORTED = ("LlamaForCausalLM",)  # Llama, Mistral (no sliding window), Qwen2, Qwen3
+# Llama, Mistral (no sliding window), Qwen2, Qwen3; DeepSeek-V3 (MLA: layers/mla.py's DCP path)
+SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -188,12 +191,17 @@ class DcpBackend:
             self.calls["prefill"] += 1
             part[c.start:c.end, :, :hd], part[c.start:c.end, :, hd] = prefill_partial(
                 q[c.start:c.end], k_cache, v_cache, meta, c, self.layout, scale, group)
-        every = self.group.all_gather(part)  # [D, tokens, heads, hd + 1]
-        self.gathered_bytes += every.numel() * 4
-        out, lse = merge_partials(every[..., :hd], every[..., hd])
+        out, lse = self.merge_across(part)
         if sinks is not None:  # softmax over [scores, sink]: scale by e^lse / (e^lse + e^sink)
             out = out * torch.sigmoid(lse - sinks.float().view(1, -1)).unsqueeze(-1)
         return out.to(q.dtype)
+
+    def merge_across(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """part [..., width + 1] fp32: this rank's partial outputs with their LSE last. One
+        all-gather, then the exact merge: (out [..., width], lse [...]), the same on every rank."""
+        every = self.group.all_gather(part)  # [D, ..., width + 1]
+        self.gathered_bytes += every.numel() * 4
+        return merge_partials(every[..., :-1], every[..., -1])
 
     def _decode(self, q, k_cache, v_cache, meta, scale: float, group: int):
         kernel = getattr(self.inner, "decode_lse", None)
@@ -230,6 +238,6 @@ def preflight(config) -> None:
         model_cls, _ = resolve(json.load(f))
     if model_cls.__name__ not in SUPPORTED:
         raise NotImplementedError(f"decode context parallelism supports the Llama family "
-                                  f"(Llama, Mistral, Qwen2, Qwen3) so far, not "
+                                  f"(Llama, Mistral, Qwen2, Qwen3) and DeepSeek-V3 so far, not "
                                   f"{model_cls.__name__}: serve it with "
                                   f"--decode-context-parallel-size 1")
