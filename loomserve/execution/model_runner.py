@@ -106,9 +106,9 @@ class ModelRunner:
         self.layer_specs = list(self.model.kv_cache_specs(d.local_block_size, self.dtype))
         self.kv_layout, view = plan_context_parallel(self.layer_specs, self.block_size, d.size,
                                                      budget)
-        log.info("DCP rank %d/%d: %d blocks of %d tokens here (%d of each %d-token block): the "
-                 "pool holds %d tokens, %d on this rank", d.rank, d.size, view.num_blocks,
-                 d.local_block_size, d.local_block_size, self.block_size, view.capacity_tokens,
+        log.info("DCP rank %d of %d: %d blocks, a page holding %d of a block's %d tokens: the "
+                 "pool holds %d tokens, %d of them on this rank", d.rank, d.size,
+                 view.num_blocks, d.local_block_size, self.block_size, view.capacity_tokens,
                  self.kv_layout.capacity_tokens)
         return view
 
