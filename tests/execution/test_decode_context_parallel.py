@@ -98,10 +98,14 @@ def _scatter(k, v, lay: DcpLayout, table: list[int], nblocks: int):
     return kc, vc
 
 
-@pytest.mark.parametrize("interleave", [1, 2])
-def test_rank_partials_merge_to_full_attention(interleave):
-    """Decode rows (C kernel and torch) and a prefill chunk over cached context, each rank on
-    its pages only, merged: full attention over the whole sequence."""
+@pytest.mark.parametrize("interleave,flash", [(1, True), (2, True), (1, False), (2, False)])
+def test_rank_partials_merge_to_full_attention(interleave, flash, monkeypatch):
+    """Decode rows (C kernel and torch) and a prefill chunk over cached context (flash and
+    matmul paths, tiles of 16 keys: several per rank), each rank on its pages only, merged:
+    full attention over the whole sequence."""
+    from loomserve.execution.parallel import context_parallel
+    monkeypatch.setattr(context_parallel, "TILE_KEYS", 16)
+    monkeypatch.setattr(context_parallel, "TILE_ROWS", 4)
     from loomserve.execution.attention import select_backend
     torch.manual_seed(interleave)
     size, block, heads, kvh, hd = 2, 8, 4, 2, 16
@@ -123,7 +127,7 @@ def test_rank_partials_merge_to_full_attention(interleave):
         dec_k.append(cpu.decode_lse(q, kc, vc, meta, 0.3, heads // kvh))
         dec_t.append(decode_partial(q, kc, vc, meta, 0.3, heads // kvh))
         chunk = PrefillChunk(0, 7, 30, tab)
-        pre.append(prefill_partial(qc, kc, vc, meta, chunk, lay, 0.3, heads // kvh))
+        pre.append(prefill_partial(qc, kc, vc, meta, chunk, lay, 0.3, heads // kvh, flash))
     want = _full(q, k, v, 0.3)
     for parts in (dec_k, dec_t):
         out, _ = merge_partials(torch.stack([o for o, _ in parts]),

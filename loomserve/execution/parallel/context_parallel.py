@@ -18,7 +18,8 @@ all-gathered and merged exactly (merge_partials): lse = logsumexp_r lse_r,
 o = sum_r exp(lse_r - lse) o_r. Every rank merges the same gathered tensor in the same order, so
 the replicas hold identical hidden states and never drift. Decodes read the local pages with the
 C paged kernel (its per-split maxima and sums give the LSE, cpu_backend.decode_lse); prefill
-chunks (cached context and their own keys, causal by global position) take a tiled torch path.
+chunks (cached context and their own keys, causal by global position) take torch's CPU flash
+kernel with a mask (it returns the LSE) in tiles of keys, or a portable matmul path elsewhere.
 Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
 MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent space, before
 W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
@@ -36,7 +37,8 @@ import torch
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
 
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
-TILE_ROWS = 256  # query rows per step of the prefill partial
+TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # Llama, Mistral (no sliding window), Qwen2, Qwen3; DeepSeek-V3 (MLA: layers/mla.py's DCP path)
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -122,35 +124,58 @@ def decode_partial(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, g
 
 
 def prefill_partial(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk,
-                    layout: DcpLayout, scale: float, group: int):
+                    layout: DcpLayout, scale: float, group: int, flash: bool | None = None):
     """(out, lse) of a chunk's rows q [n, heads, hd] over this rank's keys of positions
     < the chunk's end, each row seeing keys at positions <= its own (its own chunk included:
-    the rows were written before the call)."""
+    the rows were written before the call). flash: torch's CPU flash kernel with a mask (the
+    default on CPU) instead of the portable matmul path."""
     n, heads, hd = q.shape
-    kvh, b = heads // group, meta.block_size
+    b = meta.block_size
     nk = int(layout.local_count(c.start_pos + n))
     out = torch.zeros(n, heads, hd, dtype=torch.float32, device=q.device)
     lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if nk == 0:
         return out, lse
+    flash = q.device.type == "cpu" if flash is None else flash
     key_pos = torch.from_numpy(layout.global_positions(nk)).to(q.device)
     q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
     tile = max(1, TILE_KEYS // b) * b
-    qh = q.view(n, kvh, group, hd).permute(1, 2, 0, 3)  # [kvh, group, n, hd]
     for a in range(0, nk, tile):
         z = min(a + tile, nk)
         blocks = torch.from_numpy(c.table[a // b:math.ceil(z / b)].astype(np.int64)).to(q.device)
-        kt = k_cache[blocks].flatten(0, 1)[:z - a].permute(1, 0, 2).unsqueeze(1)
-        vt = v_cache[blocks].flatten(0, 1)[:z - a].permute(1, 0, 2).unsqueeze(1)
-        for r in range(0, n, TILE_ROWS):
-            e = min(r + TILE_ROWS, n)
-            allowed = key_pos[None, a:z] <= q_pos[r:e, None]
-            ot, lt = softmax_partial(qh[:, :, r:e], kt, vt, allowed, scale)
-            ot = ot.permute(2, 0, 1, 3).reshape(e - r, heads, hd)
-            lt = lt.permute(2, 0, 1).reshape(e - r, heads)
-            out[r:e], lse[r:e] = merge_partials(torch.stack([out[r:e], ot]),
-                                                torch.stack([lse[r:e], lt]))
+        kt = k_cache[blocks].flatten(0, 1)[:z - a]  # [keys, kv_heads, hd]
+        vt = v_cache[blocks].flatten(0, 1)[:z - a]
+        allowed = key_pos[None, a:z] <= q_pos[:, None]  # [n, keys]
+        step = _flash_tile if flash else _matmul_tile
+        ot, lt = step(q, kt, vt, allowed, scale, group)
+        out, lse = merge_partials(torch.stack([out, ot]), torch.stack([lse, lt]))
     return out, lse
+
+
+def _flash_tile(q, k, v, allowed, scale: float, group: int):
+    """torch's flash kernel over one key tile: fp32 ([n, heads, hd], [n, heads]). It gives a
+    row that sees no key lse 0 (and out 0), so those rows' lse is set to -inf here."""
+    mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+    o, lse = _flash(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask[None, None],
+                    scale=scale)
+    lse = lse[0].transpose(0, 1).masked_fill(~allowed.any(-1)[:, None], float("-inf"))
+    return o[0].transpose(0, 1).float(), lse
+
+
+def _matmul_tile(q, k, v, allowed, scale: float, group: int):
+    """The portable path over one key tile, in row tiles of TILE_ROWS (bounds the scores)."""
+    n, heads, hd = q.shape
+    kvh = heads // group
+    qh = q.view(n, kvh, group, hd).permute(1, 2, 0, 3)  # [kvh, group, n, hd]
+    kh, vh = k.permute(1, 0, 2).unsqueeze(1), v.permute(1, 0, 2).unsqueeze(1)
+    outs, lses = [], []
+    for r in range(0, n, TILE_ROWS):
+        e = min(r + TILE_ROWS, n)
+        o, lse = softmax_partial(qh[:, :, r:e], kh, vh, allowed[r:e], scale)
+        outs.append(o.permute(2, 0, 1, 3).reshape(e - r, heads, hd))
+        lses.append(lse.permute(2, 0, 1).reshape(e - r, heads))
+    return torch.cat(outs), torch.cat(lses)
 
 
 class DcpBackend:
