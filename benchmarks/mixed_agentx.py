@@ -151,6 +151,14 @@ def main() -> int:
 
     traces = args.traces or synth_traces(args)
     results: dict[str, dict[str, list[dict]]] = {s: {} for s in args.systems}
+
+    def save() -> str:  # after every replay: a long run cut short keeps what it measured
+        payload = {"host": host_info(),
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                   "command": " ".join(sys.argv), "traces": traces, "args": vars(args),
+                   "scheduler_flags": SCHED_FLAGS, "results": results}
+        return write_json(args.out, payload)
+
     for rep in range(args.repeats):
         for name in args.systems:  # interleaved: host noise hits every system alike
             port = free_port()
@@ -160,6 +168,7 @@ def main() -> int:
                     if name != "llama-server":
                         row["scheduler_metrics"] = scrape(srv.base_url)
                     results[name].setdefault(str(c), []).append(row)
+                    save()
     rows = []
     for name, by_c in results.items():
         for c, runs in by_c.items():
@@ -174,10 +183,7 @@ def main() -> int:
                         "TPGS",
                         "hit served", "prompt tok", "cost err p50", "p90"], rows),
           file=sys.stderr)
-    payload = {"host": host_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-               "command": " ".join(sys.argv), "traces": traces, "args": vars(args),
-               "scheduler_flags": SCHED_FLAGS, "results": results}
-    print(write_json(args.out, payload), file=sys.stderr)
+    print(save(), file=sys.stderr)
     return 0
 
 

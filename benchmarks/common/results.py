@@ -18,9 +18,10 @@ __all__ = ["write_json", "median", "format_table"]
 
 
 def write_json(name: str, payload: dict[str, Any]) -> str:
-    """Write ``payload`` to benchmarks/results/<name> atomically; returns the path."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, name)
+    """Write ``payload`` atomically to benchmarks/results/<name>, or to ``name`` itself when it
+    names a folder (a path such as benchmarks/results/x.json or /tmp/x.json); returns the path."""
+    path = name if os.path.dirname(name) else os.path.join(RESULTS_DIR, name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=False, default=_json_default)
