@@ -183,6 +183,7 @@ class Scheduler:
         done.add(req.request_id)
         if left > 1:
             plan.feats.add(req.num_computed_tokens, n)
+            self.waiting.progressed(req)
         return budget - n
 
     def _fill_prefills(self, out: SchedulerOutput, deferred: list[Request], budget: int,
@@ -291,6 +292,7 @@ class Scheduler:
         self.running.append(req)
         self._add_to_batch(out, req, n)
         plan.feats.add(num_hit, n)
+        self.waiting.progressed(req)
         return True, budget - n
 
     def _held(self, req: Request) -> bool:

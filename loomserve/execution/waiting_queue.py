@@ -14,7 +14,10 @@ gives the admission order of a policy:
 Aging (priority and cache_aware): a request waiting longer than `max_postpone_s` since it first
 entered the queue goes to the front whatever its priority or uncached work, oldest first; so
 no request is postponed by later arrivals for more than that bound (it can still wait for
-blocks or the token budget, which the requests ahead of it release as they finish).
+blocks or the token budget, which the requests ahead of it release as they finish). A running
+prefill ordered against waiting requests (the step-time budget's shared order) ages from its
+last chunk instead (`progressed`): it is postponed only while it gets nothing, so a cold prefill
+that is being served does not jump ahead of every later warm turn once it is 10 s old.
 
 Warm: the session (`session_id`) holds a KV pin, or one of its requests finished within
 `warm_window_s`. Probing the prefix cache costs a hash lookup per block, so a request's
@@ -68,6 +71,10 @@ class WaitingQueue:
 
     def remove(self, req) -> None:
         self._q.remove(req)
+
+    def progressed(self, req) -> None:
+        """A running prefill got a chunk: its postponement clock restarts."""
+        self._since[req.request_id] = self.clock()
 
     def forget(self, req) -> None:
         """The request finished: drop its bookkeeping."""

@@ -209,6 +209,31 @@ def test_a_warm_turn_takes_the_spare_time_before_a_running_cold_prefill():
     assert not out.preempted and sched.num_preemptions == 0
 
 
+def test_a_running_prefill_ages_from_its_last_chunk_not_its_arrival():
+    """A cold prefill served for longer than max_postpone still yields the step's spare time to
+    a later warm turn (it is not postponed while it gets chunks); one that got nothing for
+    max_postpone goes first."""
+    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=None, cost=FakeCost(),
+                            postpone_ms=5_000)
+    runner = FakeRunner(BS)
+    sched.add(req("w0", SYSTEM + [1, 2], max_tokens=1))
+    drain(sched, runner)
+    for k in range(4):
+        sched.add(req(f"d{k}", 4, max_tokens=60))
+    step(sched, runner)
+    sched.add(req("cold", 200, max_tokens=1))
+    for _ in range(12):  # served every step for 12 s, past the 5 s bound
+        step(sched, runner)
+        clock.t += 1
+    sched.add(req("warm", SYSTEM + [7, 8, 9], max_tokens=1))
+    out, _ = step(sched, runner)
+    assert dict((r.request_id, n) for r, n in out.scheduled)["warm"] == 3
+    cold = sched.requests["cold"]
+    assert sched.waiting.key(cold, 1)[0] == 1  # just progressed: not aged
+    clock.t += 5
+    assert sched.waiting.key(cold, 1) == (0, clock.t - 5)  # 5 s without a chunk: first
+
+
 def test_target_zero_is_the_token_budget_alone():
     sched, kv, clock = make(budget=64, target_ms=0, cost=FakeCost())
     runner = FakeRunner(BS)
