@@ -219,6 +219,10 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--kill-at", type=float, default=60.0,
                     help="fault runs: SIGKILL instance 1 this many s into the replay")
+    ap.add_argument("--once", action="store_true",
+                    help="fixed work: each live session replays one trace to its end (bench "
+                         "agentx --once; --duration caps it), so every run, the ideal included, "
+                         "serves the same requests")
     ap.add_argument("--force", action="store_true", help="redo runs already in the results")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "router_agentx.json"))
     a = ap.parse_args()

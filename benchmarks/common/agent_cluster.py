@@ -262,6 +262,8 @@ def replay_argv(url: str, traces: list[str], a, metrics_urls: list[str], json_ou
            "--records", "--record-prompts", "--record-outputs", "--json-out", json_out]
     if metrics_urls:
         cmd += ["--metrics-url", *metrics_urls]
+    if getattr(a, "once", False):
+        cmd.append("--once")
     return cmd
 
 

@@ -320,3 +320,18 @@ def test_records_keep_the_sent_prompts_when_asked():
     clock2 = FakeClock()
     _, plain = replay([session("a", main)], clock2, FakeServer(clock2))
     assert all(r.prompt_ids is None for r in plain)
+
+
+def test_once_replays_each_slots_first_trace_then_ends():
+    """Fixed work: with `once` the slot does not cycle on to the next trace, and the run ends
+    when its trace does, long before --duration; without it the slot cycles."""
+    a = session("a", [req(0), req(5)])
+    b = session("b", [req(0), req(5), req(9)])
+    clock = FakeClock()
+    server = FakeServer(clock, ttft=1.0)
+    r, records = replay([a, b], clock, server, once=True)
+    assert len(server.sends) == 2 and len(records) == 2
+    assert clock.now() < 100.0
+    cycling = FakeServer(FakeClock(), ttft=1.0)
+    replay([a, b], cycling.clock, cycling, duration=30.0)
+    assert len(cycling.sends) > 2

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", required=True, nargs="+", help="trace files or directories")
     p.add_argument("--concurrency", type=int, default=4, help="live sessions (default: 4)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds to replay (default: 60)")
+    p.add_argument("--once", action="store_true",
+                   help="fixed work: each live session replays one trace (its slot's first, from "
+                        "its warm-start turn to the end) and the run ends when all have "
+                        "(--duration still caps it), so every server gets the same requests")
     p.add_argument("--scale", type=int, default=None,
                    help="tokens per trace block (default: the trace block size, i.e. unscaled)")
     p.add_argument("--scale-output", action="store_true", help="scale output tokens like inputs")
@@ -117,6 +121,7 @@ async def run_replay(args, sessions, transport: Transport | None = None, on_reco
             concurrency=args.concurrency, duration=args.duration, time_scale=args.time_scale,
             max_context=max_context, max_output=max_output, scale_output=args.scale_output,
             warmup=args.warmup, seed=args.seed, mode=info.mode, pull_in_s=args.pull_in,
+            once=getattr(args, "once", False),
             drain_timeout_s=args.drain_timeout, text_ratio=info.text_token_ratio or 1.0,
             keep_prompts=getattr(args, "record_prompts", False) and info.mode == "ids",
             keep_outputs=getattr(args, "record_outputs", False),
@@ -162,7 +167,8 @@ async def run_replay(args, sessions, transport: Transport | None = None, on_reco
         "config": {
             "endpoint": args.endpoint, "model": info.model, "traces": list(args.traces),
             "num_traces": len(sessions), "concurrency": args.concurrency,
-            "duration_s": args.duration, "time_scale": args.time_scale,
+            "duration_s": args.duration, "once": getattr(args, "once", False),
+            "time_scale": args.time_scale,
             "trace_block_size": block_size, "scale": block_tokens,
             "scale_factor": block_tokens / block_size, "scale_output": args.scale_output,
             "max_context": max_context, "max_output": max_output, "warmup": args.warmup,

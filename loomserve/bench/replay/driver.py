@@ -6,6 +6,8 @@
 - Warm start: each slot starts at a random turn k>=1 of its first trace and first sends a
   one-token primer of turn k-1 (same prompt); primers are recorded but excluded from metrics.
   `--duration` counts from the moment every slot's primer is back.
+- `once` (fixed work): each slot replays only its first trace and stops; the run ends when
+  every slot has, so two servers replayed with the same seed get the same requests.
 - Requests: streaming, include_usage, ignore_eos, max_tokens = recorded out (capped);
   temperature only when asked. Prompts come from prompts.py (token ids or stable text).
 
@@ -54,7 +56,9 @@ class Replayer:
                  mode: str = "ids", pull_in_s: float = 10.0, drain_timeout_s: float = 60.0,
                  error_backoff_s: float = 1.0, run_nonce: str | None = None,
                  on_record=None, text_ratio: float = 1.0, keep_prompts: bool = False,
-                 keep_outputs: bool = False, temperature: float | None = None) -> None:
+                 keep_outputs: bool = False, temperature: float | None = None,
+                 once: bool = False) -> None:
+        self.once = once  # fixed work: one trace per slot, then the slot ends
         self.keep_prompts = keep_prompts  # token ids of each sent prompt, for offline re-play
         self.keep_outputs = keep_outputs  # each request's streamed text, to compare outputs
         self.temperature = temperature    # None: the server's default
@@ -157,6 +161,8 @@ class Replayer:
         while not self.stopping:
             session = self._next_session(slot, first)
             await self._replay_session(slot, session, warm=first and self.warmup)
+            if self.once:
+                return
             first = False
             await asyncio.sleep(0)
 
