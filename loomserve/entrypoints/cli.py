@@ -209,7 +209,8 @@ def _add_parallel(p) -> None:
                    help="ranks that each hold the whole model and 1/D of every sequence's KV "
                         "(token t on rank (t // I) %% D), attention merged across them by "
                         "log-sum-exp: D x the context per rank's --kv-cache-memory. With "
-                        "--tensor-parallel-size 1 only; Llama family (default: %(default)s)")
+                        "--tensor-parallel-size 1 only; the Llama family and DeepSeek-V3 "
+                        "(default: %(default)s)")
     g.add_argument("--dcp-kv-cache-interleave-size", type=int,
                    default=_DEFAULTS["dcp_kv_cache_interleave_size"], metavar="I",
                    help="consecutive tokens a DCP rank stores before the next rank's turn; "
