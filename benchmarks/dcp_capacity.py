@@ -5,12 +5,14 @@ all-gather volume per decode step.
    2 with the same --kv-cache-memory per rank: runner.kv_cache_config (the scheduler's blocks
    and capacity_tokens) and runner.kv_layout (one rank's pages: what it stores).
 2. A prompt of --long-prompt tokens, more than the D = 1 pool holds: refused at D = 1 (the
-   engine's max_model_len is the pool's capacity), served at D = 2. Greedy tokens of short
-   prompts are compared between D = 1 and D = 2.
+   engine's max_model_len is the pool's capacity), served at D = 2. Greedy tokens (16 each) of
+   four short prompts and one of --compare-len tokens (near the D = 1 pool's size) are
+   compared between D = 1 and 2.
 3. Communication at D = 2: DcpBackend.gathered_bytes over --steps decode-only steps of
    --streams requests, per attention layer per token, beside the formula
        D x heads x (head_dim + 1) x 4 bytes   (every rank's fp32 partial out + LSE, gathered)
-   of which each rank sends heads x (head_dim + 1) x 4 and receives (D - 1) times that.
+   of which each rank sends heads x (head_dim + 1) x 4 and receives (D - 1) times that
+   (MLA: kv_lora_rank in place of head_dim, its decode partials being latent rows).
    Step times at D = 1 and 2 are reported too, indicative only: each DCP rank replicates the
    non-attention work, so on one shared 2-core host DCP buys capacity, not speed.
 
@@ -104,15 +106,18 @@ def run(args) -> dict:
             res = {"capacity": _capacity(llm)}
             res["long_prompt"] = _long_prompt(llm, args.long_prompt)
             short = [_prompt(i, 40 + 17 * i, llm.core.runner.vocab_size) for i in range(4)]
+            short.append(_prompt(9, args.compare_len, llm.core.runner.vocab_size))
             res["greedy"] = [o.token_ids for o in llm.generate(short, greedy)]
             res["decode"] = _decode(llm, args.streams, args.prompt_len, args.steps)
             per = res["decode"]["gathered_bytes"] / (args.steps * args.streams * layers)
             res["decode"]["gathered_bytes_per_layer_token"] = per
-            res["formula_bytes_per_layer_token"] = (dcp * mc.num_heads * (mc.head_dim + 1) * 4
-                                                    if dcp > 1 else 0)
+            # MLA gathers its decode partials in latent space: kv_lora_rank + 1 per head
+            width = getattr(mc, "kv_lora_rank", None) or mc.head_dim
+            res["formula_bytes_per_layer_token"] = dcp * mc.num_heads * (width + 1) * 4 \
+                if dcp > 1 else 0
             out["runs"][str(dcp)] = res
             out["model"] = {"name": llm.core.runner.model_name, "layers": layers,
-                            "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
+                            "heads": mc.num_heads, "kv_heads": getattr(mc, "num_kv_heads", 1),
                             "head_dim": mc.head_dim}
         finally:
             llm.close()
@@ -127,6 +132,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: built-in SmolLM2)")
     ap.add_argument("--kv-cache-memory", default="64MiB", help="per rank")
     ap.add_argument("--long-prompt", type=int, default=2500)
+    ap.add_argument("--compare-len", type=int, default=1400, help="< the D = 1 capacity")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--steps", type=int, default=32)
