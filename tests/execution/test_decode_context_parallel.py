@@ -168,6 +168,10 @@ def test_unsupported_model_fails_before_any_process_starts():
                                    decode_context_parallel_size=2)
     with pytest.raises(NotImplementedError, match="Llama family"):
         preflight(cfg)
+    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-mistral-swa"),
+                                   decode_context_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        preflight(cfg)
     cfg = EngineConfig.from_kwargs(model=_fixture("tiny-llama"), decode_context_parallel_size=2,
                                    block_size=16, dcp_kv_cache_interleave_size=16)
     with pytest.raises(ValueError, match="multiple of"):
@@ -176,10 +180,11 @@ def test_unsupported_model_fails_before_any_process_starts():
 
 # --- the engine at D = 2 ----------------------------------------------------------------------
 
-def _run(model: str, dcp: int):
+def _run(model: str, dcp: int, interleave: int = 1):
     """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
     from loomserve.entrypoints.llm import LLM
-    llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32")
+    llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32",
+              dcp_kv_cache_interleave_size=interleave)
     try:
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
         second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
@@ -191,12 +196,15 @@ def _run(model: str, dcp: int):
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
-def test_greedy_prefix_hits_and_capacity_match_one_rank(name):
-    """Two processes on gloo against one rank; DeepSeek-V3: MLA's latent rows split by token."""
+@pytest.mark.parametrize("name,interleave", [("tiny-llama", 1), ("tiny-llama", 8),
+                                             ("tiny-deepseek-v3", 1)])
+def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
+    """Two processes on gloo against one rank. Interleave 1: tokens alternate between the
+    ranks; 8: each rank holds one half of every 16-token block. DeepSeek-V3: MLA's latent
+    rows split by token."""
     model = _fixture(name)
     tokens1, cached1, view1, pool1, _ = _run(model, 1)
-    tokens2, cached2, view2, pool2, attn = _run(model, 2)
+    tokens2, cached2, view2, pool2, attn = _run(model, 2, interleave)
     assert tokens2 == tokens1
     assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32  # the hits happened
     # a rank's page holds half of each block's tokens: the same budget plans twice the blocks

@@ -260,7 +260,11 @@ def preflight(config) -> None:
               pc.dcp_kv_cache_interleave_size)
     folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
-        model_cls, _ = resolve(json.load(f))
+        model_cls, cfg = resolve(json.load(f))
+    if hasattr(cfg, "is_sliding") and any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+        raise NotImplementedError("decode context parallelism does not support sliding-window "
+                                  "layers yet: serve this model with "
+                                  "--decode-context-parallel-size 1")
     if model_cls.__name__ not in SUPPORTED:
         raise NotImplementedError(f"decode context parallelism supports the Llama family "
                                   f"(Llama, Mistral, Qwen2, Qwen3) and DeepSeek-V3 so far, not "
