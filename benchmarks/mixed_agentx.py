@@ -67,6 +67,8 @@ def replay(url: str, traces: str, concurrency: int, args) -> dict:
            "--records", "--json"]
     if args.scale:
         cmd += ["--scale", str(args.scale)]
+    if args.once:
+        cmd.append("--once")
     print(f"  replay c={concurrency} on {url}", file=sys.stderr, flush=True)
     res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(res.stdout)
@@ -129,6 +131,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--once", action="store_true",
+                    help="fixed work (bench agentx --once): each session replays one trace to its "
+                         "end, so every system serves the same requests (--duration caps it)")
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--profile", default="agentx", choices=["agentx", "cpu", "weka-small"])
     ap.add_argument("--forked", type=float, default=0.5, help="--forked-subagents fraction")
