@@ -1,9 +1,7 @@
 """`loomserve router` in front of two real `loomserve serve` instances (tiny-llama, KV events
-on), all as subprocesses, driven through the official openai and anthropic clients.
-
-The last test SIGKILLs one instance: it must leave the router's set within two seconds, its
-in-flight stream must end with an error (not hang), and its session must go on elsewhere.
-"""
+on), all as subprocesses, driven through the official openai and anthropic clients. The last
+test SIGKILLs one instance: it must leave the router's set within two seconds, its in-flight
+stream must end with an error (not hang), and its session must go on elsewhere."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-TINY_LLAMA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures",
-                                          "tiny-llama"))
+TINY_LLAMA = os.path.abspath(os.path.join(os.path.dirname(__file__), "../fixtures/tiny-llama"))
 START_TIMEOUT_S = 300  # engines start slowly on a shared 2-core host
 SYSTEM = ("You are the archivist of a weaving museum. Answer every question about looms, "
           "shuttles, warps and wefts with care, citing the catalogue number of each object "
