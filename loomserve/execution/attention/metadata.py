@@ -79,3 +79,22 @@ def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[i
 def first_visible(pos: int, window: int | None) -> int:
     """The first key position a query at `pos` sees."""
     return 0 if window is None else max(0, pos - window + 1)
+
+
+def padded_decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' block tables padded to the longest, [decodes, width] (padding repeats a
+    row's last block: finite data), and the valid-key mask [decodes, width * block_size]; built
+    once per step in `derived`. A row with no keys (a decode-context-parallel rank that holds
+    none of a short sequence) reads its first block, all masked."""
+    got = meta.derived.get("decode_tables")
+    if got is not None:
+        return got
+    bs = meta.block_size
+    lens = meta.decode_lens.astype(np.int64)
+    lasts = np.maximum((lens - 1) // bs, 0)
+    cols = np.minimum(np.arange(int(lasts.max()) + 1)[None, :], lasts[:, None])
+    tables = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
+    valid = torch.arange(cols.shape[1] * bs)[None, :] < torch.from_numpy(lens)[:, None]
+    got = (torch.from_numpy(tables).to(meta.device), valid.to(meta.device))
+    meta.derived["decode_tables"] = got
+    return got

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.attention.metadata import padded_decode_tables
 from loomserve.execution.layers.attention import AttentionMetadata
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import apply_rope
@@ -161,19 +162,14 @@ class MultiHeadLatentAttention(nn.Module):
     def _dcp_decode_partial(self, q_nope, q_pe, meta: AttentionMetadata):
         """Absorbed scores over the local rows: (out_lat [d, heads, rank], lse [d, heads])."""
         from loomserve.execution.parallel.context_parallel import softmax_partial
-        d, bs = q_nope.shape[0], meta.block_size
-        lens = meta.decode_lens.astype(np.int64)  # local key counts (0 allowed)
-        nblk = (lens + bs - 1) // bs
-        width = max(int(nblk.max()), 1)
-        cols = np.minimum(np.arange(width)[None, :], np.maximum(nblk - 1, 0)[:, None])
-        tables = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
-        ids = torch.from_numpy(tables).view(-1).to(q_nope.device)
-        rows = self.latent_cache.index_select(0, ids).view(d, width * bs, -1)[..., :self.latent_dim]
+        tables, valid = decode_inputs(meta)  # local key counts (0 allowed)
+        d = q_nope.shape[0]
+        rows = self.latent_cache.index_select(0, tables.view(-1)).view(d, valid.shape[1], -1)
+        rows = rows[..., :self.latent_dim]
         w_uk, _ = self.kv_b_proj.absorbed()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        valid = torch.arange(width * bs)[None, :] < torch.from_numpy(lens)[:, None]
         return softmax_partial(torch.cat([q_lat, q_pe], dim=-1), rows, rows[..., :self.rank],
-                               valid[:, None, :].to(rows.device), self.scale)
+                               valid[:, None, :], self.scale)
 
     def _dcp_prefill_partial(self, q_nope, q_pe, c, meta: AttentionMetadata, layout):
         """Decompressed over the local rows of positions < the chunk's end, causal by global
@@ -234,22 +230,10 @@ class MultiHeadLatentAttention(nn.Module):
 
 def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables [decodes, width] and the valid-key mask [decodes, width * block_size],
-    built once per step for every MLA layer. Padding repeats a seq's last block (finite data)."""
-    got = meta.derived.get("mla_decode")
-    if got is not None:
-        return got
+    built once per step for every MLA layer (attention.metadata.padded_decode_tables)."""
     if meta.sliding_window is not None:
         raise ValueError("multi-head latent attention has no sliding-window variant")
-    bs = meta.block_size
-    lens = meta.decode_lens.astype(np.int64)
-    lasts = (lens - 1) // bs
-    width = int(lasts.max()) + 1
-    cols = np.minimum(np.arange(width)[None, :], lasts[:, None])
-    tables = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
-    valid = torch.arange(width * bs)[None, :] < torch.from_numpy(lens)[:, None]
-    got = (torch.from_numpy(tables).to(meta.device), valid.to(meta.device))
-    meta.derived["mla_decode"] = got
-    return got
+    return padded_decode_tables(meta)
 
 
 def chunk_inputs(meta: AttentionMetadata, c) -> tuple[torch.Tensor | None, torch.Tensor | None]:

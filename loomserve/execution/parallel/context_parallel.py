@@ -34,7 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
+from loomserve.execution.attention.metadata import (
+    AttentionMetadata,
+    PrefillChunk,
+    padded_decode_tables,
+)
 
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
@@ -108,18 +112,12 @@ def softmax_partial(q, k, v, allowed, scale: float) -> tuple[torch.Tensor, torch
 def decode_partial(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int):
     """Torch (out, lse) of the decode rows over this rank's pages (meta localized)."""
     d, heads, hd = q.shape
-    kvh, b = heads // group, meta.block_size
-    lens = meta.decode_lens.astype(np.int64)
-    nblk = (lens + b - 1) // b
-    width = max(int(nblk.max()), 1)
-    cols = np.minimum(np.arange(width)[None, :], np.maximum(nblk - 1, 0)[:, None])
-    ids = np.stack([t[c] for t, c in zip(meta.decode_tables, cols)]).astype(np.int64)
-    ids_t = torch.from_numpy(ids).view(-1).to(q.device)
-    kb = k_cache[ids_t].view(d, width * b, kvh, hd).transpose(1, 2)
-    vb = v_cache[ids_t].view(d, width * b, kvh, hd).transpose(1, 2)
-    allowed = torch.arange(width * b)[None, :] < torch.from_numpy(lens)[:, None]
-    o, lse = softmax_partial(q.view(d, kvh, group, hd), kb, vb,
-                             allowed[:, None, None, :].to(q.device), scale)
+    kvh = heads // group
+    tables, valid = padded_decode_tables(meta)  # local key counts (0 allowed)
+    ids = tables.view(-1)
+    kb = k_cache[ids].view(d, valid.shape[1], kvh, hd).transpose(1, 2)
+    vb = v_cache[ids].view(d, valid.shape[1], kvh, hd).transpose(1, 2)
+    o, lse = softmax_partial(q.view(d, kvh, group, hd), kb, vb, valid[:, None, None, :], scale)
     return o.reshape(d, heads, hd), lse.reshape(d, heads)
 
 
