@@ -100,15 +100,22 @@ def test_backend_matches_reference(name, seqs, block_size, kv_heads, group, head
 
 def test_cpu_kernel_runs_for_decodes_and_long_contexts():
     """Contexts long enough to split over many tasks, GQA, both dtypes: the C kernel (not the
-    fallback) serves the decodes, the tiled path the continued prefill."""
+    fallback) serves the decodes and a short continued chunk's context; a chunk with more
+    queries per kv head than CONTEXT_KERNEL_QUERIES (16) takes the gathered tiles."""
     for dtype in (torch.float32, torch.bfloat16):
         backend = select_backend("cpu_paged", CPU, dtype)
-        seqs = [(3000, 1), (700, 1), (1, 1), (2500, 9)]
+        seqs = [(3000, 1), (700, 1), (1, 1), (2500, 4)]
         ours, ref = run_case(backend, seqs, 16, 2, 4, 64, None, None, dtype, 3)
         torch.testing.assert_close(ours.double(), ref, atol=3e-2 if dtype == torch.bfloat16 else 2e-5,
                                    rtol=3e-2 if dtype == torch.bfloat16 else 2e-5)
         assert backend.calls["decode_kernel"] == 1 and backend.calls["decode_fallback"] == 0
         assert backend.calls["prefill_tiled"] == 1
+        assert backend.calls["prefill_context_kernel"] == 1  # 4 queries x 4 heads per kv head
+        long_chunk = select_backend("cpu_paged", CPU, dtype)
+        ours, ref = run_case(long_chunk, [(2500, 5), (900, 3)], 16, 2, 4, 64, None, None, dtype, 4)
+        torch.testing.assert_close(ours.double(), ref, atol=3e-2 if dtype == torch.bfloat16 else 2e-5,
+                                   rtol=3e-2 if dtype == torch.bfloat16 else 2e-5)
+        assert long_chunk.calls["prefill_tiled"] == 2 and long_chunk.calls["prefill_context_kernel"] == 1
 
 
 @pytest.mark.parametrize("head_dim", [128, 40])

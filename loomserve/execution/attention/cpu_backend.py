@@ -5,10 +5,12 @@
   pointers to the runner's int32 tables and the key counts, nothing padded, nothing masked.
 - Prefill chunks: the chunk's own keys run through torch's flash-attention CPU kernel with the
   causal mask (top-left aligned, which is exact for a chunk's own keys); the cached context
-  before the chunk is visible to every query of the chunk, so it runs maskless in tiles of
-  TILE_TOKENS keys, each tile gathered into a bounded workspace (the flash kernel needs dense
-  tiles; a tile is reused by every query of the chunk, so the copy is small beside the FLOPs).
-  Partial results merge by their log-sum-exp, the attention sink (gpt-oss) joining the
+  before the chunk is visible to every query of the chunk, so it runs maskless: for a short
+  chunk (a few tokens, as a warm turn's tail or a decode leg's last token) in the decode kernel,
+  the chunk's queries riding as one row's query group (each key read once, in place); else in
+  tiles of TILE_TOKENS keys, each gathered into a bounded workspace (the flash kernel needs
+  dense tiles; a tile is reused by every query of the chunk, so the copy is small beside the
+  FLOPs). Partial results merge by their log-sum-exp, the attention sink (gpt-oss) joining the
   denominator at the end.
 - Sliding-window prefill chunks take the torch backend (its cost is bounded by the window).
 Anything the kernel cannot take (a cache dtype or layout it lacks) falls back to the torch
@@ -28,6 +30,12 @@ from loomserve.execution.attention import torch_backend
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
 
 TILE_TOKENS = 8192
+# A prefill chunk's cached context runs in the decode kernel (each key read once, in place) when
+# its queries per kv head (chunk tokens x GQA group) are at most this; more, and the flash
+# kernel's GEMMs on gathered tiles win. Measured on the 2-core AMD EPYC (SmolLM2, fp32, 6K
+# context, one thread): a 2-token chunk's step 350 -> 214 ms, 8 tokens even, 16 tokens 1.1x
+# slower. At most the kernel's MAX_GROUP (64).
+CONTEXT_KERNEL_QUERIES = 16
 SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -50,7 +58,7 @@ class CpuPagedBackend:
         self.lib = lib
         self.scratch = torch.empty(0)
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
-                      "prefill_fallback": 0}  # what ran (tests check the kernel really did)
+                      "prefill_fallback": 0, "prefill_context_kernel": 0}  # what ran (tests check the kernel really did)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None) -> torch.Tensor:
@@ -71,22 +79,9 @@ class CpuPagedBackend:
         """Per step and group: table pointers, key counts and the split of the context."""
         key = ("cpu_decode", kv_heads, heads)
         got = meta.derived.get(key)
-        if got is not None:
-            return got
-        lens = meta.decode_lens
-        ptrs = np.fromiter((t.ctypes.data for t in meta.decode_tables), dtype=np.uint64,
-                           count=len(lens))
-        w = meta.sliding_window
-        span = int(lens.max()) if w is None else min(int(lens.max()), w)
-        # One thread below SERIAL_WORK (~50 us of work): a team's fork and join would cost
-        # as much. Else enough tasks to keep every thread busy to the end, splits of at least
-        # 256 keys.
-        work = (int(lens.sum()) if w is None else len(lens) * span) * heads
-        threads = 1 if work < SERIAL_WORK else torch.get_num_threads()
-        per_seq = math.ceil(8 * threads / (len(lens) * kv_heads))
-        split = max(256, math.ceil(span / per_seq))
-        got = (ptrs, lens, split, math.ceil(span / split), threads)
-        meta.derived[key] = got
+        if got is None:
+            got = _plan(meta.decode_tables, meta.decode_lens, meta.sliding_window, kv_heads, heads)
+            meta.derived[key] = got
         return got
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
@@ -107,28 +102,25 @@ class CpuPagedBackend:
         if out is None:
             return None
         d, heads, hd = q.shape
-        kv_heads = heads // group
-        _, lens, split, max_splits, _ = self._decode_plan(meta, kv_heads, heads)
-        part = self.scratch[:d * kv_heads * max_splits * group * (hd + 2)].view(
-            d, kv_heads, max_splits, group, hd + 2)
-        nsplit = torch.from_numpy((lens.astype(np.int64) + split - 1) // split)
-        stale = torch.arange(max_splits)[None, :] >= nsplit[:, None]  # splits not written
-        logl = (part[..., hd] + torch.log(part[..., hd + 1])).masked_fill(
-            stale[:, None, :, None], float("-inf"))
-        lse = torch.logsumexp(logl, dim=2).reshape(d, heads)
+        lse = self._lse(self._decode_plan(meta, heads // group, heads), d, heads, group, hd)
         return out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0), lse
 
     def _kernel_decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                        group: int, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """The C kernel's fp32 output, or None where it cannot run (then the torch path)."""
-        d, heads, head_dim = q.shape
-        kv_heads = heads // group
-        code = _DTYPES.get(k_cache.dtype)
-        inner = (kv_heads * head_dim, head_dim, 1)
-        if (code is None or q.device.type != "cpu" or k_cache.stride()[1:] != inner
-                or v_cache.stride() != k_cache.stride()):
+        kv_heads = q.shape[1] // group
+        if not _kernel_fits(q, k_cache, v_cache, kv_heads):
             return None
-        ptrs, lens, split, max_splits, threads = self._decode_plan(meta, kv_heads, heads)
+        plan = self._decode_plan(meta, kv_heads, q.shape[1])
+        return self._run(q, k_cache, v_cache, plan, meta.sliding_window, scale, sinks)
+
+    def _run(self, q, k_cache, v_cache, plan, window: int | None, scale: float,
+             sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """One kernel call on a plan from _plan; q [rows, heads, head_dim]; per-split partials
+        stay in scratch (see _lse)."""
+        ptrs, lens, split, max_splits, threads, kv_heads = plan
+        d, heads, head_dim = q.shape
+        group = heads // kv_heads
         qf = q.float().contiguous()
         out = torch.empty((d, heads, head_dim), dtype=torch.float32)
         need = d * kv_heads * max_splits * group * (head_dim + 2)
@@ -138,9 +130,44 @@ class CpuPagedBackend:
         rc = self.lib.paged_decode(
             kernels.ptr(qf), kernels.ptr(k_cache), kernels.ptr(v_cache), k_cache.stride(0),
             k_cache.shape[1], kv_heads, head_dim, heads, d, ptrs.ctypes.data, lens.ctypes.data,
-            meta.sliding_window or 0, None if sk is None else kernels.ptr(sk), scale,
-            kernels.ptr(out), kernels.ptr(self.scratch), max_splits, split, code, threads)
+            window or 0, None if sk is None else kernels.ptr(sk), scale,
+            kernels.ptr(out), kernels.ptr(self.scratch), max_splits, split,
+            _DTYPES[k_cache.dtype], threads)
         return out if rc == 0 else None
+
+    def _lse(self, plan, d: int, heads: int, group: int, hd: int) -> torch.Tensor:
+        """[d, heads] log-sum-exp of the last _run, from its per-split partials in scratch:
+        lse = logsumexp(max + log sum); -inf for a row with no keys."""
+        _, lens, split, max_splits, _, kv_heads = plan
+        part = self.scratch[:d * kv_heads * max_splits * group * (hd + 2)].view(
+            d, kv_heads, max_splits, group, hd + 2)
+        nsplit = torch.from_numpy((lens.astype(np.int64) + split - 1) // split)
+        stale = torch.arange(max_splits)[None, :] >= nsplit[:, None]  # splits not written
+        logl = (part[..., hd] + torch.log(part[..., hd + 1])).masked_fill(
+            stale[:, None, :, None], float("-inf"))
+        return torch.logsumexp(logl, dim=2).reshape(d, heads)
+
+    def _context(self, q, k_cache, v_cache, c: PrefillChunk, scale: float, group: int):
+        """A short chunk's attention over its cached context (keys < start_pos), read in place
+        by the decode kernel: the chunk's queries of one kv head ride as one row's query
+        group, so each key is read once for all of them (no gathered tile). Returns ([1, heads,
+        n, hd], [1, heads, n]) fp32 as the flash kernel's, or None (too many queries for the
+        kernel's group, or a layout it lacks: the tiled path)."""
+        n, heads, hd = q.shape
+        kv_heads = heads // group
+        if n * group > CONTEXT_KERNEL_QUERIES or not _kernel_fits(q, k_cache, v_cache, kv_heads):
+            return None
+        lens = np.array([c.start_pos], dtype=np.int32)
+        plan = _plan([c.table], lens, None, kv_heads, heads * n)
+        # [n, kv, g, hd] -> [kv, n, g, hd]: query head j of the row reads kv head j // (n g)
+        rows = q.reshape(n, kv_heads, group, hd).transpose(0, 1).reshape(1, kv_heads * n * group, hd)
+        out = self._run(rows, k_cache, v_cache, plan, None, scale, None)
+        if out is None:
+            return None
+        lse = self._lse(plan, 1, kv_heads * n * group, n * group, hd)
+        out = out.view(kv_heads, n, group, hd).transpose(1, 2).reshape(1, heads, n, hd)
+        lse = lse.view(kv_heads, n, group).transpose(1, 2).reshape(1, heads, n)
+        return out, lse
 
     # --- prefill --------------------------------------------------------------------------
 
@@ -156,7 +183,12 @@ class CpuPagedBackend:
         o, lse = _flash(qc, kc, vc, 0.0, True, scale=scale)
         if c.start_pos > 0 or sinks is not None:
             o = o.float()
-        for a in range(0, c.start_pos, TILE_TOKENS):
+        ctx = self._context(q[c.start:c.end], k_cache, v_cache, c, scale, group) \
+            if c.start_pos > 0 else None
+        if ctx is not None:
+            self.calls["prefill_context_kernel"] += 1
+            o, lse = _merge(o, lse, *ctx)
+        for a in range(0, c.start_pos if ctx is None else 0, TILE_TOKENS):
             kt, vt = _tile(meta, c, k_cache, v_cache, a, min(a + TILE_TOKENS, c.start_pos))
             ot, lt = _flash(qc, kt, vt, 0.0, False, scale=scale)
             o, lse = _merge(o, lse, ot.float(), lt)
@@ -164,6 +196,28 @@ class CpuPagedBackend:
             # softmax over [scores, sink]: scale by e^lse / (e^lse + e^sink).
             o = o * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
         return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
+    """The kernel takes this call: a CPU tensor, a cache dtype it reads, [.., kv_heads,
+    head_dim] rows contiguous, K and V laid out alike."""
+    inner = (kv_heads * q.shape[2], q.shape[2], 1)
+    return (k_cache.dtype in _DTYPES and q.device.type == "cpu"
+            and k_cache.stride()[1:] == inner and v_cache.stride() == k_cache.stride())
+
+
+def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: int):
+    """Table pointers, key counts and the split of the context for one kernel call:
+    (ptrs, lens, split, max_splits, threads, kv_heads)."""
+    ptrs = np.fromiter((t.ctypes.data for t in tables), dtype=np.uint64, count=len(lens))
+    span = int(lens.max()) if window is None else min(int(lens.max()), window)
+    # One thread below SERIAL_WORK (~50 us of work): a team's fork and join would cost as
+    # much. Else enough tasks to keep every thread busy to the end, splits of >= 256 keys.
+    work = (int(lens.sum()) if window is None else len(lens) * span) * heads
+    threads = 1 if work < SERIAL_WORK else torch.get_num_threads()
+    per_seq = math.ceil(8 * threads / (len(lens) * kv_heads))
+    split = max(256, math.ceil(span / per_seq))
+    return ptrs, lens, split, math.ceil(span / split), threads, kv_heads
 
 
 def _tile(meta: AttentionMetadata, c: PrefillChunk, k_cache, v_cache, a: int, b: int):
