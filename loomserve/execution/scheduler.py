@@ -118,6 +118,8 @@ class Scheduler:
         aborted = status == RequestStatus.FINISHED_ABORTED
         if self.tiers is not None:
             self.tiers.on_finish(req, aborted=aborted)
+        if self.transfer is not None:
+            self.transfer.before_free(req)
         self.kv.free(req)
         if self.transfer is not None:
             # after free: a state checkpoint at the prompt's end is hashed by it
@@ -268,20 +270,27 @@ class Scheduler:
             if verdict == "full":
                 return None, budget
         hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
-        n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit)
+        # A decode leg whose tail block arrived computes only its last prompt token.
+        tail = self.transfer.tail_for(req, num_hit) if self.transfer is not None else None
+        n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit) if tail is None \
+            else 1
         if n == 0:
             return None, budget  # no time left this step: the head keeps its place
-        if not self.kv.allocate_slots(req, n, hit, num_hit):
+        if not self.kv.allocate_slots(req, n if tail is None else req.num_tokens - num_hit,
+                                      hit, num_hit):
             return None, budget  # the pool is full: running requests free blocks as they end
         self.waiting.remove(req)
         req.num_computed_tokens = num_hit
+        if tail is not None:
+            self.transfer.apply_tail(req, tail)
+            req.num_computed_tokens = req.num_tokens - 1
         # Hit-rate counters count a request once, at its first admission, as its usage's
         # cached_tokens does: not the probes of a request waiting for blocks, not the
         # re-admission of a preempted one.
         first = req.num_cached_tokens < 0
         tier_tokens = tiers.on_admit(req, num_hit, count=first) if tiers is not None else 0
         if first:
-            req.num_cached_tokens = num_hit
+            req.num_cached_tokens = req.num_computed_tokens  # with a tail: all but the last
             req.num_tier_cached_tokens = tier_tokens
             if self.kv.enable_caching:
                 self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
@@ -291,15 +300,18 @@ class Scheduler:
             self.transfer.on_admit(req)
         self.running.append(req)
         self._add_to_batch(out, req, n)
-        plan.feats.add(num_hit, n)
+        plan.feats.add(req.num_computed_tokens, n)
         self.waiting.progressed(req)
         return True, budget - n
 
     def _held(self, req: Request) -> bool:
-        """A waiting request sits out while its grammar compiles, or while the request whose
+        """A waiting request sits out while its grammar compiles, its tail block (a decode leg)
+        is read, or while the request whose
         prompt it shares (n > 1) has not prefilled it yet, so it then hits those blocks."""
         if req.grammar is not None and not req.grammar.ready:
             return True
+        if self.transfer is not None and self.transfer.tail_waiting(req):
+            return True  # its tail block is being read (at most TailReads.max_wait_s)
         if req.sibling_of is None:
             return False
         first = self.requests.get(req.sibling_of)

@@ -109,15 +109,22 @@ def chat(url: str, max_tokens: int, params: dict | None, stream: bool = False,
     return text
 
 
+def imported(params: dict) -> int:
+    """Prompt tokens a decode leg does not compute: the staged pages' and the tail block's
+    but the last (computed for its logits)."""
+    tail = params.get("tail")
+    return params["num_tokens"] + (len(tail["tokens"]) - 1 if tail else 0)
+
+
 def test_chat_handshake_equals_single_instance(pds):
     p, d, single = pds
     want = chat(single, 16, None).choices[0].message.content
     first = chat(p, 1, DO_REMOTE)
     params = first.model_extra["kv_transfer_params"]
-    assert params is not None and params["num_tokens"] > 0
+    assert params is not None and params["num_tokens"] > 0 and params["tail"]["tokens"]
     out = chat(d, 16, params)
     assert out.choices[0].message.content == want
-    assert out.usage.prompt_tokens_details.cached_tokens == params["num_tokens"]
+    assert out.usage.prompt_tokens_details.cached_tokens == imported(params)
     assert "kv_transfer_params" not in (out.model_extra or {})  # only a prefill leg gets them
     # streamed decode leg: a fresh prefill leg (the first params were released)
     params2 = chat(p, 1, DO_REMOTE).model_extra["kv_transfer_params"]
@@ -137,7 +144,7 @@ def test_completions_messages_responses_accept_the_params(pds):
     out = c_d.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
                                  extra_body={"kv_transfer_params": params})
     assert out.choices[0].text == want
-    assert out.usage.prompt_tokens_details.cached_tokens == params["num_tokens"]
+    assert out.usage.prompt_tokens_details.cached_tokens == imported(params)
 
     msgs = [{"role": "user", "content": PROMPT + " (messages)"}]
     a_single, a_p, a_d = (anthropic.Anthropic(base_url=u, api_key="unused", max_retries=0)
@@ -150,7 +157,7 @@ def test_completions_messages_responses_accept_the_params(pds):
     out = a_d.messages.create(model=model, max_tokens=12, messages=msgs,
                               extra_body={**greedy, "kv_transfer_params": params})
     assert out.content[0].text == want.content[0].text
-    assert out.usage.cache_read_input_tokens == params["num_tokens"]
+    assert out.usage.cache_read_input_tokens == imported(params)
 
     text = PROMPT + " (responses)"
     want = c_single.responses.create(model=model, input=text, max_output_tokens=12,
@@ -161,7 +168,7 @@ def test_completions_messages_responses_accept_the_params(pds):
     out = c_d.responses.create(model=model, input=text, max_output_tokens=12, temperature=0,
                                store=False, extra_body={"kv_transfer_params": params})
     assert out.output_text == want
-    assert out.usage.input_tokens_details.cached_tokens == params["num_tokens"]
+    assert out.usage.input_tokens_details.cached_tokens == imported(params)
 
 
 def test_bad_params_are_a_400_in_the_api_shape(pds):

@@ -26,6 +26,7 @@ from loomserve.kv.transfer.backend import make_transfer
 from loomserve.kv.transfer.params import is_prefill_leg, parse
 from loomserve.kv.transfer.peer_tier import PeerTier
 from loomserve.kv.transfer.source import TransferSource
+from loomserve.kv.transfer.tail import TailReads, tail_rows, usable
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ class KVTransferConnector:
                              control.kv_transfer_timeout)
         self.peer_attached = False
         self._legs: dict[str, str] = {}  # decode-leg request id -> transfer id
-        self.counters = {"prefill_legs": 0, "decode_legs": 0, "unusable_params": 0}
+        self._tail_rows: dict[str, tuple] = {}  # prefill leg -> its tail block, before free
+        self.tails = TailReads(self.peer, len(kv.config.groups), kv.config.page_bytes)
+        self.counters = {"prefill_legs": 0, "decode_legs": 0, "unusable_params": 0,
+                         "tails_applied": 0}
 
     @property
     def transfer(self):
@@ -107,6 +111,33 @@ class KVTransferConnector:
         if self.peer.add(params):
             self._legs[req.request_id] = params.transfer_id
             self.counters["decode_legs"] += 1
+            if params.tail is not None and self._same_layout(params):
+                self.tails.fetch(req.request_id, params.remote_engine, params.tail)
+
+    def _same_layout(self, params) -> bool:
+        """The params' groups are this engine's, in order (a tail has no key of its own)."""
+        mine = self.keyspaces
+        return not self.kv.has_state_groups and len(params.groups) == len(mine) and all(
+            g.fingerprint == k.fingerprint for g, k in zip(params.groups, mine))
+
+    def tail_waiting(self, req) -> bool:
+        """req's tail is still on its way (bounded: TailReads.max_wait_s)."""
+        return req.request_id in self._legs and self.tails.waiting(req.request_id)
+
+    def tail_for(self, req, num_hit: int):
+        """At admission: req's tail (tail, pages) when it continues a hit of num_hit tokens
+        exactly (the scheduler then computes only the last prompt token), else None."""
+        got = self.tails.get(req.request_id) if req.request_id in self._legs else None
+        return got if got is not None and usable(got[0], req, num_hit) else None
+
+    def apply_tail(self, req, got) -> None:
+        """Copy got's (tail_for's) page per group into the block req was just given there."""
+        tail, pages = got
+        t = tail.start // self.kv.block_size
+        rows = self.kv.coordinator.block_ids(req.request_id)
+        for g, page in enumerate(pages):
+            self.kv_buffer[rows[g][t]].copy_(page)
+        self.counters["tails_applied"] += 1
 
     def _ensure_peer(self) -> bool:
         """At the first decode leg: the PeerTier joins the engine's tiers below the configured
@@ -134,7 +165,15 @@ class KVTransferConnector:
     def on_finish(self, req) -> None:
         self._release(req.request_id)
 
+    def before_free(self, req) -> None:
+        """A prefill leg about to free its blocks: note its tail block (tail.py)."""
+        if getattr(req, "remote_decode", False):
+            rows = tail_rows(self.kv, req)
+            if rows is not None:
+                self._tail_rows[req.request_id] = rows
+
     def _release(self, request_id: str) -> None:
+        self.tails.drop(request_id)
         tid = self._legs.pop(request_id, None)
         if tid is None:
             return
@@ -145,6 +184,7 @@ class KVTransferConnector:
     def on_freed(self, req, finished_ok: bool) -> None:
         """After the KV manager freed req: a prefill leg's pages go to staging and its params
         onto req.kv_transfer_result (None when nothing could be staged)."""
+        tail = self._tail_rows.pop(req.request_id, None)
         if not getattr(req, "remote_decode", False):
             return
         req.kv_transfer_result = None
@@ -156,7 +196,7 @@ class KVTransferConnector:
                                              self.keyspaces, self.transfer.name,
                                              self.control.kv_transfer_timeout,
                                              self.control.kv_transfer_buffer)
-            req.kv_transfer_result = self.source.stage(req)
+            req.kv_transfer_result = self.source.stage(req, tail)
         except Exception:  # a backend that cannot start: the decode side computes
             log.exception("request %s: KV staging failed", req.request_id)
 
@@ -166,7 +206,7 @@ class KVTransferConnector:
             self.source.poll()
 
     def stats(self) -> dict:
-        out = {**self.counters, "peer": dict(self.peer.counters)}
+        out = {**self.counters, "peer": dict(self.peer.counters), "tails": dict(self.tails.counters)}
         if self.source is not None:
             out["source"] = {**self.source.counters, "staged_now": len(self.source.staged),
                              "arena_free_pages": self.source.arena.num_free}

@@ -6,12 +6,16 @@ Prefill answer / decode leg (-> decode instance), a TransferParams as plain JSON
     {"remote_engine": "host:port", "backend": "mooncake", "notify": "tcp://host:port",
      "transfer_id": "...", "expires_at": <unix seconds>, "page_bytes": N, "num_tokens": T,
      "hash_start": P, "hashes": [hex block hash for positions P, P+1, ...],
-     "groups": [{"fingerprint": hex, "start": p, "addrs": [int], "checksums": [int]}]}
+     "groups": [{"fingerprint": hex, "start": p, "addrs": [int], "checksums": [int]}],
+     "tail": {"start": S, "tokens": [int], "addrs": [int], "checksums": [int]} or absent}
 Group g's page i is the page of block position start + i (for a state group: the checkpoint
 after that block); its tier key is fingerprint + hash, the same key the decode instance makes
 from its own prompt, so a different prompt, model or layout can never import it. Its checksum
 (xxh3_64 of the page, loomserve.kv.tiers.codec.checksum) is taken when staged: a slot that
 was reused, or a torn read, fails it and the page is computed instead.
+The optional tail is the block holding the prompt's last tokens (positions S .. S + len(tokens)
+- 1, S = num_tokens), one page per group in group order: the decode side copies it into its own
+fresh block (never a cached one) and recomputes only the prompt's last token (tail.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ class GroupPages:
 
 
 @dataclass
+class TailPages:
+    start: int  # first token position of the tail block
+    tokens: list[int]  # the prompt's tokens from start on (1 .. block size of them)
+    addrs: list[int]  # one page per group
+    checksums: list[int]
+
+
+@dataclass
 class TransferParams:
     remote_engine: str
     backend: str
@@ -41,6 +53,7 @@ class TransferParams:
     hash_start: int
     hashes: list[bytes]
     groups: list[GroupPages]
+    tail: TailPages | None = None
 
     def pages(self):
         """(key, remote address, checksum) of every page, group by group."""
@@ -55,7 +68,10 @@ class TransferParams:
                 "num_tokens": self.num_tokens, "hash_start": self.hash_start,
                 "hashes": [h.hex() for h in self.hashes],
                 "groups": [{"fingerprint": g.fingerprint.hex(), "start": g.start,
-                            "addrs": g.addrs, "checksums": g.checksums} for g in self.groups]}
+                            "addrs": g.addrs, "checksums": g.checksums} for g in self.groups],
+                **({} if self.tail is None else {"tail": {
+                    "start": self.tail.start, "tokens": self.tail.tokens,
+                    "addrs": self.tail.addrs, "checksums": self.tail.checksums}})}
 
 
 def _int(d: dict, name: str, lo: int = 0) -> int:
@@ -128,10 +144,25 @@ def parse(raw) -> TransferParams | None:
         if addrs and (start < hash_start or start + len(addrs) > hash_start + len(hashes)):
             raise ValueError("kv_transfer_params: a group's pages lie outside its hashes")
         out.append(GroupPages(_hex(g.get("fingerprint"), "fingerprint"), start, addrs, csums))
+    num_tokens = _int(raw, "num_tokens")
     return TransferParams(_str(raw, "remote_engine"), _str(raw, "backend"),
                           _str(raw, "notify", optional=True), _str(raw, "transfer_id"),
-                          float(expires), _int(raw, "page_bytes", 1), _int(raw, "num_tokens"),
-                          hash_start, hashes, out)
+                          float(expires), _int(raw, "page_bytes", 1), num_tokens,
+                          hash_start, hashes, out, _tail(raw.get("tail"), num_tokens, len(out)))
+
+
+def _tail(t, num_tokens: int, num_groups: int) -> TailPages | None:
+    if t is None:
+        return None
+    if not isinstance(t, dict):
+        raise ValueError("kv_transfer_params.tail must be an object")
+    tokens = _ints(t.get("tokens"), "tail.tokens")
+    addrs, csums = _ints(t.get("addrs"), "tail.addrs"), _ints(t.get("checksums"), "tail.checksums")
+    if _int(t, "start") != num_tokens or not 0 < len(tokens) <= 1024 or \
+            len(addrs) != num_groups or len(csums) != num_groups:
+        raise ValueError("kv_transfer_params.tail: start must be num_tokens, with 1 to 1024 "
+                         "tokens and one page and checksum per group")
+    return TailPages(num_tokens, tokens, addrs, csums)
 
 
 def validate(raw) -> None:

@@ -152,6 +152,11 @@ class PeerTier(Tier):
         self.counters["failed_reads"] += 1
         return None
 
+    def submit_read(self, peer: str, ops):
+        """A read of ops [(remote address, local address, bytes)] on the reader threads, into
+        memory registered with the backend; its Future (a decode leg's tail, tail.py)."""
+        return self._reader.submit(self.transfer.read, peer, ops)
+
     def put(self, keys: Sequence[bytes], src: torch.Tensor, rows=None) -> list[bool]:
         return [False] * len(keys)  # read-only: pages come from prefill instances only
 

@@ -6,7 +6,8 @@ and the arena is host memory the transfer backend can register whatever device t
 The pages staged are those a prefix hit of the prompt's last full boundary reads on the decode
 side (every group: attention blocks, the sliding window's blocks, the state checkpoint at that
 boundary), for the largest boundary b <= (prompt tokens - 1) // block_size at which every group
-has its pages cached, which is what the decode side's own admission can hit.
+has its pages cached, which is what the decode side's own admission can hit; and, right after
+it, the block holding the prompt's last tokens (the tail, tail.py), when every group has it.
 
 Invariants:
 - Staged slots are reused only after the decode side's release notice or the expiry; the
@@ -24,7 +25,7 @@ import uuid
 import torch
 
 from loomserve.kv.tiers import codec
-from loomserve.kv.transfer.params import GroupPages, TransferParams
+from loomserve.kv.transfer.params import GroupPages, TailPages, TransferParams
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class TransferSource:
         self.arena = StagingArena(pages, page_bytes)
         transfer.register(self.arena.buffer)
         self.staged: dict[str, tuple[list[int], float]] = {}  # id -> (slots, reuse after)
-        self.counters = {"staged": 0, "staged_pages": 0, "no_room": 0, "released": 0,
+        self.counters = {"staged": 0, "staged_pages": 0, "staged_tails": 0, "no_room": 0, "released": 0,
                          "expired": 0}
 
     def _boundary(self, req) -> tuple[int, list[list]]:
@@ -95,15 +96,21 @@ class TransferSource:
                 return b, blocks
         return 0, []
 
-    def stage(self, req) -> dict | None:
+    def stage(self, req, tail=None) -> dict | None:
         """After req (a prefill leg) was freed: copy its pages into the arena; its params, or
-        None (nothing cached, or no room)."""
+        None (nothing cached, or no room). tail: tail.tail_rows(), read before the free (its
+        rows are untouched until the next allocation); staged when it follows the boundary."""
         b, blocks = self._boundary(req)
         if b == 0:
             return None
+        if tail is not None and tail[0] != b * self.kv.block_size:
+            tail = None  # the decode side's hit would not reach it
         ranges = self.kv.hit_positions(b)
         rows = [blk.block_id for bs in blocks for blk in bs]
-        slots = self.arena.alloc(len(rows))
+        slots = self.arena.alloc(len(rows) + (len(tail[2]) if tail else 0))
+        if slots is None and tail is not None:  # no room for the tail: the full blocks alone
+            tail, slots = None, self.arena.alloc(len(rows))
+        rows += tail[2] if tail else []
         if slots is None:
             self.counters["no_room"] += 1
             return None
@@ -117,16 +124,19 @@ class TransferSource:
             groups.append(GroupPages(self.keyspaces[g].fingerprint, r.start,
                                      [self.arena.addr(s) for s in slots[i:i + n]], sums[i:i + n]))
             i += n
+        tail_pages = None if tail is None else TailPages(
+            tail[0], tail[1], [self.arena.addr(s) for s in slots[i:]], sums[i:])
         lo = min(r.start for r in ranges)
         tid = uuid.uuid4().hex
         expires = time.time() + self.timeout_s
         self.staged[tid] = (slots, time.monotonic() + self.timeout_s + GRACE_S)
         self.counters["staged"] += 1
         self.counters["staged_pages"] += len(slots)
+        self.counters["staged_tails"] += tail is not None
         params = TransferParams(self.transfer.session_id, self.backend,
                                 self.transfer.notify_address, tid, expires,
                                 self.arena.page_bytes, b * self.kv.block_size, lo,
-                                list(req.block_hashes[lo:b]), groups)
+                                list(req.block_hashes[lo:b]), groups, tail_pages)
         return params.to_json()
 
     def poll(self) -> None:
