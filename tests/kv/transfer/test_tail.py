@@ -86,3 +86,24 @@ def test_malformed_tail_is_a_value_error(engines):
         with pytest.raises(ValueError, match="tail"):
             a.inputs.make_core_request("bad", [1, 2], GREEDY,
                                        kv_transfer_params={**params, "tail": bad})
+
+
+@pytest.mark.parametrize("name", ["tiny-mistral-swa", "tiny-gemma3", "tiny-qwen3-next"])
+def test_hybrid_tails(name):
+    """Sliding-window groups send their tail block too (one page per group); a model with
+    state groups sends none (its state at the last token is not checkpointed)."""
+    prompt = tokens(43, 24)  # block size 4: 40 tokens in pages, a 3-token tail
+    ref, a, b = make(name), make(name, "prefill"), make(name, "decode")
+    try:
+        want = leg(ref, "r", prompt, GREEDY).token_ids
+        params = prefill(a, "p", prompt)
+        out = leg(b, "d", prompt, GREEDY, params)
+        assert out.token_ids == want
+        if name == "tiny-qwen3-next":
+            assert "tail" not in params and out.num_cached_tokens == 40
+        else:
+            assert len(params["tail"]["addrs"]) == len(b.core.runner.kv_cache_config.groups)
+            assert out.num_cached_tokens == 42 and applied(b) == 1
+    finally:
+        for e in (ref, a, b):
+            e.close()
