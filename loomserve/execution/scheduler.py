@@ -18,9 +18,8 @@ only), > 0 = that many ms. The token budget stays the upper bound either way.
 
 Invariants:
 - A request is in exactly one of `waiting` / `running` or finished.
-- A running request's blocks cover its computed tokens; a finished, preempted or waiting
-  request holds no block (rows a tier is loading for a waiting request belong to the
-  TierConnector).
+- A running request's blocks cover its computed tokens; a finished, preempted or waiting one
+  holds none (rows a tier is loading for a waiting request belong to the TierConnector).
 """
 
 from __future__ import annotations
@@ -68,11 +67,10 @@ class Scheduler:
                  prefill_schedule_interval: int = 1) -> None:
         """Defaults keep the plain behaviour (fcfs, token budget only); EngineCore passes the
         configured policy, cost model and target (loomserve.config.scheduler)."""
-        # The prefill schedule interval: a waiting request is admitted (new prefill work) only
-        # on steps whose number is a multiple of it; decodes and running prefill chunks go on
-        # every step. Data-parallel ranks then start prefills on the same steps, so none waits
-        # for another's prefill at the MoE all-to-all. step_number counts this scheduler's
-        # schedule() calls (each DP core its own; a lockstep driver may set it).
+        # The prefill schedule interval: waiting requests are admitted only on steps whose
+        # number is a multiple of it (decodes and running chunks on every step), so DP ranks
+        # start prefills together and none waits for another's at the MoE all-to-all.
+        # step_number counts schedule() calls (each DP core its own; a lockstep driver may set it).
         self.prefill_schedule_interval = prefill_schedule_interval
         self.step_number = 0
         self.kv = kv
@@ -272,12 +270,11 @@ class Scheduler:
         hit, num_hit = self.kv.get_computed_blocks(req, record_stats=False)
         # A decode leg whose tail block arrived computes only its last prompt token.
         tail = self.transfer.tail_for(req, num_hit) if self.transfer is not None else None
-        n = self._chunk(req, req.num_tokens - num_hit, budget, plan, num_hit) if tail is None \
-            else 1
+        left = req.num_tokens - num_hit
+        n = 1 if tail else self._chunk(req, left, budget, plan, num_hit)
         if n == 0:
             return None, budget  # no time left this step: the head keeps its place
-        if not self.kv.allocate_slots(req, n if tail is None else req.num_tokens - num_hit,
-                                      hit, num_hit):
+        if not self.kv.allocate_slots(req, left if tail else n, hit, num_hit):
             return None, budget  # the pool is full: running requests free blocks as they end
         self.waiting.remove(req)
         req.num_computed_tokens = num_hit
@@ -306,12 +303,11 @@ class Scheduler:
 
     def _held(self, req: Request) -> bool:
         """A waiting request sits out while its grammar compiles, its tail block (a decode leg)
-        is read, or while the request whose
-        prompt it shares (n > 1) has not prefilled it yet, so it then hits those blocks."""
-        if req.grammar is not None and not req.grammar.ready:
+        is read (at most TailReads.max_wait_s), or while the request whose prompt it shares
+        (n > 1) has not prefilled it yet, so it then hits those blocks."""
+        if (req.grammar is not None and not req.grammar.ready) or \
+                (self.transfer is not None and self.transfer.tail_waiting(req)):
             return True
-        if self.transfer is not None and self.transfer.tail_waiting(req):
-            return True  # its tail block is being read (at most TailReads.max_wait_s)
         if req.sibling_of is None:
             return False
         first = self.requests.get(req.sibling_of)
