@@ -8,6 +8,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from loomserve import LLM, SamplingParams
 from loomserve.entrypoints.output import RequestOutput
 from loomserve.entrypoints.processor import RequestState
@@ -27,6 +29,22 @@ def make(name: str, role: str = "both", **kw) -> LLM:
     kw.setdefault("block_size", 4 if name != "tiny-llama" else 16)
     return LLM(str(FIXTURES / name), dtype="float32", device="cpu", role=role,
                kv_transfer_backend="inproc", **kw)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """A reference instance, a prefill instance A and a decode instance B (tiny-llama), one
+    set per test module."""
+    ref, a, b = make("tiny-llama"), make("tiny-llama", "prefill"), make("tiny-llama", "decode")
+    yield ref, a, b
+    for e in (ref, a, b):
+        e.close()
+
+
+def reference(ref: LLM, prompt: list[int], rid: str) -> list[int]:
+    """A single instance's greedy tokens for prompt, computed from nothing."""
+    ref.core.kv.reset_prefix_cache()
+    return leg(ref, rid, prompt, GREEDY).token_ids
 
 
 def leg(llm: LLM, rid: str, prompt: list[int], sp: SamplingParams,

@@ -10,23 +10,10 @@ import copy
 import pytest
 
 from loomserve.kv.transfer import InProcTransfer
-from tests.kv.transfer.conftest import GREEDY, leg, make, peer_tokens, prefill, tokens
+from tests.kv.transfer.conftest import GREEDY, leg, make, peer_tokens, prefill, reference, tokens
 
 PROMPT = tokens(100, 1)
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def engines():
-    ref, a, b = make("tiny-llama"), make("tiny-llama", "prefill"), make("tiny-llama", "decode")
-    yield ref, a, b
-    for e in (ref, a, b):
-        e.close()
-
-
-def reference(ref, prompt, rid):
-    ref.core.kv.reset_prefix_cache()
-    return leg(ref, rid, prompt, GREEDY).token_ids
 
 
 def fresh(b):

@@ -9,22 +9,9 @@ import copy
 
 import pytest
 
-from tests.kv.transfer.conftest import GREEDY, leg, make, prefill, tokens
+from tests.kv.transfer.conftest import GREEDY, leg, make, prefill, reference, tokens
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def engines():
-    ref, a, b = make("tiny-llama"), make("tiny-llama", "prefill"), make("tiny-llama", "decode")
-    yield ref, a, b
-    for e in (ref, a, b):
-        e.close()
-
-
-def reference(ref, prompt, rid):
-    ref.core.kv.reset_prefix_cache()
-    return leg(ref, rid, prompt, GREEDY).token_ids
 
 
 def applied(b) -> int:
