@@ -50,15 +50,27 @@ def running_server(*, in_process: bool = False, core_env: dict | None = None,
     app_options: build_app's keyword options (served_model_names, chat_template, parsers)."""
     if not os.path.isdir(TINY_LLAMA):
         pytest.skip("tests/fixtures/tiny-llama is missing")
-    import uvicorn
-
     from loomserve.config import EngineConfig
     from loomserve.entrypoints.async_llm import AsyncLLM
-    from loomserve.entrypoints.server.app import build_app
 
     config = {"model": TINY_LLAMA, "kv_cache_memory": "8MiB", "dtype": "float32", **config}
     with _environ(core_env or {}):
         engine = AsyncLLM(EngineConfig.from_kwargs(**config), in_process=in_process)
+    try:
+        with app_over(engine, api_keys, app_options) as srv:
+            yield srv
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def app_over(engine, api_keys: list[str] | None = None, app_options: dict | None = None):
+    """build_app over an engine that is already running (a session one: an engine start costs
+    seconds, an app none), behind its own uvicorn; the engine outlives the app."""
+    import uvicorn
+
+    from loomserve.entrypoints.server.app import build_app
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -76,7 +88,6 @@ def running_server(*, in_process: bool = False, core_env: dict | None = None,
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
-        engine.shutdown()
         sock.close()
 
 
@@ -97,6 +108,13 @@ def _environ(values: dict):
 @pytest.fixture(scope="session")
 def server():
     with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def keyed_server(server):
+    """The session engine behind an app that wants the API key "sekrit"."""
+    with app_over(server.engine, ["sekrit"]) as srv:
         yield srv
 
 

@@ -52,12 +52,6 @@ def test_a_full_waiting_queue_answers_429_and_loses_nothing(in_process):
         assert ok.status_code == 200
 
 
-@pytest.fixture(scope="module")
-def keyed_server():
-    with running_server(api_keys=["sekrit"]) as srv:
-        yield srv
-
-
 def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
     url, model = keyed_server.url, keyed_server.model
     body = {"model": model, "prompt": "hi", "max_tokens": 2}

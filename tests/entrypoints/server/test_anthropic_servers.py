@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.entrypoints.server.conftest import running_server
+from tests.entrypoints.server.conftest import app_over, running_server
 from tests.entrypoints.server.test_anthropic_api import (
     ASK,
     ONE_CALL,
@@ -33,9 +33,8 @@ def thinking_template() -> str:
                             "{%- endif %}")
 
 
-def test_thinking_config_reaches_a_template_that_reads_it():
-    with running_server(model=TINY_AGENT, kv_cache_memory="64MiB",
-                        app_options={"chat_template": thinking_template()}) as srv:
+def test_thinking_config_reaches_a_template_that_reads_it(agent_server):
+    with app_over(agent_server.engine, app_options={"chat_template": thinking_template()}) as srv:
         client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
 
         def count(**kw) -> int:
@@ -52,17 +51,16 @@ def test_thinking_config_reaches_a_template_that_reads_it():
         assert count(**forced) > count(tools=[WEATHER])
 
 
-def test_api_key_is_checked():
-    with running_server(api_keys=["sekrit"]) as srv:
-        wrong = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0)
-        with pytest.raises(anthropic.AuthenticationError) as e:
-            wrong.messages.create(model=srv.model, max_tokens=2, messages=ASK)
-        assert e.value.body["error"]["type"] == "authentication_error"
-        right = anthropic.Anthropic(base_url=srv.url, api_key="sekrit", max_retries=0)
-        assert right.messages.create(model=srv.model, max_tokens=2,
-                                     messages=ASK).usage.output_tokens > 0
-        bearer = anthropic.Anthropic(base_url=srv.url, auth_token="sekrit", max_retries=0)
-        assert bearer.messages.count_tokens(model=srv.model, messages=ASK).input_tokens > 0
+def test_api_key_is_checked(keyed_server):
+    wrong = anthropic.Anthropic(base_url=keyed_server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model=keyed_server.model, max_tokens=2, messages=ASK)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    right = anthropic.Anthropic(base_url=keyed_server.url, api_key="sekrit", max_retries=0)
+    assert right.messages.create(model=keyed_server.model, max_tokens=2,
+                                 messages=ASK).usage.output_tokens > 0
+    bearer = anthropic.Anthropic(base_url=keyed_server.url, auth_token="sekrit", max_retries=0)
+    assert bearer.messages.count_tokens(model=keyed_server.model, messages=ASK).input_tokens > 0
 
 
 def test_core_failure_mid_stream_is_an_in_band_error_event():

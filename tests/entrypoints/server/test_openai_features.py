@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server.conftest import TINY_AGENT, running_server
+from tests.entrypoints.server.conftest import TINY_AGENT, app_over
 from tests.entrypoints.server.test_openai_tools import ASK, WEATHER, check_args
 
 CHAT = [{"role": "user", "content": "Tell me about the fox."}]
@@ -114,7 +114,7 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_fallback_template_and_served_names(tmp_path):
+def test_fallback_template_and_served_names(tmp_path, agent_server):
     """--chat-template without tools: schemas go into the system prompt, forced calls still
     come out as tool_calls; --served-model-name with two names."""
     from loomserve.entrypoints.chat.frontend import ChatFrontend, ChatRequest
@@ -126,7 +126,7 @@ def test_fallback_template_and_served_names(tmp_path):
     args = type("Args", (), {"chat_template": str(path), "served_model_names": ["main", "alias"],
                              "tool_call_parser": "auto", "reasoning_parser": "auto"})()
     options = chat_options(args)
-    with running_server(model=TINY_AGENT, kv_cache_memory="16MiB", app_options=options) as srv:
+    with app_over(agent_server.engine, app_options=options) as srv:  # the session engine
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
         assert [m.id for m in c.models.list().data] == ["main", "alias"]
         assert c.models.retrieve("alias").id == "alias"
