@@ -89,9 +89,10 @@ def plan_context_parallel(local_specs: list[KVCacheSpec | None], block_size: int
     same block count with block_size-token blocks (hashing, hits and tiers unchanged), so its
     capacity_tokens is dcp x what one rank stores."""
     for spec in local_specs:
-        if spec is not None and type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-            raise NotImplementedError(f"decode context parallelism supports full-attention "
-                                      f"and MLA layers only so far, not {spec.kind} ({type(spec).__name__})")
+        if spec is not None and type(spec) not in (FullAttentionSpec, MLAAttentionSpec,
+                                                   SlidingWindowSpec):
+            raise NotImplementedError(f"decode context parallelism supports full-attention, "
+                                      f"sliding-window and MLA layers only so far, not {spec.kind} ({type(spec).__name__})")
     local = plan_kv_cache(local_specs, block_size // dcp, budget_bytes)
     groups = tuple(KVCacheGroup(dataclasses.replace(g.spec, block_size=block_size), g.layer_ids)
                    for g in local.groups)

@@ -25,14 +25,18 @@ from loomserve.execution.parallel.context_parallel import (
 from tests.execution.tp_util import GREEDY, SYSTEM, _fixture, one_thread_per_rank  # noqa: F401
 
 
-def _full(q, k, v, scale, q_pos=None):
-    """Reference: q [n, H, hd] over k, v [keys, KVH, hd]; causal by position when q_pos given."""
+def _full(q, k, v, scale, q_pos=None, window=None):
+    """Reference: q [n, H, hd] over k, v [keys, KVH, hd]; causal by position when q_pos given
+    (and keys within `window` of it)."""
     group = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(group, 1).transpose(0, 1)
     vv = v.repeat_interleave(group, 1).transpose(0, 1)
     mask = None
     if q_pos is not None:
-        mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+        key = torch.arange(k.shape[0])[None, :]
+        mask = key <= q_pos[:, None]
+        if window is not None:
+            mask &= key > q_pos[:, None] - window
     return F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask,
                                           scale=scale).transpose(0, 1)
 
@@ -138,6 +142,37 @@ def test_rank_partials_merge_to_full_attention(interleave, flash, monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("interleave,flash", [(1, True), (2, False)])
+def test_windowed_rank_partials_merge_to_windowed_attention(interleave, flash, monkeypatch):
+    """A sliding window of 10 (Mistral's layers): the decode row and the chunk's rows see only
+    keys within it by global position; merged across ranks, windowed full attention."""
+    from loomserve.execution.parallel import context_parallel
+    monkeypatch.setattr(context_parallel, "TILE_KEYS", 8)
+    torch.manual_seed(3 + interleave)
+    size, block, heads, kvh, hd, w = 2, 8, 4, 2, 16, 10
+    length = 37
+    k, v = torch.randn(length, kvh, hd), torch.randn(length, kvh, hd)
+    q, qc = torch.randn(1, heads, hd), torch.randn(7, heads, hd)
+    table = [5, 2, 7, 0, 3]
+    tab = np.asarray(table, dtype=np.int32)
+    dec, pre = [], []
+    for r in range(size):
+        lay = DcpLayout(r, size, block, interleave)
+        kc, vc = _scatter(k, v, lay, table, 8)
+        meta = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
+                                 num_decode=1,
+                                 decode_lens=lay.local_count([length]).astype(np.int32),
+                                 decode_tables=[tab], sliding_window=w)
+        meta.derived["dcp_decode_pos"] = np.array([length - 1])
+        dec.append(decode_partial(q, kc, vc, meta, 0.3, heads // kvh, lay))
+        pre.append(prefill_partial(qc, kc, vc, meta, PrefillChunk(0, 7, 30, tab), lay, 0.3,
+                                   heads // kvh, flash))
+    for parts, qq, pos in ((dec, q, torch.tensor([36])), (pre, qc, torch.arange(30, 37))):
+        out, _ = merge_partials(torch.stack([o for o, _ in parts]),
+                                torch.stack([s for _, s in parts]))
+        torch.testing.assert_close(out, _full(qq, k, v, 0.3, pos, w), rtol=1e-5, atol=1e-5)
+
+
 def test_a_rank_without_keys_gives_an_empty_partial():
     """A decode whose only keys live on the other rank: out 0, lse -inf (the kernel path)."""
     from loomserve.execution.attention import select_backend
@@ -168,9 +203,9 @@ def test_unsupported_model_fails_before_any_process_starts():
                                    decode_context_parallel_size=2)
     with pytest.raises(NotImplementedError, match="Llama family"):
         preflight(cfg)
-    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-mistral-swa"),
+    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-gemma3"),
                                    decode_context_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
+    with pytest.raises(NotImplementedError, match="Llama family"):
         preflight(cfg)
     cfg = EngineConfig.from_kwargs(model=_fixture("tiny-llama"), decode_context_parallel_size=2,
                                    block_size=16, dcp_kv_cache_interleave_size=16)
@@ -197,7 +232,8 @@ def _run(model: str, dcp: int, interleave: int = 1):
 
 
 @pytest.mark.parametrize("name,interleave", [("tiny-llama", 1), ("tiny-llama", 8),
-                                             ("tiny-deepseek-v3", 1)])
+                                             ("tiny-deepseek-v3", 1), ("tiny-qwen3", 1),
+                                             ("tiny-mistral-swa", 2)])
 def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
     """Two processes on gloo against one rank. Interleave 1: tokens alternate between the
     ranks; 8: each rank holds one half of every 16-token block. DeepSeek-V3: MLA's latent
@@ -210,10 +246,13 @@ def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
     # a rank's page holds half of each block's tokens: the same budget plans twice the blocks
     assert pool2.page_bytes * 2 == pool1.page_bytes
     assert view2.num_blocks == 2 * view1.num_blocks
-    assert view2.capacity_tokens == 2 * view1.capacity_tokens
-    assert pool2.capacity_tokens == view1.capacity_tokens  # what one rank stores of them
+    null = 1 if name == "tiny-mistral-swa" else 0  # a sliding-window pool's null block
+    assert view2.capacity_tokens == 2 * view1.capacity_tokens + null * 16
+    assert pool2.capacity_tokens == view1.capacity_tokens + null * 8  # one rank's share
     if name == "tiny-llama":  # (MLA runs its own partials, layers/mla.py)
         assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
+    if name == "tiny-mistral-swa":  # windowed decodes take the torch partial
+        assert attn.calls["decode_torch"] > 0 and attn.calls["decode_kernel"] == 0
     assert attn.gathered_bytes > 0
     assert view2.block_size == 16 and pool2.block_size == 8
 

@@ -23,7 +23,9 @@ kernel with a mask (it returns the LSE) in tiles of keys, or a portable matmul p
 Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
 MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent space, before
 W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
-Refused at start: TP x DCP, sliding windows, linear-state (hybrid) layers, KV tiers.
+Sliding-window layers (Mistral) keep keys by global position in both partials; their decodes
+take the torch partial (the C kernel's window would count local keys).
+Refused at start: TP x DCP, linear-state (hybrid) layers, families outside SUPPORTED, KV tiers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from loomserve.execution.attention.metadata import (
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# Llama, Mistral (no sliding window), Qwen2, Qwen3; DeepSeek-V3 (MLA: layers/mla.py's DCP path)
+# Llama, Mistral (sliding window too), Qwen2, Qwen3; DeepSeek-V3 (MLA: layers/mla.py's DCP path)
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
 
 
@@ -109,11 +111,19 @@ def softmax_partial(q, k, v, allowed, scale: float) -> tuple[torch.Tensor, torch
     return torch.matmul(p, v.float()), lse
 
 
-def decode_partial(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int):
-    """Torch (out, lse) of the decode rows over this rank's pages (meta localized)."""
+def decode_partial(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
+                   layout: DcpLayout | None = None):
+    """Torch (out, lse) of the decode rows over this rank's pages (meta localized). A sliding
+    window (meta.sliding_window; layout then required) keeps the keys whose global position is
+    within it of the row's (localize left the rows' positions in derived["dcp_decode_pos"])."""
     d, heads, hd = q.shape
     kvh = heads // group
     tables, valid = padded_decode_tables(meta)  # local key counts (0 allowed)
+    w = meta.sliding_window
+    if w is not None:
+        key_pos = torch.from_numpy(layout.global_positions(valid.shape[1])).to(valid.device)
+        q_pos = torch.from_numpy(meta.derived["dcp_decode_pos"]).to(valid.device)
+        valid = valid & (key_pos[None, :] > (q_pos - w)[:, None])
     ids = tables.view(-1)
     kb = k_cache[ids].view(d, valid.shape[1], kvh, hd).transpose(1, 2)
     vb = v_cache[ids].view(d, valid.shape[1], kvh, hd).transpose(1, 2)
@@ -125,11 +135,15 @@ def prefill_partial(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChun
                     layout: DcpLayout, scale: float, group: int, flash: bool | None = None):
     """(out, lse) of a chunk's rows q [n, heads, hd] over this rank's keys of positions
     < the chunk's end, each row seeing keys at positions <= its own (its own chunk included:
-    the rows were written before the call). flash: torch's CPU flash kernel with a mask (the
-    default on CPU) instead of the portable matmul path."""
+    the rows were written before the call) and, with a sliding window W, at positions > its
+    own - W. flash: torch's CPU flash kernel with a mask (the default on CPU) instead of the
+    portable matmul path."""
     n, heads, hd = q.shape
     b = meta.block_size
+    w = meta.sliding_window
     nk = int(layout.local_count(c.start_pos + n))
+    # keys before the first row's window are skipped in whole local blocks
+    first = 0 if w is None else int(layout.local_count(max(0, c.start_pos - w + 1))) // b * b
     out = torch.zeros(n, heads, hd, dtype=torch.float32, device=q.device)
     lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if nk == 0:
@@ -138,12 +152,14 @@ def prefill_partial(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChun
     key_pos = torch.from_numpy(layout.global_positions(nk)).to(q.device)
     q_pos = torch.arange(c.start_pos, c.start_pos + n, device=q.device)
     tile = max(1, TILE_KEYS // b) * b
-    for a in range(0, nk, tile):
+    for a in range(first, nk, tile):
         z = min(a + tile, nk)
         blocks = torch.from_numpy(c.table[a // b:math.ceil(z / b)].astype(np.int64)).to(q.device)
         kt = k_cache[blocks].flatten(0, 1)[:z - a]  # [keys, kv_heads, hd]
         vt = v_cache[blocks].flatten(0, 1)[:z - a]
         allowed = key_pos[None, a:z] <= q_pos[:, None]  # [n, keys]
+        if w is not None:
+            allowed &= key_pos[None, a:z] > q_pos[:, None] - w
         step = _flash_tile if flash else _matmul_tile
         ot, lt = step(q, kt, vt, allowed, scale, group)
         out, lse = merge_partials(torch.stack([out, ot]), torch.stack([lse, lt]))
@@ -199,6 +215,7 @@ class DcpBackend:
         meta.write_rows = rows_t
         meta.block_size = lay.local_block_size
         if meta.decode_lens is not None:
+            meta.derived["dcp_decode_pos"] = meta.decode_lens.astype(np.int64) - 1
             meta.decode_lens = lay.local_count(meta.decode_lens).astype(np.int32)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -227,6 +244,9 @@ class DcpBackend:
         return merge_partials(every[..., :-1], every[..., -1])
 
     def _decode(self, q, k_cache, v_cache, meta, scale: float, group: int):
+        if meta.sliding_window is not None:  # the kernel's window counts local keys: torch
+            self.calls["decode_torch"] += 1
+            return decode_partial(q, k_cache, v_cache, meta, scale, group, self.layout)
         kernel = getattr(self.inner, "decode_lse", None)
         got = kernel(q, k_cache, v_cache, meta, scale, group) if kernel is not None else None
         if got is not None:
@@ -259,10 +279,6 @@ def preflight(config) -> None:
     folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
         model_cls, cfg = resolve(json.load(f))
-    if hasattr(cfg, "is_sliding") and any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
-        raise NotImplementedError("decode context parallelism does not support sliding-window "
-                                  "layers yet: serve this model with "
-                                  "--decode-context-parallel-size 1")
     if model_cls.__name__ not in SUPPORTED:
         raise NotImplementedError(f"decode context parallelism supports the Llama family "
                                   f"(Llama, Mistral, Qwen2, Qwen3) and DeepSeek-V3 so far, not "
