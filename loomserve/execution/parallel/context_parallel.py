@@ -23,7 +23,7 @@ kernel with a mask (it returns the LSE) in tiles of keys, or a portable matmul p
 Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
 MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent space, before
 W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
-Sliding-window layers (Mistral) keep keys by global position in both partials; their decodes
+Sliding-window layers (Mistral, Gemma 3, gpt-oss) keep keys by global position in both partials; their decodes
 take the torch partial (the C kernel's window would count local keys).
 Refused at start: TP x DCP, linear-state (hybrid) layers, families outside SUPPORTED, KV tiers.
 """
@@ -45,8 +45,10 @@ from loomserve.execution.attention.metadata import (
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# Llama, Mistral (sliding window too), Qwen2, Qwen3; DeepSeek-V3 (MLA: layers/mla.py's DCP path)
-SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
+# Llama, Mistral (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full
+# layers, gpt-oss's sinks and MoE replicated per rank); DeepSeek-V3 (MLA: layers/mla.py's DCP path)
+SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+             "GptOssForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,7 @@ def preflight(config) -> None:
         model_cls, cfg = resolve(json.load(f))
     if model_cls.__name__ not in SUPPORTED:
         raise NotImplementedError(f"decode context parallelism supports the Llama family "
-                                  f"(Llama, Mistral, Qwen2, Qwen3) and DeepSeek-V3 so far, not "
+                                  f"(Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss and "
+                                  f"DeepSeek-V3 so far, not "
                                   f"{model_cls.__name__}: serve it with "
                                   f"--decode-context-parallel-size 1")
