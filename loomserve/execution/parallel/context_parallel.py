@@ -23,8 +23,8 @@ kernel with a mask (it returns the LSE) in tiles of keys, or a portable matmul p
 Communication: one all-gather per attention layer of [tokens, heads, head_dim + 1] fp32 per rank.
 MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent space, before
 W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
-Sliding-window layers (Mistral, Gemma 3, gpt-oss) keep keys by global position in both partials; their decodes
-take the torch partial (the C kernel's window would count local keys).
+Sliding-window layers (Mistral, Gemma 3, gpt-oss) keep keys by global position in both
+partials; their decodes take the torch partial (the C kernel's window would count local keys).
 Refused at start: TP x DCP, linear-state (hybrid) layers, families outside SUPPORTED, KV tiers.
 """
 
