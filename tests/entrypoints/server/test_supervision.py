@@ -129,23 +129,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(port: int, env: dict, *extra: str) -> tuple[subprocess.Popen, int]:
-    """`python -m loomserve serve` on the tiny model; (process, engine core pid) once healthy."""
-    proc = subprocess.Popen(
+def launch_serve(port: int, env: dict, *extra: str) -> subprocess.Popen:
+    """`python -m loomserve serve` on the tiny model, not yet waited for."""
+    return subprocess.Popen(
         [sys.executable, "-m", "loomserve", "serve", TINY_LLAMA, "--port", str(port),
          "--kv-cache-memory", "8MiB", "--log-level", "warning", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+
+
+def wait_serving(proc: subprocess.Popen, port: int) -> int:
+    """The engine core's pid once a launched serve is healthy."""
     line = proc.stdout.readline()
     match = re.search(r"engine core pid (\d+)", line)
     assert match, line + proc.stdout.read() if proc.poll() is not None else line
     wait_for(lambda: health(f"http://127.0.0.1:{port}") == 200, 30)
-    return proc, int(match.group(1))
+    return int(match.group(1))
 
 
-def test_sigkill_of_the_core_mid_stream_fails_requests_and_exits_nonzero():
-    port = free_port()
+# The three `serve` processes below boot together (one boot is mostly one core's work: two
+# overlap on this 2-core CI host); each test then owns, and ends, its own.
+SERVE_ENVS = {"core_kill": {"LOOMSERVE_STEP_DELAY_MS": "20"},
+              "step_fault": {"LOOMSERVE_FAULT_INJECT": "step:2"},
+              "front_kill": {"LOOMSERVE_STEP_DELAY_MS": "3000"}}
+
+
+@pytest.fixture(scope="module")
+def serves():
+    """name -> (process, port), launched at once; a test waits for its own with wait_serving."""
+    launched = {}
+    try:
+        for name, env in SERVE_ENVS.items():
+            port = free_port()
+            launched[name] = (launch_serve(port, env), port)
+        yield launched
+    finally:
+        for proc, _ in launched.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_sigkill_of_the_core_mid_stream_fails_requests_and_exits_nonzero(serves):
+    proc, port = serves["core_kill"]
     url = f"http://127.0.0.1:{port}"
-    proc, core_pid = start_serve(port, {"LOOMSERVE_STEP_DELAY_MS": "20"})
+    core_pid = wait_serving(proc, port)
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         started, result = threading.Event(), {}
@@ -168,9 +196,9 @@ def test_sigkill_of_the_core_mid_stream_fails_requests_and_exits_nonzero():
         proc.wait()
 
 
-def test_injected_step_fault_makes_serve_exit_nonzero_with_the_traceback_logged():
-    port = free_port()
-    proc, _ = start_serve(port, {"LOOMSERVE_FAULT_INJECT": "step:2"})
+def test_injected_step_fault_makes_serve_exit_nonzero_with_the_traceback_logged(serves):
+    proc, port = serves["step_fault"]
+    wait_serving(proc, port)
     try:
         url = f"http://127.0.0.1:{port}"
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -186,11 +214,11 @@ def test_injected_step_fault_makes_serve_exit_nonzero_with_the_traceback_logged(
         proc.wait()
 
 
-def test_sigkill_of_the_front_end_mid_step_takes_the_core_with_it():
+def test_sigkill_of_the_front_end_mid_step_takes_the_core_with_it(serves):
     """The core must never outlive its front end, even inside a long step (where the loop's
     own parent check cannot run): the kernel kills it (PR_SET_PDEATHSIG)."""
-    port = free_port()
-    proc, _ = start_serve(port, {"LOOMSERVE_STEP_DELAY_MS": "3000"})
+    proc, port = serves["front_kill"]
+    wait_serving(proc, port)
     try:
         url = f"http://127.0.0.1:{port}"
         info = httpx.get(url + "/info").json()
