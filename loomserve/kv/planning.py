@@ -19,6 +19,7 @@ from loomserve.kv.spec import (
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
+    LinearStateSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -90,9 +91,10 @@ def plan_context_parallel(local_specs: list[KVCacheSpec | None], block_size: int
     capacity_tokens is dcp x what one rank stores."""
     for spec in local_specs:
         if spec is not None and type(spec) not in (FullAttentionSpec, MLAAttentionSpec,
-                                                   SlidingWindowSpec):
-            raise NotImplementedError(f"decode context parallelism supports full-attention, "
-                                      f"sliding-window and MLA layers only so far, not {spec.kind} ({type(spec).__name__})")
+                                                   SlidingWindowSpec, LinearStateSpec):
+            raise NotImplementedError(f"decode context parallelism supports attention, MLA "
+                                      f"and linear-state layers only so far, not {spec.kind} "
+                                      f"({type(spec).__name__})")
     local = plan_kv_cache(local_specs, block_size // dcp, budget_bytes)
     groups = tuple(KVCacheGroup(dataclasses.replace(g.spec, block_size=block_size), g.layer_ids)
                    for g in local.groups)

@@ -25,7 +25,10 @@ MLA (DeepSeek-V3, layers/mla.py) merges its absorbed decode's partials in latent
 W_UV (linear, so the merge commutes with it), and its decompressed prefill's in head space.
 Sliding-window layers (Mistral, Gemma 3, gpt-oss) keep keys by global position in both
 partials; their decodes take the torch partial (the C kernel's window would count local keys).
-Refused at start: TP x DCP, linear-state (hybrid) layers, families outside SUPPORTED, KV tiers.
+Linear-state (Qwen3-Next) and Mamba (Nemotron-H) layers run replicated: every rank keeps the
+whole state in its pages (a page is sized by the larger of its groups, so where the state
+outweighs half a block's attention, DCP adds no capacity).
+Refused at start: TP x DCP, model classes outside SUPPORTED, KV tiers.
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ from loomserve.execution.attention.metadata import (
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# Llama, Mistral (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full
-# layers, gpt-oss's sinks and MoE replicated per rank); DeepSeek-V3 (MLA: layers/mla.py's DCP path)
+# Verified against one rank (tests/execution/test_decode_context_parallel.py): Llama, Mistral
+# (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full layers,
+# gpt-oss's sinks and MoE replicated per rank); Qwen3-Next and Nemotron-H (linear-state / Mamba
+# layers replicated per rank: their state is not split); DeepSeek-V3 (MLA: layers/mla.py).
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
-             "GptOssForCausalLM")
+             "GptOssForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -282,8 +287,7 @@ def preflight(config) -> None:
     with open(os.path.join(folder, "config.json")) as f:
         model_cls, cfg = resolve(json.load(f))
     if model_cls.__name__ not in SUPPORTED:
-        raise NotImplementedError(f"decode context parallelism supports the Llama family "
-                                  f"(Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss and "
-                                  f"DeepSeek-V3 so far, not "
+        raise NotImplementedError(f"decode context parallelism is verified for "
+                                  f"{', '.join(SUPPORTED)} so far, not "
                                   f"{model_cls.__name__}: serve it with "
                                   f"--decode-context-parallel-size 1")
