@@ -89,7 +89,7 @@ def hybrid_work(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def decoded(vllm_python, tmp_path_factory):
+def decoded(vllm_python):
     """{"llama" | "hybrid": {"live" | "replay": (vLLM's decode, loomserve's decode)}}, all
     frames decoded by one peer process (importing vLLM is the slow part)."""
     page = tiny_page_bytes()
@@ -99,25 +99,31 @@ def decoded(vllm_python, tmp_path_factory):
                        host_cache_memory=str(page * 64)), llama_work),
         "hybrid": (dict(model=str(FIXTURES / "tiny-qwen3-next"), block_size=4,
                         kv_cache_memory="1MiB"), hybrid_work)}
-    captured = {}
-    for name, (kw, work) in runs.items():
-        llm = LLM(dtype="float32", device="cpu", kv_events_endpoint="tcp://127.0.0.1:0",
-                  kv_events_topic=f"kv-{name}", **kw)
-        try:
-            live, replay = capture(llm, work)
-        finally:
-            llm.close()
-        captured[(name, "live")] = live
-        captured[(name, "replay")] = replay
-    keys = list(captured)
-    frames = [f for k in keys for f in captured[k]]
-    path = tmp_path_factory.mktemp("kv_events") / "frames.json"
-    path.write_text(json.dumps({"frames": [[base64.b64encode(x).decode() for x in f]
-                                           for f in frames]}))
-    r = subprocess.run([vllm_python, str(ROOT / "tests/control/vllm_decode.py"), str(path)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    theirs = json.loads(r.stdout)
+    # The peer imports vLLM (~15 s of one core) while the captures run on the other.
+    peer = subprocess.Popen([vllm_python, str(ROOT / "tests/control/vllm_decode.py"), "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    try:
+        captured = {}
+        for name, (kw, work) in runs.items():
+            llm = LLM(dtype="float32", device="cpu", kv_events_endpoint="tcp://127.0.0.1:0",
+                      kv_events_topic=f"kv-{name}", **kw)
+            try:
+                live, replay = capture(llm, work)
+            finally:
+                llm.close()
+            captured[(name, "live")] = live
+            captured[(name, "replay")] = replay
+        keys = list(captured)
+        frames = [f for k in keys for f in captured[k]]
+        doc = json.dumps({"frames": [[base64.b64encode(x).decode() for x in f] for f in frames]})
+        stdout, stderr = peer.communicate(doc, timeout=600)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.communicate()
+    assert peer.returncode == 0, stderr[-3000:]
+    theirs = json.loads(stdout)
     assert len(theirs) == len(frames)
     dec = batch_decoder()
     out: dict = {}

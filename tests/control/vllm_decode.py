@@ -1,6 +1,7 @@
 """Decode captured KV event frames with vLLM's own classes; run by the vLLM PEER python.
 
-Usage: <peer python> tests/control/vllm_decode.py FRAMES.json
+Usage: <peer python> tests/control/vllm_decode.py FRAMES.json   (or "-": the JSON on stdin, read
+after vLLM is imported, so a caller can start the slow import before it has the frames)
 FRAMES.json: {"frames": [[topic_b64, seq_b64, payload_b64], ...]} as a subscriber captured them.
 Prints one JSON document: [{"seq", "ts", "data_parallel_rank", "events": [...]}, ...], each
 event {"type": its vLLM class name, "module": where the class lives, fields...} with hashes in
@@ -40,8 +41,11 @@ def main(path: str) -> None:
     from vllm.distributed.kv_events import KVEventBatch  # the peer's vLLM, never loomserve's
 
     dec = msgspec.msgpack.Decoder(KVEventBatch)
-    with open(path) as f:
-        frames = json.load(f)["frames"]
+    if path == "-":
+        frames = json.load(sys.stdin)["frames"]
+    else:
+        with open(path) as f:
+            frames = json.load(f)["frames"]
     out = []
     for topic, seq, payload in frames:
         batch = dec.decode(base64.b64decode(payload))
