@@ -12,7 +12,9 @@ DP x TP > 1 combined and DP over several nodes are refused for now (not tested).
 decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
 ranks that each hold the whole model and 1/D of every sequence's KV (token t on rank
 (t // I) % D, I = dcp_kv_cache_interleave_size); accepted with tensor_parallel_size 1 and
-data_parallel_size 1 only (world = D). prefill_context_parallel_size > 1 is refused (not built).
+data_parallel_size 1 only (world = D). prefill_context_parallel_size P > 1 (PCP;
+loomserve.execution.parallel.prefill_context_parallel) runs P ranks that each hold the whole
+model and a KV replica and split each step's prefill tokens; accepted alone (world = P).
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ class ParallelConfig:
             raise ValueError(f"master_port={self.master_port} is not a port")
 
     def _check_context_parallel(self) -> None:
-        if self.prefill_context_parallel_size > 1:
-            raise ValueError("--prefill-context-parallel-size > 1 is not supported yet (only "
-                             "decode context parallelism is built: --decode-context-parallel-size)")
+        if self.prefill_context_parallel_size > 1 and (
+                self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+                or self.decode_context_parallel_size > 1):
+            raise ValueError("--prefill-context-parallel-size > 1 is supported alone only (with "
+                             "--tensor-parallel-size, --data-parallel-size and "
+                             "--decode-context-parallel-size 1: its P ranks each run the whole "
+                             "model and split the prefill tokens)")
         if self.decode_context_parallel_size > 1 and (self.tensor_parallel_size > 1
                                                       or self.data_parallel_size > 1):
             raise ValueError("--decode-context-parallel-size > 1 is supported with "
@@ -74,10 +80,11 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks of ONE engine core (its tensor-parallel or decode-context-parallel group): DP
+        """Ranks of ONE engine core (its tensor-, decode- or prefill-context-parallel group): DP
         engine cores are separate cores, each with its own executor, so they are not counted
-        here. At most one of the two sizes exceeds 1 (__post_init__)."""
-        return self.tensor_parallel_size * self.decode_context_parallel_size
+        here. At most one of the three sizes exceeds 1 (__post_init__)."""
+        return (self.tensor_parallel_size * self.decode_context_parallel_size
+                * self.prefill_context_parallel_size)
 
     @property
     def ranks_per_node(self) -> int:

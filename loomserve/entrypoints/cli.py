@@ -217,7 +217,9 @@ def _add_parallel(p) -> None:
                         "I x D must divide --block-size (default: %(default)s)")
     g.add_argument("--prefill-context-parallel-size", "-pcp", type=int,
                    default=_DEFAULTS["prefill_context_parallel_size"], metavar="N",
-                   help="not supported yet: values above 1 are refused (default: %(default)s)")
+                   help="N ranks (processes), each with the whole model and a KV replica, "
+                        "that split every prefill chunk's tokens (PCP: prefill latency, not "
+                        "capacity); alone only (default: %(default)s)")
     g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
                    help="nodes the ranks are spread over (default: %(default)s)")
     g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],

@@ -14,7 +14,9 @@ groups the StateDirectives are applied to whole pages before the forward pass, t
 StateBatch per group is handed to the linear layers (the contract: loomserve.execution.models.registry).
 Decode context parallelism (loomserve.execution.parallel.context_parallel): kv_cache_config is the
 scheduler's view (blocks of block_size tokens), kv_layout this rank's pool (pages of block_size / D
-tokens: its share of each block); without DCP they are the same.
+tokens: its share of each block); without DCP they are the same. Prefill context parallelism
+(loomserve.execution.parallel.prefill_context_parallel): each rank runs its rows of the step
+(every decode, its piece of each prefill chunk) and gathers every row's hidden state.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from loomserve.execution.attention import (
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
+from loomserve.execution.parallel import prefill_context_parallel as pcp
 from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
+from loomserve.execution.parallel.state import get_pcp
 from loomserve.execution.sampler import Sampler
 from loomserve.kv.planning import kv_budget_bytes, plan_context_parallel, plan_kv_cache
 from loomserve.kv.spec import (
@@ -91,6 +95,9 @@ class ModelRunner:
         if self.dcp is not None:
             from loomserve.execution.parallel.state import get_dcp
             self.attention = DcpBackend(self.attention, self.dcp, get_dcp())
+        self.pcp = get_pcp()
+        if self.pcp is not None:
+            self.attention = pcp.PcpBackend(self.attention, self.pcp)
         self.block_tables = BlockTables()
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -192,6 +199,7 @@ class ModelRunner:
                 if fresh.numel():
                     self.kv_buffer[fresh, :self.group_bytes[g]] = 0
             attn_meta[g] = meta
+        split = self._pcp_localize(attn_meta, len(decodes)) if self.pcp is not None else None
         if positions is None:
             positions = torch.tensor([p for s in ordered for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
                                      dtype=torch.long, device=self.device)
@@ -201,12 +209,25 @@ class ModelRunner:
             for g in self.state_groups:
                 state_batch[g] = self._state_batch(ordered, g)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, attn_meta, state_batch)
+        if split is not None:  # PCP: this rank's rows only, then every row's hidden state
+            local = torch.from_numpy(split.local_rows).to(self.device)
+            hidden = pcp.full_hidden(self.pcp, split, self.model(
+                input_ids[local], positions[local], attn_meta, state_batch), len(ids))
+        else:
+            hidden = self.model(input_ids, positions, attn_meta, state_batch)
         due = [s for s in seqs if s.sample]
-        if not due or (self.dcp is not None and self.dcp.rank != 0):  # rank 0 alone samples
-            return [], torch.empty(0, self.vocab_size, device=self.device)
+        if not due or any(g is not None and g.rank != 0 for g in (self.dcp, self.pcp)):
+            return [], torch.empty(0, self.vocab_size, device=self.device)  # rank 0 samples
         rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
+
+    def _pcp_localize(self, attn_meta: list, num_decode: int) -> "pcp.PcpSplit":
+        """PCP: this rank's rows of the step, and every attention group's metadata for them."""
+        first = attn_meta[self.attn_groups[0]]
+        split = pcp.PcpSplit.of(num_decode, first.prefills, self.pcp.rank, self.pcp.size)
+        for g in self.attn_groups:
+            pcp.localize(attn_meta[g], split, self.pcp.rank)
+        return split
 
     def _forget(self, inp: ModelInput, seqs: list[ScheduledSeq]) -> None:
         """Drop the block tables of finished requests; bound what aborts may leave behind."""

@@ -189,8 +189,6 @@ def test_a_rank_without_keys_gives_an_empty_partial():
 
 def test_unsupported_combinations_fail_at_start():
     from loomserve.config import ParallelConfig
-    with pytest.raises(ValueError, match="prefill-context-parallel-size > 1 is not supported"):
-        ParallelConfig(prefill_context_parallel_size=2)
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
         ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
     assert ParallelConfig(decode_context_parallel_size=2).world_size == 2

@@ -101,13 +101,16 @@ class MultiprocExecutor(Executor):
         pc = config.parallel
         if pc.world_size > 1 and (config.tier.enabled or config.control.role != "both"):
             raise NotImplementedError("KV tiers and prefill/decode roles with "
-                                      "--tensor-parallel-size or --decode-context-parallel-size"
-                                      " > 1 are not supported yet (they would move rank 0's KV "
-                                      "heads or tokens only)")
+                                      "--tensor-parallel-size or --decode-/--prefill-context-"
+                                      "parallel-size > 1 are not supported yet (they would move "
+                                      "rank 0's KV heads, tokens or replica only)")
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
         if pc.decode_context_parallel_size > 1:
             dcp_preflight(config)
+        if pc.prefill_context_parallel_size > 1:
+            from loomserve.execution.parallel.prefill_context_parallel import preflight as pcp
+            pcp(config)
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch
@@ -122,7 +125,8 @@ class MultiprocExecutor(Executor):
         try:
             t0 = time.perf_counter()
             if self.world_size > 1:
-                set_layout(0, self.world_size, device, pc.decode_context_parallel_size)
+                set_layout(0, self.world_size, device, pc.decode_context_parallel_size,
+                           pc.prefill_context_parallel_size)
             # the model loads while the workers start; the rendezvous comes after
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner

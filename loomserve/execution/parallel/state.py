@@ -33,6 +33,7 @@ class TPGroup:
     group: object  # the model group (gloo or NCCL)
     step_group: object  # gloo, for the step message
     dcp_size: int = 1  # > 1: the ranks are decode-context-parallel, each with the whole model
+    pcp_size: int = 1  # > 1: the ranks are prefill-context-parallel, each with the whole model
 
     @property
     def is_driver(self) -> bool:
@@ -63,7 +64,7 @@ _TP: TPGroup | None = None
 def get_tp() -> TPGroup | None:
     """The tensor-parallel group, or None on a single rank (no collective ever runs then) and
     under decode context parallelism (each rank holds the whole model)."""
-    return _TP if _TP is None or _TP.dcp_size == 1 else None
+    return _TP if _TP is None or (_TP.dcp_size == 1 and _TP.pcp_size == 1) else None
 
 
 def get_dcp() -> TPGroup | None:
@@ -71,18 +72,24 @@ def get_dcp() -> TPGroup | None:
     return _TP if _TP is not None and _TP.dcp_size > 1 else None
 
 
+def get_pcp() -> TPGroup | None:
+    """The prefill-context-parallel group (every rank of this engine core), or None."""
+    return _TP if _TP is not None and _TP.pcp_size > 1 else None
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int = 1) -> TPGroup:
+def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int = 1,
+               pcp_size: int = 1) -> TPGroup:
     """This process's rank, known before the rendezvous so the model can load its slice while
     the other ranks start (the groups are filled in by init_distributed, before any step).
-    dcp_size: world_size when the ranks are decode-context-parallel, else 1."""
+    dcp_size / pcp_size: world_size when the ranks are decode- / prefill-context-parallel."""
     global _TP
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    _TP = TPGroup(rank, world_size, None, None, dcp_size)
+    _TP = TPGroup(rank, world_size, None, None, dcp_size, pcp_size)
     return _TP
 
 
