@@ -8,7 +8,9 @@ every other node runs `loomserve serve --node-rank K` as headless workers.
 data_parallel_size engine cores (each its own scheduler, KV pool and process) serve behind one
 front end, which places each request on one core (loomserve.entrypoints.dp_client);
 data_parallel_rank is the core's index, set by the front end in each core's copy of the config.
-DP x TP > 1 combined and DP over several nodes are refused for now (not tested).
+DP x TP: each DP engine core runs its own tensor-parallel group (its own workers and
+rendezvous); on CUDA core d's ranks take devices d x TP .. d x TP + TP - 1. DP over several
+nodes, and expert parallelism with TP, are refused for now.
 decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
 ranks that each hold the whole model and 1/D of every sequence's KV (token t on rank
 (t // I) % D, I = dcp_kv_cache_interleave_size); accepted with tensor_parallel_size 1 and
@@ -49,10 +51,13 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} must be in "
                              f"[0, data_parallel_size={self.data_parallel_size})")
-        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
-            raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 or "
-                             "--nnodes > 1 is not supported yet (DP runs one single-rank engine "
-                             "core per DP rank on one node)")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported yet "
+                             "(DP runs its engine cores, each with its ranks, on one node)")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1 and \
+                self.enable_expert_parallel:
+            raise ValueError("--enable-expert-parallel with --tensor-parallel-size > 1 is not "
+                             "supported yet (experts shard over DP ranks of one rank each)")
         self._check_context_parallel()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")

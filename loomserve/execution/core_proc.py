@@ -69,6 +69,16 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def _pick_cuda_device(config: EngineConfig) -> None:
+    """A single-rank DP core on CUDA takes GPU (its DP index) (a multi-rank core's executor sets
+    each rank's device: parallel.state.device_offset); without DP, the current device."""
+    pc = config.parallel
+    if pc.data_parallel_size > 1 and pc.world_size == 1 and \
+            config.model.torch_device.type == "cuda" and config.model.device in ("auto", "cuda"):
+        import torch
+        torch.cuda.set_device(pc.data_parallel_rank % torch.cuda.device_count())
+
+
 def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, parent_pid: int,
                      log_level: str = "INFO") -> None:
     """Process target: serve the front end at the two addresses until told to stop."""
@@ -90,6 +100,7 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
     code = 1
     try:
         try:
+            _pick_cuda_device(config)
             from loomserve.execution.core import EngineCore
             core = EngineCore(config)
             faults.install(core)

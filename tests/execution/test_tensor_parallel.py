@@ -9,6 +9,7 @@ Every rank runs with one torch thread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -106,10 +107,19 @@ def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
     assert get_tp() is None  # the failed start left no process group behind
 
 
-def test_data_parallel_with_tensor_parallel_is_refused_clearly():
+def test_data_parallel_with_tensor_parallel_config():
+    """DP x TP is accepted (each DP core its own TP group, CUDA devices per core); with expert
+    parallelism or over several nodes it is refused clearly."""
     from loomserve.config import EngineConfig
+    from loomserve.execution.parallel.state import device_offset
+    pc = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2).parallel
+    assert pc.world_size == 2
+    assert [device_offset(dataclasses.replace(pc, data_parallel_rank=d)) for d in (0, 1)] == [0, 2]
     with pytest.raises(ValueError, match="not supported yet"):
-        EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2)
+        EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2,
+                                 enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="not supported yet"):
+        EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, master_port=29500)
 
 
 def test_cli_parallel_flags():

@@ -25,6 +25,7 @@ from loomserve.execution.executor import Executor, Worker
 from loomserve.execution.parallel.context_parallel import preflight as dcp_preflight
 from loomserve.execution.parallel.state import (
     destroy_distributed,
+    device_offset,
     free_port,
     init_distributed,
     set_layout,
@@ -114,8 +115,9 @@ class MultiprocExecutor(Executor):
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch
-            if torch.cuda.device_count() < pc.ranks_per_node:
-                raise ValueError(f"{pc.ranks_per_node} ranks on this node need as many GPUs; "
+            need = pc.ranks_per_node * pc.data_parallel_size
+            if torch.cuda.device_count() < need:
+                raise ValueError(f"{need} ranks on this node (all DP cores') need as many GPUs; "
                                  f"found {torch.cuda.device_count()} (NCCL takes one per rank)")
         self.world_size = pc.world_size
         addr = pc.master_addr
@@ -126,7 +128,7 @@ class MultiprocExecutor(Executor):
             t0 = time.perf_counter()
             if self.world_size > 1:
                 set_layout(0, self.world_size, device, pc.decode_context_parallel_size,
-                           pc.prefill_context_parallel_size)
+                           pc.prefill_context_parallel_size, device_offset(pc))
             # the model loads while the workers start; the rendezvous comes after
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner

@@ -77,18 +77,26 @@ def get_pcp() -> TPGroup | None:
     return _TP if _TP is not None and _TP.pcp_size > 1 else None
 
 
+def device_offset(parallel) -> int:
+    """The first CUDA device of a DP engine core's ranks: core d uses devices d x W .. d x W +
+    W - 1 (W its ranks), so the cores of one node never share a GPU."""
+    return parallel.data_parallel_rank * parallel.world_size
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int = 1,
-               pcp_size: int = 1) -> TPGroup:
+               pcp_size: int = 1, device_offset: int = 0) -> TPGroup:
     """This process's rank, known before the rendezvous so the model can load its slice while
     the other ranks start (the groups are filled in by init_distributed, before any step).
-    dcp_size / pcp_size: world_size when the ranks are decode- / prefill-context-parallel."""
+    dcp_size / pcp_size: world_size when the ranks are decode- / prefill-context-parallel.
+    device_offset: the first CUDA device of this engine core's ranks (a DP core's index x its
+    world size; see cuda_device_for)."""
     global _TP
     if device.type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((device_offset + rank) % torch.cuda.device_count())
     _TP = TPGroup(rank, world_size, None, None, dcp_size, pcp_size)
     return _TP
 

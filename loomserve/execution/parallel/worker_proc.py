@@ -54,6 +54,7 @@ def run_worker(spec: WorkerSpec) -> int:
     from loomserve.execution.model_runner import ModelRunner
     from loomserve.execution.parallel.state import (
         destroy_distributed,
+        device_offset,
         init_distributed,
         set_layout,
     )
@@ -63,7 +64,7 @@ def run_worker(spec: WorkerSpec) -> int:
     device = config.model.torch_device
     set_layout(spec.rank, spec.world_size, device,
                config.parallel.decode_context_parallel_size,
-               config.parallel.prefill_context_parallel_size)
+               config.parallel.prefill_context_parallel_size, device_offset(config.parallel))
     try:
         if os.environ.get("LOOMSERVE_WORKER_FAIL_AT_START") == str(spec.rank):  # debug hook
             raise RuntimeError(f"LOOMSERVE_WORKER_FAIL_AT_START={spec.rank}")
