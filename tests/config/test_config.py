@@ -26,7 +26,9 @@ def test_every_flat_name_has_one_owner():
 @pytest.mark.parametrize("kwargs", [
     {"block_size": 12}, {"kv_cache_memory": "lots"}, {"retention": "sometimes"},
     {"eviction": "random"}, {"session_pin_budget": "0.5"}, {"remote_cache": "http://x"},
-    {"dtype": "int3"}, {"data_parallel_size": 2, "tensor_parallel_size": 2},
+    {"dtype": "int3"},
+    {"data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
+    {"prefill_context_parallel_size": 2, "decode_context_parallel_size": 2},
     {"tensor_parallel_size": 0},
     {"node_rank": 1}, {"max_num_seqs": 0}])
 def test_bad_values_fail_at_construction(kwargs):
