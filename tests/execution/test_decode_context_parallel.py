@@ -102,6 +102,16 @@ def _scatter(k, v, lay: DcpLayout, table: list[int], nblocks: int):
     return kc, vc
 
 
+def _rank_meta(lay: DcpLayout, length: int, tab: np.ndarray, window: int | None = None):
+    """A rank's localized metadata for one decode at position length - 1 (as localize leaves
+    it: local key count, the row's global position kept for the window)."""
+    meta = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
+                             num_decode=1, decode_lens=lay.local_count([length]).astype(np.int32),
+                             decode_tables=[tab], sliding_window=window)
+    meta.derived["dcp_decode_pos"] = np.array([length - 1])
+    return meta
+
+
 @pytest.mark.parametrize("interleave,flash", [(1, True), (2, True), (1, False), (2, False)])
 def test_rank_partials_merge_to_full_attention(interleave, flash, monkeypatch):
     """Decode rows (C kernel and torch) and a prefill chunk over cached context (flash and
@@ -124,10 +134,7 @@ def test_rank_partials_merge_to_full_attention(interleave, flash, monkeypatch):
     for r in range(size):
         lay = DcpLayout(r, size, block, interleave)
         kc, vc = _scatter(k, v, lay, table, 8)
-        meta = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
-                                 num_decode=1,
-                                 decode_lens=lay.local_count([length]).astype(np.int32),
-                                 decode_tables=[tab])
+        meta = _rank_meta(lay, length, tab)
         dec_k.append(cpu.decode_lse(q, kc, vc, meta, 0.3, heads // kvh))
         dec_t.append(decode_partial(q, kc, vc, meta, 0.3, heads // kvh))
         chunk = PrefillChunk(0, 7, 30, tab)
@@ -159,11 +166,7 @@ def test_windowed_rank_partials_merge_to_windowed_attention(interleave, flash, m
     for r in range(size):
         lay = DcpLayout(r, size, block, interleave)
         kc, vc = _scatter(k, v, lay, table, 8)
-        meta = AttentionMetadata(torch.empty(0), torch.empty(0), lay.local_block_size, None,
-                                 num_decode=1,
-                                 decode_lens=lay.local_count([length]).astype(np.int32),
-                                 decode_tables=[tab], sliding_window=w)
-        meta.derived["dcp_decode_pos"] = np.array([length - 1])
+        meta = _rank_meta(lay, length, tab, w)
         dec.append(decode_partial(q, kc, vc, meta, 0.3, heads // kvh, lay))
         pre.append(prefill_partial(qc, kc, vc, meta, PrefillChunk(0, 7, 30, tab), lay, 0.3,
                                    heads // kvh, flash))
