@@ -14,11 +14,12 @@ as a loop over the experts the step routes to (no grouped GEMM; correctness firs
 
 Expert parallelism (DEP, `--enable-expert-parallel` with data parallelism): enable_ep() keeps
 only this rank's contiguous slice of the experts (experts / ranks each). Each MoE forward then
-runs, over the DP ranks' gloo group: all-gather of every rank's token count, all-gather of the
-tokens with their routing (padded to the largest count; the "dispatch"), this rank's experts over
-all gathered tokens, and an all-reduce of the partial outputs, of which each rank keeps its own
-rows (the "combine"). That is the naive all-gather/all-reduce form of the all-to-all (gloo has
-no all-to-all on every build; per layer ~N x tokens x hidden both ways). Every rank must call
+runs, over the DP ranks' gloo group, a true all-to-all: the (token, expert) pairs go to the rank
+holding the expert (one row of hidden + 2 floats each; an all-to-all of the counts first), that
+rank runs its experts on them, and the weighted outputs come back (hidden floats per pair) to be
+summed per token. Per layer each rank moves top_k x its tokens x (2 x hidden + 2) floats in all,
+whatever the number of ranks (the former all-gather / all-reduce form moved every rank's tokens
+to every rank). Every rank must call
 forward once per MoE layer per step, in the same order: a rank without work calls ep_dummy().
 Reduction order differs from one rank (partial sums per rank), so outputs match within fp
 rounding.
@@ -127,30 +128,37 @@ class DeepseekMoE(nn.Module):
         self._ep_routed(x, torch.zeros(0, k), torch.zeros(0, k, dtype=torch.long))
 
     def _ep_routed(self, x, weights, ids) -> torch.Tensor:
+        """Dispatch each (token, expert) pair to the rank holding the expert, run the local
+        experts on what arrived, send the weighted outputs back and sum them per token: two
+        all-to-alls of pairs (plus one of counts). gloo buffers live on the CPU; the experts
+        run on x's device."""
         import torch.distributed as dist
-        group, rank, size, first = self.ep
+        group, _rank, size, first = self.ep
         self.ep_calls += 1
         n, hidden, k = x.shape[0], x.shape[1], ids.shape[1]
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
-        dist.all_gather(counts, torch.tensor([n]), group=group)
-        counts = [int(c) for c in counts]
-        m = max(counts)
-        if m == 0:
-            return torch.zeros_like(x)
-        # One float tensor per rank: hidden | routing weights | expert ids (-1: padding row).
-        packed = torch.zeros(m, hidden + 2 * k, dtype=torch.float32)
-        packed[:, hidden + k:] = -1
-        packed[:n, :hidden] = x.float()
-        packed[:n, hidden:hidden + k] = weights.float()
-        packed[:n, hidden + k:] = ids.float()
-        gathered = [torch.empty_like(packed) for _ in range(size)]
-        dist.all_gather(gathered, packed, group=group)
-        allp = torch.cat(gathered)
-        xs = allp[:, :hidden].to(x.dtype)
-        part = self._routed(xs, allp[:, hidden:hidden + k], allp[:, hidden + k:].long(), first,
-                            self.experts_down.shape[0]).float()
-        dist.all_reduce(part, group=group)
-        return part[rank * m:rank * m + n].to(x.dtype)
+        per = self.experts_down.shape[0]
+        flat = ids.reshape(-1).cpu()
+        dest = torch.div(flat, per, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
+        tok = torch.div(order, k, rounding_mode="floor")
+        sent = torch.bincount(dest, minlength=size)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=group)
+        # One row per pair: hidden | routing weight | expert id.
+        packed = torch.empty(len(order), hidden + 2, dtype=torch.float32)
+        packed[:, :hidden] = x.detach().float().cpu()[tok]
+        packed[:, hidden] = weights.reshape(-1).float().cpu()[order]
+        packed[:, hidden + 1] = flat[order].float()
+        recv = torch.empty(int(got.sum()), hidden + 2, dtype=torch.float32)
+        dist.all_to_all_single(recv, packed, got.tolist(), sent.tolist(), group=group)
+        r = recv.to(x.device)
+        y = self._routed(r[:, :hidden].to(x.dtype), r[:, hidden:hidden + 1],
+                         r[:, hidden + 1:].long(), first, per).float().cpu()
+        back = torch.empty(len(order), hidden, dtype=torch.float32)
+        dist.all_to_all_single(back, y, sent.tolist(), got.tolist(), group=group)
+        out = torch.zeros(n, hidden, dtype=torch.float32)
+        out.index_add_(0, tok, back)
+        return out.to(device=x.device, dtype=x.dtype)
 
     def load_expert(self, e: int, proj: str, t: torch.Tensor) -> str:
         """One expert's HF gate_proj / up_proj / down_proj weight into the stacks; returns the key
