@@ -202,9 +202,10 @@ def layout(name: str, a) -> tuple[list[Instance], list[str]]:
         p = base + 10 * i
         extra = ["--role", role, "--kv-transfer-host", "127.0.0.1"] + (
             [a.model] if a.model else [])
-        insts.append(Instance(f"{name}-{role}{i}", p, p + 1,
-                              serve_argv(p, a.kv_mib * 2**20, a.max_model_len, a.dtype, p + 1,
-                                         extra)))
+        argv = serve_argv(p, a.kv_mib * 2**20, a.max_model_len, a.dtype, p + 1, extra)
+        if a.pin_cores:  # instance i on core i (its engine core and workers inherit it)
+            argv = ["taskset", "-c", str(i % (os.cpu_count() or 1))] + argv
+        insts.append(Instance(f"{name}-{role}{i}", p, p + 1, argv))
     router_extra = ["--pd-threshold-tokens", str(a.pd_threshold)] if name == "pd" else []
     return insts, router_extra
 
@@ -264,6 +265,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model folder (default: the built-in one)")
     ap.add_argument("--vocab-hi", type=int, default=40000, help="token ids stay below this")
     ap.add_argument("--request-timeout", type=float, default=400.0)
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="pin instance i to core i (taskset): each instance its own core, as "
+                         "on separate devices; the router and this driver float")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_agentx.json"))
     a = ap.parse_args()
