@@ -70,13 +70,15 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _pick_cuda_device(config: EngineConfig) -> None:
-    """A single-rank DP core on CUDA takes GPU (its DP index) (a multi-rank core's executor sets
-    each rank's device: parallel.state.device_offset); without DP, the current device."""
+    """A single-rank DP core on CUDA takes its device from parallel.state.device_offset (as a
+    multi-rank core's executor does for each rank); without DP, the current device."""
     pc = config.parallel
     if pc.data_parallel_size > 1 and pc.world_size == 1 and \
             config.model.torch_device.type == "cuda" and config.model.device in ("auto", "cuda"):
         import torch
-        torch.cuda.set_device(pc.data_parallel_rank % torch.cuda.device_count())
+
+        from loomserve.execution.parallel.state import device_offset
+        torch.cuda.set_device(device_offset(pc) % torch.cuda.device_count())
 
 
 def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, parent_pid: int,

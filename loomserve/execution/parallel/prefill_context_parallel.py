@@ -46,17 +46,17 @@ class PcpSplit:
 
     @classmethod
     def of(cls, num_decode: int, chunks: list[PrefillChunk], rank: int, size: int) -> "PcpSplit":
-        per_rank: list[list[int]] = [[] for _ in range(size)]
+        per_rank: list[list[np.ndarray]] = [[] for _ in range(size)]
         pieces = []
         for i, c in enumerate(chunks):
             n = c.end - c.start
             step = -(-n // size)
             for r in range(size):
                 lo, hi = c.start + min(n, r * step), c.start + min(n, (r + 1) * step)
-                per_rank[r].extend(range(lo, hi))
+                per_rank[r].append(np.arange(lo, hi, dtype=np.int64))
                 if r == rank and hi > lo:
                     pieces.append((i, lo, hi))
-        rows = [np.asarray(p, dtype=np.int64) for p in per_rank]
+        rows = [np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in per_rank]
         local = np.concatenate([np.arange(num_decode, dtype=np.int64), rows[rank]])
         return cls(num_decode, local, rows, pieces)
 
