@@ -98,6 +98,9 @@ class ModelRunner:
         self.pcp = get_pcp()
         if self.pcp is not None:
             self.attention = pcp.PcpBackend(self.attention, self.pcp)
+            from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
+            from loomserve.execution.layers.mamba2 import Mamba2Mixer
+            pcp.wrap_state_layers(self.model, self.pcp, (GatedDeltaNet, Mamba2Mixer))
         self.block_tables = BlockTables()
 
     # --- KV cache -----------------------------------------------------------------------------
@@ -208,6 +211,7 @@ class ModelRunner:
             self._apply_state_directives(ordered)
             for g in self.state_groups:
                 state_batch[g] = self._state_batch(ordered, g)
+                state_batch[g].pcp = split  # PCP: the layer gathers every row (PcpStateLayer)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if split is not None:  # PCP: this rank's rows only, then every row's hidden state
             local = torch.from_numpy(split.local_rows).to(self.device)

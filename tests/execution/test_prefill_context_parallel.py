@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loomserve.execution.attention.metadata import PrefillChunk
-from loomserve.execution.parallel.prefill_context_parallel import PcpSplit
+from loomserve.execution.parallel.prefill_context_parallel import PcpSplit, PcpStateLayer
 from loomserve.sampling_params import SamplingParams
 from tests.execution.tp_util import GREEDY, SYSTEM, _fixture, one_thread_per_rank  # noqa: F401
 
@@ -51,32 +51,32 @@ def _run(model: str, pcp: int):
         second = llm.generate([SYSTEM + [70, 71, 72], long + [9, 8, 7]],
                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         outs = first + second
-        return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
-                llm.core.runner.attention)
+        return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs], llm.core.runner
     finally:
         llm.close()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa", "tiny-gpt-oss"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-mistral-swa", "tiny-gpt-oss",
+                                  "tiny-deepseek-v3", "tiny-qwen3-next", "tiny-nemotron-h"])
 def test_greedy_and_cached_tokens_match_one_rank(name):
-    """Llama; Mistral's 32-token sliding window; gpt-oss (sinks, MoE, windowed and full)."""
+    """Llama; Qwen3; Mistral's 32-token sliding window; gpt-oss (sinks, MoE, windowed and
+    full); DeepSeek-V3 (MLA latent rows exchanged, MoE); the linear-state hybrids (their state
+    layers see every row on every rank)."""
     model = _fixture(name)
     tokens1, cached1, _ = _run(model, 1)
-    tokens2, cached2, attn = _run(model, 2)
+    tokens2, cached2, runner = _run(model, 2)
     assert tokens2 == tokens1
     assert cached2 == cached1 and cached1[3] >= 32 and cached1[4] >= 144  # the hits happened
-    assert attn.name == "pcp" and attn.exchanged_bytes > 0
+    assert runner.attention.name == "pcp" and runner.attention.exchanged_bytes > 0
+    wrapped = sum(isinstance(m, PcpStateLayer) for m in runner.model.modules())
+    assert wrapped == (0 if not runner.state_groups else
+                       sum(len(runner.kv_cache_config.groups[g].layer_ids) for g in runner.state_groups))
 
 
 def test_refusals():
-    from loomserve.config import EngineConfig, ParallelConfig
-    from loomserve.execution.parallel.prefill_context_parallel import preflight
+    from loomserve.config import ParallelConfig
     for other in ({"tensor_parallel_size": 2}, {"decode_context_parallel_size": 2},
                   {"data_parallel_size": 2}):
         with pytest.raises(ValueError, match="prefill-context-parallel-size > 1 is supported"):
             ParallelConfig(prefill_context_parallel_size=2, **other)
     assert ParallelConfig(prefill_context_parallel_size=2).world_size == 2
-    for name in ("tiny-deepseek-v3", "tiny-qwen3-next"):
-        cfg = EngineConfig.from_kwargs(model=_fixture(name), prefill_context_parallel_size=2)
-        with pytest.raises(NotImplementedError, match="prefill context parallelism"):
-            preflight(cfg)

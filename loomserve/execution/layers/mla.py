@@ -128,6 +128,8 @@ class MultiHeadLatentAttention(nn.Module):
         rows = meta.write_rows  # decode context parallelism: the rows this rank stores
         self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (
             latent if rows is None else latent[rows])
+        if getattr(meta.backend, "name", None) == "pcp":  # the other ranks' prefill rows
+            meta.backend.exchange(latent, meta, self._write_latent)
         out = x.new_empty(n, self.heads, self.v_dim)
         d = meta.num_decode
         if getattr(meta.backend, "name", None) == "dcp":
@@ -139,6 +141,9 @@ class MultiHeadLatentAttention(nn.Module):
             out[c.start:c.end] = self._prefill(q_nope[c.start:c.end], q_pe[c.start:c.end],
                                                latent[c.start:c.end], c, meta)
         return self.o_proj(out.view(n, self.heads * self.v_dim))
+
+    def _write_latent(self, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
+        self.latent_cache[blocks, offsets, :self.latent_dim] = rows
 
     # --- decode context parallelism (loomserve.execution.parallel.context_parallel) -----------
 

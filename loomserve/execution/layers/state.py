@@ -35,3 +35,8 @@ class StateSeq:
 @dataclass
 class StateBatch:
     seqs: list[StateSeq]
+    pcp: object = None  # prefill context parallelism: the step's PcpSplit (rows are the whole batch's)
+
+    @property
+    def num_rows(self) -> int:
+        return self.seqs[-1].end if self.seqs else 0

@@ -109,9 +109,6 @@ class MultiprocExecutor(Executor):
             preflight(config)  # refuse an unsupported model before any process starts
         if pc.decode_context_parallel_size > 1:
             dcp_preflight(config)
-        if pc.prefill_context_parallel_size > 1:
-            from loomserve.execution.parallel.prefill_context_parallel import preflight as pcp
-            pcp(config)
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch

@@ -14,23 +14,21 @@ per rank (rows = the most prefill rows any rank has this step, the others padded
 step one all-gather of [rows, hidden]. vLLM's PCP also shards the KV across the ranks (its
 decode then runs as DCP); here every rank keeps a whole replica (no capacity gain: PCP is for
 the latency of long cold prefills) and prefix caching, hits and cached_tokens are those of one
-rank. Refused at start: MLA (DeepSeek-V3: its latent cache would take its own exchange),
-linear-state / Mamba layers (their state runs through the tokens in order), and combinations
-with tensor, decode-context or data parallelism.
+rank. MLA layers exchange their latent rows the same way (one [rows, latent] all-gather per
+layer). Linear-state / Mamba layers run through a chunk's tokens in order, so they are not
+split: every rank gathers the layer's input rows and runs it on the whole batch (PcpStateLayer),
+keeping the state replicas identical. Refused at start: combinations with tensor,
+decode-context or data parallelism (ParallelConfig).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
-
-REFUSED = ("DeepseekV3ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
 
 @dataclass
@@ -104,18 +102,53 @@ class PcpBackend:
         self.inner, self.group = inner, group
         self.exchanged_bytes = 0  # bytes of every all-gathered K/V tensor (all ranks' shares)
 
+    def exchange(self, rows: torch.Tensor, meta: AttentionMetadata, write) -> None:
+        """All-gather the prefill rows of `rows` ([local rows, ...], this layer's new cache
+        rows) and write(blocks, offsets, their rows) for every other rank's share. Every rank
+        calls it once per layer with the same step, so the collectives line up."""
+        d, width, others = meta.derived["pcp"]
+        if not width:
+            return
+        every = gather_rows(self.group, rows, d, width)
+        self.exchanged_bytes += every.numel() * every.element_size()
+        for r, blocks, offsets in others:
+            write(blocks, offsets, every[r, :blocks.shape[0]])
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None) -> torch.Tensor:
-        d, width, others = meta.derived["pcp"]
-        if width:
-            every = gather_rows(self.group, torch.cat([k, v], dim=-1), d, width)
-            self.exchanged_bytes += every.numel() * every.element_size()
-            hd = k.shape[-1]
-            for r, blocks, offsets in others:
-                rows = every[r, :blocks.shape[0]]
-                k_cache[blocks, offsets] = rows[..., :hd]
-                v_cache[blocks, offsets] = rows[..., hd:]
+        hd = k.shape[-1]
+
+        def write(blocks, offsets, rows):
+            k_cache[blocks, offsets] = rows[..., :hd]
+            v_cache[blocks, offsets] = rows[..., hd:]
+        self.exchange(torch.cat([k, v], dim=-1), meta, write)
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
+
+
+class PcpStateLayer(torch.nn.Module):
+    """A linear-state / Mamba mixer under PCP: its state runs through a chunk's tokens in order,
+    so every rank gathers the whole batch's input rows, runs the mixer on all of them (the state
+    pages stay identical replicas) and keeps its own rows of the output. These layers are not
+    split: PCP speeds up the attention and MLP layers of a hybrid model only."""
+
+    def __init__(self, inner: torch.nn.Module, group) -> None:
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor, sb) -> torch.Tensor:
+        split = sb.pcp
+        full = full_hidden(self.group, split, x, sb.num_rows)
+        out = self.inner(full, sb)
+        return out[torch.from_numpy(split.local_rows).to(out.device)]
+
+
+def wrap_state_layers(model: torch.nn.Module, group, kinds: tuple) -> int:
+    """Replace every module of the given mixer classes by a PcpStateLayer; how many."""
+    found = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children() if isinstance(child, kinds)]
+    for parent, name, child in found:
+        setattr(parent, name, PcpStateLayer(child, group))
+    return len(found)
 
 
 def full_hidden(group, split: PcpSplit, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -129,17 +162,3 @@ def full_hidden(group, split: PcpSplit, hidden: torch.Tensor, tokens: int) -> to
             if len(rows):
                 out[torch.from_numpy(rows).to(out.device)] = every[r, :len(rows)]
     return out
-
-
-def preflight(config) -> None:
-    """Refuse what PCP cannot serve from the checkpoint alone, before any process starts."""
-    from loomserve.execution.models.loader import resolve_model
-    from loomserve.execution.models.registry import resolve
-    folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
-    with open(os.path.join(folder, "config.json")) as f:
-        model_cls, _ = resolve(json.load(f))
-    if model_cls.__name__ in REFUSED:
-        raise NotImplementedError(f"prefill context parallelism does not serve "
-                                  f"{model_cls.__name__} yet (MLA's latent cache, linear-state "
-                                  f"and Mamba layers): serve it with "
-                                  f"--prefill-context-parallel-size 1")
