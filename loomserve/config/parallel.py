@@ -9,8 +9,13 @@ data_parallel_size engine cores (each its own scheduler, KV pool and process) se
 front end, which places each request on one core (loomserve.entrypoints.dp_client);
 data_parallel_rank is the core's index, set by the front end in each core's copy of the config.
 DP x TP: each DP engine core runs its own tensor-parallel group (its own workers and
-rendezvous); on CUDA core d's ranks take devices d x TP .. d x TP + TP - 1. DP over several
-nodes, and expert parallelism with TP, are refused for now.
+rendezvous); on CUDA a node's d-th core's ranks take its devices d x TP .. d x TP + TP - 1.
+DP over nodes (nnodes > 1 with data_parallel_size > 1): the D cores split evenly over the nodes
+(node k runs cores k x D/N .. (k+1) x D/N - 1, each core's TP group inside its node); node 0
+runs the front end and binds two ZMQ sockets per remote core at master_addr, on ports
+master_port + 1 + 2r and master_port + 2 + 2r (r the core's DP rank); DEP's group meets at
+master_addr:master_port. Nodes > 0 run `loomserve serve --node-rank K` headless
+(loomserve.entrypoints.dp_remote). Expert parallelism with TP is refused for now.
 decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
 ranks that each hold the whole model and 1/D of every sequence's KV (token t on rank
 (t // I) % D, I = dcp_kv_cache_interleave_size); accepted with tensor_parallel_size 1 and
@@ -51,9 +56,9 @@ class ParallelConfig:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank} must be in "
                              f"[0, data_parallel_size={self.data_parallel_size})")
-        if self.data_parallel_size > 1 and self.nnodes > 1:
-            raise ValueError("--data-parallel-size > 1 with --nnodes > 1 is not supported yet "
-                             "(DP runs its engine cores, each with its ranks, on one node)")
+        if self.data_parallel_size > 1 and self.data_parallel_size % self.nnodes:
+            raise ValueError(f"--data-parallel-size {self.data_parallel_size} does not split "
+                             f"evenly over {self.nnodes} nodes (each node runs D / N engine cores)")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1 and \
                 self.enable_expert_parallel:
             raise ValueError("--enable-expert-parallel with --tensor-parallel-size > 1 is not "
@@ -61,13 +66,15 @@ class ParallelConfig:
         self._check_context_parallel()
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
-        if self.world_size % self.nnodes:
+        if self.data_parallel_size == 1 and self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks do not split evenly over "
                              f"{self.nnodes} nodes")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required with --nnodes > 1")
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(f"master_port={self.master_port} is not a port")
+        top = self.master_port + (2 * self.data_parallel_size if self.nnodes > 1 else 0)
+        if not 0 <= self.master_port <= top < 65536:
+            raise ValueError(f"master_port={self.master_port} is not a port (multi-node DP also "
+                             f"uses the {2 * self.data_parallel_size} ports above it)")
 
     def _check_context_parallel(self) -> None:
         if self.prefill_context_parallel_size > 1 and (
@@ -93,9 +100,40 @@ class ParallelConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
+        """One engine core's ranks on this node (a DP core's group never spans nodes)."""
+        return self.world_size if self.data_parallel_size > 1 else self.world_size // self.nnodes
 
     def node_ranks(self) -> range:
-        """The global ranks this node runs (rank 0 is the engine core's own process)."""
+        """The global ranks of one engine core this node runs (rank 0: the core's process)."""
+        if self.data_parallel_size > 1:
+            return range(self.world_size)
         n = self.ranks_per_node
         return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+    @property
+    def dp_local_size(self) -> int:
+        """Engine cores per node (one engine core, on node 0, without DP)."""
+        return self.data_parallel_size // self.nnodes if self.data_parallel_size > 1 else 1
+
+    def dp_node_ranks(self, node: int | None = None) -> range:
+        """The DP engine cores a node runs (this one by default)."""
+        k, n = self.node_rank if node is None else node, self.dp_local_size
+        return range(k * n, (k + 1) * n)
+
+    def tp_rendezvous(self) -> tuple[str, int]:
+        """Where one core's ranks meet (port 0: pick a free one): master_addr:master_port when
+        they span nodes; a DP core's group is inside its node, so a local free port."""
+        if self.data_parallel_size > 1:
+            return "127.0.0.1", 0
+        return self.master_addr, self.master_port
+
+    def dp_rendezvous(self) -> tuple[str, int]:
+        """Where DEP's DP group meets: master_addr:master_port over nodes, else the front end's
+        local dp_master_port."""
+        if self.nnodes > 1:
+            return self.master_addr, self.master_port
+        return "127.0.0.1", self.dp_master_port
+
+    def remote_core_ports(self, dp_rank: int) -> tuple[int, int]:
+        """Multi-node DP: (inputs, events) ports node 0 binds for core dp_rank at master_addr."""
+        return self.master_port + 1 + 2 * dp_rank, self.master_port + 2 + 2 * dp_rank

@@ -278,7 +278,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 2
-    if config.parallel.node_rank > 0:  # a worker node: its ranks only, no HTTP
+    if config.parallel.node_rank > 0:  # a worker node: its ranks or DP cores only, no HTTP
+        if config.parallel.data_parallel_size > 1:
+            import logging
+
+            from loomserve.entrypoints.dp_remote import run_headless_dp
+            logging.basicConfig(level=args.log_level.upper(),
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            return run_headless_dp(config, args.log_level)
         from loomserve.execution.parallel.multiproc_executor import run_headless
         return run_headless(config)
     return serve(args, config)

@@ -200,6 +200,9 @@ class ProcCoreClient:
     def is_alive(self) -> bool:
         return self.proc.is_alive()
 
+    def join(self, timeout: float) -> None:
+        self.proc.join(timeout=timeout)
+
     def shutdown(self) -> None:
         if self._closing:
             return

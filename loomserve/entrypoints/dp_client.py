@@ -183,11 +183,16 @@ class DPCoreClient:
             config = dataclasses.replace(config, parallel=dataclasses.replace(
                 config.parallel, dp_master_port=_free_port()))
         self.rank_stats = [EngineStats() for _ in range(n)]
-        self.clients: list[ProcCoreClient] = []
+        self.clients: list = []  # ProcCoreClient here; RemoteCoreClient on the other nodes
+        local = config.parallel.dp_node_ranks(0)
         try:  # all ranks load their model at the same time
             for rank in range(n):
-                self.clients.append(ProcCoreClient(rank_config(config, rank),
-                                                   self._rank_callback(rank), log_level))
+                if rank in local:
+                    self.clients.append(ProcCoreClient(rank_config(config, rank),
+                                                       self._rank_callback(rank), log_level))
+                else:
+                    from loomserve.entrypoints.dp_remote import RemoteCoreClient
+                    self.clients.append(RemoteCoreClient(config, rank, self._rank_callback(rank)))
         except BaseException:
             self._kill_all()
             raise
@@ -203,6 +208,15 @@ class DPCoreClient:
             except EngineStartError as e:
                 self._kill_all()
                 raise EngineStartError(f"data-parallel rank {rank}: {e}") from None
+        first = readies[0]
+        for rank, ready in enumerate(readies[1:], 1):  # every node must serve the same model
+            same = (ready.model_name, ready.block_size, ready.max_model_len, ready.vocab_size)
+            if same != (first.model_name, first.block_size, first.max_model_len, first.vocab_size):
+                self._kill_all()
+                raise EngineStartError(f"data-parallel rank {rank} serves {same} (model, block "
+                                       f"size, max length, vocab), rank 0 "
+                                       f"{(first.model_name, first.block_size, first.max_model_len, first.vocab_size)}: "
+                                       f"start every node with the same model flags")
         for rank, ready in enumerate(readies):
             log.info("data-parallel rank %d: engine core pid %d, KV cache %d tokens",
                      rank, ready.pid, ready.kv_capacity_tokens)
@@ -251,9 +265,9 @@ class DPCoreClient:
                 client.submit(Shutdown())
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for client in self.clients:
-            client.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            client.join(max(0.0, deadline - time.monotonic()))
         for client in self.clients:
-            if client.proc.is_alive():  # closed, but its interpreter teardown is slow (gloo)
+            if client.is_alive():  # closed, but its interpreter teardown is slow (gloo)
                 client._close(kill=True)  # noqa: SLF001
             else:
                 client.shutdown()

@@ -1,6 +1,7 @@
 """The engine core's own process: build the core, then run the core loop over ZMQ.
 
-The front end binds two IPC sockets and spawns this process (multiprocessing "spawn": no forked
+The front end binds two IPC sockets (TCP for a DP core on another node, started by that node's
+headless `serve`: loomserve.entrypoints.dp_remote) and spawns this process (multiprocessing "spawn": no forked
 torch or OpenMP state), which connects a PULL socket for CoreInput and a PUSH socket for
 CoreEvent, both msgpack. The first event is CoreReady (or CoreFailed, and exit 1). Exit codes:
 0 after a Shutdown or when the front end is gone, 1 after a core failure (CoreDead sent first).
@@ -25,18 +26,40 @@ from loomserve.execution.messages import CoreFailed, CoreInput, Shutdown, input_
 log = logging.getLogger("loomserve.execution")
 
 
+HEARTBEAT_MS = 1000  # TCP (a core on another node): ZMQ pings; a silent peer is gone after
+HEARTBEAT_TIMEOUT_MS = 5000  # this long (a killed process is noticed at once: its socket closes)
+
+
+def tcp_options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
 class ZmqTransport:
     """CoreTransport over a PULL (inputs) and a PUSH (events) socket. A parent that is gone
-    (its pid no longer ours) reads as a Shutdown: the core never outlives its front end."""
+    (its pid no longer ours) reads as a Shutdown: the core never outlives its front end. Over
+    TCP (`monitor` set: the inputs socket's connection events) a lost connection to the front
+    end reads as a Shutdown too: the front end is gone or has declared this core dead."""
 
-    def __init__(self, inputs: zmq.Socket, events: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, inputs: zmq.Socket, events: zmq.Socket, parent_pid: int,
+                 monitor: zmq.Socket | None = None) -> None:
         self.inputs, self.events = inputs, events
         self.parent_pid = parent_pid
+        self.monitor = monitor
         self._enc = msgspec.msgpack.Encoder()
         self._dec = input_decoder()
 
+    def front_end_gone(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+        while self.monitor is not None and self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                log.error("lost the connection to the front end: stopping")
+                return True
+        return False
+
     def recv(self, timeout: float) -> list[CoreInput]:
-        if os.getppid() != self.parent_pid:
+        if os.getppid() != self.parent_pid or self.front_end_gone():
             return [Shutdown()]
         if not self.inputs.poll(int(timeout * 1000)):
             return []
@@ -93,12 +116,16 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     events = ctx.socket(zmq.PUSH)
+    remote = input_addr.startswith("tcp://")  # a DP core on a node other than the front end's
     for sock in (inputs, events):
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        if remote:
+            tcp_options(sock)
+    monitor = inputs.get_monitor_socket(zmq.EVENT_DISCONNECTED) if remote else None
     inputs.connect(input_addr)
     events.connect(event_addr)
-    transport = ZmqTransport(inputs, events, parent_pid)
+    transport = ZmqTransport(inputs, events, parent_pid, monitor)
     code = 1
     try:
         try:
@@ -122,6 +149,9 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
                 log.exception("closing the engine core failed")
     finally:
         events.close(linger=2000)  # deliver the last event (CoreDead) before exiting
+        if monitor is not None:
+            inputs.disable_monitor()
+            monitor.close(linger=0)
         inputs.close(linger=0)
         ctx.term()
         sys.exit(code)

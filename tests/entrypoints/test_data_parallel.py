@@ -194,8 +194,10 @@ def test_cli_flags_and_refusals():
     assert config.parallel.data_parallel_size == 2 and config.parallel.enable_expert_parallel
     assert config.parallel.world_size == 1  # ranks of one engine core
     assert config.scheduler.prefill_schedule_interval == 4
-    with pytest.raises(ValueError, match="not supported yet"):
-        EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, master_port=1234)
+    assert EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2,  # one core per node
+                                    master_port=1234).parallel.dp_local_size == 1
+    with pytest.raises(ValueError, match="does not split evenly"):
+        EngineConfig.from_kwargs(data_parallel_size=3, nnodes=2, master_port=1234)
     with pytest.raises(EngineStartError, match="KV tiers"):
         check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2,
                                                     host_cache_memory="4MiB"))

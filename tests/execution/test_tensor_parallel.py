@@ -108,8 +108,8 @@ def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
 
 
 def test_data_parallel_with_tensor_parallel_config():
-    """DP x TP is accepted (each DP core its own TP group, CUDA devices per core); with expert
-    parallelism or over several nodes it is refused clearly."""
+    """DP x TP is accepted (each DP core its own TP group, CUDA devices per core, over nodes
+    too); with expert parallelism it is refused clearly."""
     from loomserve.config import EngineConfig
     from loomserve.execution.parallel.state import device_offset
     pc = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2).parallel
@@ -118,8 +118,11 @@ def test_data_parallel_with_tensor_parallel_config():
     with pytest.raises(ValueError, match="not supported yet"):
         EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2,
                                  enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="not supported yet"):
-        EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, master_port=29500)
+    over_nodes = EngineConfig.from_kwargs(data_parallel_size=4, tensor_parallel_size=2, nnodes=2,
+                                          master_port=29500).parallel  # 2 cores per node
+    assert [device_offset(dataclasses.replace(over_nodes, data_parallel_rank=d))
+            for d in range(4)] == [0, 2, 0, 2]  # each node's cores from its own GPU 0
+    assert list(over_nodes.node_ranks()) == [0, 1]  # a core's TP group stays on its node
 
 
 def test_cli_parallel_flags():

@@ -15,7 +15,7 @@ parallelism every MoE layer's forward is a collective over the DP ranks' gloo gr
   into the scheduler before each step, so --prefill-schedule-interval admits prefills on the
   same steps on every rank.
 
-The group meets at 127.0.0.1:dp_master_port (one node; set by the front end). Dense models
+The group meets at ParallelConfig.dp_rendezvous() (the front end's port, or master_addr:master_port over nodes). Dense models
 need no lockstep: LockstepCore is only used when the model has MoE layers.
 """
 
@@ -46,7 +46,8 @@ def maybe_lockstep(core, config):
         return core
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pc.dp_master_port}",
+        addr, port = pc.dp_rendezvous()
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
                                 rank=pc.data_parallel_rank, world_size=pc.data_parallel_size,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     group = dist.group.WORLD

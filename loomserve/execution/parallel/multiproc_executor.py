@@ -112,13 +112,13 @@ class MultiprocExecutor(Executor):
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch
-            need = pc.ranks_per_node * pc.data_parallel_size
+            need = pc.ranks_per_node * pc.dp_local_size
             if torch.cuda.device_count() < need:
                 raise ValueError(f"{need} ranks on this node (all DP cores') need as many GPUs; "
                                  f"found {torch.cuda.device_count()} (NCCL takes one per rank)")
         self.world_size = pc.world_size
-        addr = pc.master_addr
-        port = pc.master_port or free_port(addr)
+        addr, port = pc.tp_rendezvous()
+        port = port or free_port(addr)
         self.procs = spawn_workers(config, [r for r in pc.node_ranks() if r != 0], addr, port)
         self.tp = None
         try:

@@ -78,9 +78,9 @@ def get_pcp() -> TPGroup | None:
 
 
 def device_offset(parallel) -> int:
-    """The first CUDA device of a DP engine core's ranks: core d uses devices d x W .. d x W +
-    W - 1 (W its ranks), so the cores of one node never share a GPU."""
-    return parallel.data_parallel_rank * parallel.world_size
+    """The first CUDA device of a DP engine core's ranks: the node's d-th core uses devices
+    d x W .. d x W + W - 1 (W its ranks), so the cores of one node never share a GPU."""
+    return (parallel.data_parallel_rank % parallel.dp_local_size) * parallel.world_size
 
 
 def backend_for(device: torch.device) -> str:
