@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -154,15 +155,21 @@ def _free_port() -> int:
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config of DP rank `rank`'s engine core."""
+    """The config of DP rank `rank`'s engine core. KV tiers: each core has its own host tier
+    (--host-cache-memory is per core, as --kv-cache-memory) and its own disk tier directory
+    (<disk-cache-dir>/dp<rank>: a disk tier indexes and evicts its files alone); a remote pool
+    (Mooncake, Redis) is shared by every core, as it is by separate instances."""
+    tier = config.tier
+    if tier.disk_cache_dir:
+        tier = dataclasses.replace(tier, disk_cache_dir=os.path.join(tier.disk_cache_dir,
+                                                                     f"dp{rank}"))
     return dataclasses.replace(
-        config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
+        config, tier=tier,
+        parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
 
 
 def check_dp_supported(config: EngineConfig) -> None:
     """Features whose single resource the ranks would share are refused at DP > 1."""
-    if config.tier.enabled:
-        raise EngineStartError("--data-parallel-size > 1 with KV tiers is not supported yet")
     if config.control.role != "both" or config.control.kv_events_endpoint:
         raise EngineStartError("--data-parallel-size > 1 with --role prefill/decode or "
                                "--kv-events-endpoint is not supported yet")

@@ -198,8 +198,8 @@ def test_cli_flags_and_refusals():
                                     master_port=1234).parallel.dp_local_size == 1
     with pytest.raises(ValueError, match="does not split evenly"):
         EngineConfig.from_kwargs(data_parallel_size=3, nnodes=2, master_port=1234)
-    with pytest.raises(EngineStartError, match="KV tiers"):
-        check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2,
-                                                    host_cache_memory="4MiB"))
+    check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2, host_cache_memory="4MiB"))
+    with pytest.raises(EngineStartError, match="role prefill/decode"):
+        check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2, role="prefill"))
     with pytest.raises(EngineStartError, match="engine-in-process"):
         AsyncLLM(EngineConfig.from_kwargs(data_parallel_size=2), in_process=True)
