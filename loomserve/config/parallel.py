@@ -45,6 +45,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # Set by the executor, not by users: a memfd holding every rank's KV pool (KV tiers with
+    # tensor or decode context parallelism on CPU; loomserve.execution.parallel.shared_pool).
+    shared_kv_fd: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes",

@@ -61,11 +61,17 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
                     "(%s)", ", ".join(kinds))
         return None
-    store = build_tiered_store(config.tier, runner.kv_cache_config.page_bytes)
-    model_id = model_identity(runner.model_name, runner.model_folder,
-                              config.model.resolved_cache_dir)
+    store = build_tiered_store(config.tier, runner.tier_pages.shape[1])
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
-    return TierConnector(kv, store, runner.kv_buffer, model_id, config.tier.tier_max_inflight)
+    return TierConnector(kv, store, runner.tier_pages, tier_model_id(config, runner),
+                         config.tier.tier_max_inflight)
+
+
+def tier_model_id(config: EngineConfig, runner: ModelRunner) -> str:
+    """The weights' identity plus the rank layout of a logical page (tier fingerprint)."""
+    from loomserve.execution.parallel.shared_pool import layout_id
+    return model_identity(runner.model_name, runner.model_folder,
+                          config.model.resolved_cache_dir) + layout_id(config)
 
 
 def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
@@ -253,9 +259,8 @@ class EngineCore:
         if self.tiers is not None:
             raise RuntimeError("this engine already has KV tiers")
         runner = self.runner
-        model_id = model_identity(runner.model_name, runner.model_folder,
-                                  self.config.model.resolved_cache_dir)
-        self.tiers = TierConnector(self.kv, store, runner.kv_buffer, model_id,
+        self.tiers = TierConnector(self.kv, store, runner.tier_pages,
+                                   tier_model_id(self.config, runner),
                                    max_inflight or self.config.tier.tier_max_inflight)
         self.scheduler.tiers = self.tiers
         if self.events is not None:

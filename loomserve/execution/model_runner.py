@@ -127,12 +127,20 @@ class ModelRunner:
         region of each page (see the module docstring for the layout)."""
         kc = self.kv_layout
         n, page = kc.num_blocks, kc.page_bytes
-        if self.device.type == "cpu":
+        fd = self.config.parallel.shared_kv_fd
+        if fd is not None:  # every rank's pool in one shared buffer, for the KV tiers
+            from loomserve.execution.parallel.shared_pool import map_pool
+            from loomserve.execution.parallel.state import get_group
+            group = get_group()
+            self.tier_pages, buf = map_pool(fd, n, page, group.rank, group.size)
+        elif self.device.type == "cpu":
             # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
             # with the pages actually used instead of the whole budget at start.
             buf = torch.from_numpy(np.zeros((n, page), dtype=np.uint8))
         else:
             buf = torch.zeros(n, page, dtype=torch.uint8, device=self.device)
+        if fd is None:
+            self.tier_pages = buf  # what KV tiers and transfers move: the whole logical pages
         layer_group: list[int | None] = [None] * len(self.layer_specs)
         modules = _cache_modules(self.model, len(self.layer_specs))
         for g, grp in enumerate(kc.groups):

@@ -91,8 +91,8 @@ def test_unsupported_family_is_refused_before_any_process_starts():
         LLM(_fixture("tiny-qwen3-next"), tensor_parallel_size=3, kv_cache_memory="2MiB")
     with pytest.raises(NotImplementedError, match="quantization int8"):
         LLM(_fixture("tiny-llama"), tensor_parallel_size=2, quantization="int8")
-    with pytest.raises(NotImplementedError, match="KV tiers"):
-        LLM(_fixture("tiny-llama"), tensor_parallel_size=2, host_cache_memory="4MiB")
+    with pytest.raises(NotImplementedError, match="prefill/decode roles"):
+        LLM(_fixture("tiny-llama"), tensor_parallel_size=2, role="prefill")
 
 
 def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):

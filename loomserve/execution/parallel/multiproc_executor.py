@@ -11,6 +11,7 @@ at once (a stuck one fails it after LOOMSERVE_COLLECTIVE_TIMEOUT_S). Workers die
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -22,6 +23,7 @@ import time
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.executor import Executor, Worker
+from loomserve.execution.parallel import shared_pool
 from loomserve.execution.parallel.context_parallel import preflight as dcp_preflight
 from loomserve.execution.parallel.state import (
     destroy_distributed,
@@ -57,9 +59,9 @@ def spawn_workers(config: EngineConfig, ranks: list[int], addr: str, port: int,
     procs = []
     for rank in ranks:
         r, w = os.pipe() if ready_pipes else (None, None)
+        fds = tuple(f for f in (w, config.parallel.shared_kv_fd) if f is not None)
         p = subprocess.Popen([sys.executable, "-m", "loomserve.execution.parallel.worker_proc"],
-                             stdin=subprocess.PIPE, env=os.environ.copy(),
-                             pass_fds=(w,) if w is not None else ())
+                             stdin=subprocess.PIPE, env=os.environ.copy(), pass_fds=fds)
         if w is not None:
             os.close(w)
         p.ready = r
@@ -100,11 +102,16 @@ def wait_loaded(procs: list[subprocess.Popen], timeout_s: float = START_TIMEOUT_
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel
-        if pc.world_size > 1 and (config.tier.enabled or config.control.role != "both"):
-            raise NotImplementedError("KV tiers and prefill/decode roles with "
-                                      "--tensor-parallel-size or --decode-/--prefill-context-"
-                                      "parallel-size > 1 are not supported yet (they would move "
-                                      "rank 0's KV heads, tokens or replica only)")
+        if pc.world_size > 1 and config.control.role != "both":
+            raise NotImplementedError("prefill/decode roles with --tensor-parallel-size or "
+                                      "--decode-/--prefill-context-parallel-size > 1 are not "
+                                      "supported yet (they would move rank 0's KV heads, tokens "
+                                      "or replica only)")
+        if pc.world_size > 1 and config.tier.enabled:  # tiers move every rank's shard at once
+            shared_pool.check_supported(config)
+            config = dataclasses.replace(config, parallel=dataclasses.replace(
+                pc, shared_kv_fd=shared_pool.create()))
+            pc = config.parallel
         if pc.tensor_parallel_size > 1:
             preflight(config)  # refuse an unsupported model before any process starts
         if pc.decode_context_parallel_size > 1:
@@ -117,6 +124,7 @@ class MultiprocExecutor(Executor):
                 raise ValueError(f"{need} ranks on this node (all DP cores') need as many GPUs; "
                                  f"found {torch.cuda.device_count()} (NCCL takes one per rank)")
         self.world_size = pc.world_size
+        self.shared_kv_fd = pc.shared_kv_fd
         addr, port = pc.tp_rendezvous()
         port = port or free_port(addr)
         self.procs = spawn_workers(config, [r for r in pc.node_ranks() if r != 0], addr, port)
@@ -188,6 +196,9 @@ class MultiprocExecutor(Executor):
         self._stop_workers(5.0)
         self.tp = None
         destroy_distributed()
+        if self.shared_kv_fd is not None:  # the pool's pages live on while they are mapped
+            os.close(self.shared_kv_fd)
+            self.shared_kv_fd = None
 
     def _stop_workers(self, grace_s: float) -> None:
         for p in self.procs:

@@ -67,6 +67,11 @@ def get_tp() -> TPGroup | None:
     return _TP if _TP is None or (_TP.dcp_size == 1 and _TP.pcp_size == 1) else None
 
 
+def get_group() -> TPGroup | None:
+    """This engine core's rank group, whatever kind of parallelism it runs (None: one rank)."""
+    return _TP
+
+
 def get_dcp() -> TPGroup | None:
     """The decode-context-parallel group (every rank of this engine core), or None."""
     return _TP if _TP is not None and _TP.dcp_size > 1 else None
