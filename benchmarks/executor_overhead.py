@@ -43,7 +43,8 @@ def _engine(model: str, tp: int, executor: str | None, streams: int, prompt_len:
         os.environ["LOOMSERVE_EXECUTOR"] = executor
     else:
         os.environ.pop("LOOMSERVE_EXECUTOR", None)
-    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="256MiB", dtype="float32")
+    llm = LLM(None if model == "default" else model,  # "default": the built-in SmolLM2
+              tensor_parallel_size=tp, kv_cache_memory="256MiB", dtype="float32")
     os.environ.pop("LOOMSERVE_EXECUTOR", None)
     return llm
 
@@ -184,7 +185,7 @@ def communication(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=FIXTURE)
+    p.add_argument("--model", default=FIXTURE, help="a model path, or 'default' (SmolLM2-135M)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)

@@ -17,9 +17,10 @@ master_port + 1 + 2r and master_port + 2 + 2r (r the core's DP rank); DEP's grou
 master_addr:master_port. Nodes > 0 run `loomserve serve --node-rank K` headless
 (loomserve.entrypoints.dp_remote). Expert parallelism with TP is refused for now.
 decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
-ranks that each hold the whole model and 1/D of every sequence's KV (token t on rank
-(t // I) % D, I = dcp_kv_cache_interleave_size); accepted with tensor_parallel_size 1 and
-data_parallel_size 1 only (world = D). prefill_context_parallel_size P > 1 (PCP;
+ranks that each hold 1/D of every sequence's KV (token t on rank (t // I) % D, I =
+dcp_kv_cache_interleave_size): with tensor_parallel_size 1 each rank holds the whole model
+(world = D); with tensor_parallel_size D (MLA models) the TP ranks split the KV too (world =
+D, as vLLM's -tp 8 -dcp 8); data_parallel_size 1 only. prefill_context_parallel_size P > 1 (PCP;
 loomserve.execution.parallel.prefill_context_parallel) runs P ranks that each hold the whole
 model and a KV replica and split each step's prefill tokens; accepted alone (world = P).
 """
@@ -87,18 +88,21 @@ class ParallelConfig:
                              "--tensor-parallel-size, --data-parallel-size and "
                              "--decode-context-parallel-size 1: its P ranks each run the whole "
                              "model and split the prefill tokens)")
-        if self.decode_context_parallel_size > 1 and (self.tensor_parallel_size > 1
-                                                      or self.data_parallel_size > 1):
-            raise ValueError("--decode-context-parallel-size > 1 is supported with "
-                             "--tensor-parallel-size 1 and --data-parallel-size 1 only (its D "
-                             "ranks each run the whole model and hold 1/D of the KV)")
+        d, t = self.decode_context_parallel_size, self.tensor_parallel_size
+        if d > 1 and (self.data_parallel_size > 1 or t not in (1, d)):
+            raise ValueError("--decode-context-parallel-size D > 1 is supported with "
+                             "--data-parallel-size 1 and either --tensor-parallel-size 1 (D "
+                             "ranks that each run the whole model and hold 1/D of the KV) or "
+                             "--tensor-parallel-size D (the TP ranks also split the KV by "
+                             "token: MLA models, whose latent cache TP would replicate)")
 
     @property
     def world_size(self) -> int:
         """Ranks of ONE engine core (its tensor-, decode- or prefill-context-parallel group): DP
         engine cores are separate cores, each with its own executor, so they are not counted
-        here. At most one of the three sizes exceeds 1 (__post_init__)."""
-        return (self.tensor_parallel_size * self.decode_context_parallel_size
+        here. At most one of the three sizes exceeds 1, except TP x DCP with DCP = TP (the same
+        ranks split the weights and the KV's tokens; __post_init__)."""
+        return (max(self.tensor_parallel_size, self.decode_context_parallel_size)
                 * self.prefill_context_parallel_size)
 
     @property

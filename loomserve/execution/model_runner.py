@@ -40,7 +40,7 @@ from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
 from loomserve.execution.parallel import prefill_context_parallel as pcp
 from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
-from loomserve.execution.parallel.state import get_pcp
+from loomserve.execution.parallel.state import get_pcp, get_tp
 from loomserve.execution.sampler import Sampler
 from loomserve.kv.planning import kv_budget_bytes, plan_context_parallel, plan_kv_cache
 from loomserve.kv.spec import (
@@ -96,6 +96,7 @@ class ModelRunner:
             from loomserve.execution.parallel.state import get_dcp
             self.attention = DcpBackend(self.attention, self.dcp, get_dcp())
         self.pcp = get_pcp()
+        self.tp = get_tp()
         if self.pcp is not None:
             self.attention = pcp.PcpBackend(self.attention, self.pcp)
             from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
@@ -228,8 +229,10 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, attn_meta, state_batch)
         due = [s for s in seqs if s.sample]
-        if not due or any(g is not None and g.rank != 0 for g in (self.dcp, self.pcp)):
-            return [], torch.empty(0, self.vocab_size, device=self.device)  # rank 0 samples
+        # rank 0 samples; under TP every rank takes part in the logits (vocab-parallel gather)
+        if not due or (self.tp is None and
+                       any(g is not None and g.rank != 0 for g in (self.dcp, self.pcp))):
+            return [], torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
 

@@ -193,8 +193,15 @@ def test_a_rank_without_keys_gives_an_empty_partial():
 def test_unsupported_combinations_fail_at_start():
     from loomserve.config import ParallelConfig
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+        ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2)
     assert ParallelConfig(decode_context_parallel_size=2).world_size == 2
+    # TP x DCP: the same two ranks split the weights and the KV
+    assert ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).world_size == 2
+    from loomserve.config import EngineConfig
+    from loomserve.execution.parallel.context_parallel import preflight
+    with pytest.raises(NotImplementedError, match="MLA models"):
+        preflight(EngineConfig.from_kwargs(model=_fixture("tiny-llama"), tensor_parallel_size=2,
+                                           decode_context_parallel_size=2))
 
 
 def test_a_block_it_cannot_split_fails_before_any_process_starts():
@@ -208,11 +215,11 @@ def test_a_block_it_cannot_split_fails_before_any_process_starts():
 
 # --- the engine at D = 2 ----------------------------------------------------------------------
 
-def _run(model: str, dcp: int, interleave: int = 1):
+def _run(model: str, dcp: int, interleave: int = 1, tp: int = 1):
     """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
     from loomserve.entrypoints.llm import LLM
     llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32",
-              dcp_kv_cache_interleave_size=interleave)
+              dcp_kv_cache_interleave_size=interleave, tensor_parallel_size=tp)
     try:
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
         second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
@@ -263,6 +270,21 @@ def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
         assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
     if null:  # windowed decodes take the torch partial
         assert attn.calls["decode_torch"] > 0
+
+
+def test_tp_x_dcp_mla_matches_one_rank_and_tp_alone():
+    """-tp 2 -dcp 2 on the MLA fixture: the two ranks split the heads (TP) and the latent rows
+    by token (DCP): greedy tokens and cached_tokens equal one rank's, and the pool holds twice
+    the tokens of -tp 2 alone (whose latent cache is replicated per rank)."""
+    model = _fixture("tiny-deepseek-v3")
+    tokens1, cached1, view1, _, _ = _run(model, 1)
+    tokens_tp, _, view_tp, _, _ = _run(model, 1, tp=2)
+    tokens2, cached2, view2, pool2, attn = _run(model, 2, 1, tp=2)
+    assert tokens2 == tokens1 == tokens_tp
+    assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32
+    assert attn.gathered_bytes > 0 and pool2.block_size == 8
+    assert view_tp.capacity_tokens == view1.capacity_tokens  # TP alone: latent replicated
+    assert view2.capacity_tokens == 2 * view1.capacity_tokens
 
 
 def test_mla_rank_partials_merge_to_the_single_rank_layer():

@@ -133,7 +133,11 @@ class MultiHeadLatentAttention(nn.Module):
         out = x.new_empty(n, self.heads, self.v_dim)
         d = meta.num_decode
         if getattr(meta.backend, "name", None) == "dcp":
-            self._dcp_attention(q_nope, q_pe, meta, out)
+            if meta.backend.group.tp_size > 1:  # TP x DCP: this rank's heads, every rank's keys
+                from loomserve.execution.layers.mla_tp_dcp import tp_dcp_attention
+                tp_dcp_attention(self, q_nope, q_pe, meta, out)
+            else:
+                self._dcp_attention(q_nope, q_pe, meta, out)
             return self.o_proj(out.view(n, self.heads * self.v_dim))
         if d:
             out[:d] = self._decode(q_nope[:d], q_pe[:d], meta)

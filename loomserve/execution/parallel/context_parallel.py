@@ -10,7 +10,7 @@ every rank, so a prefix hit is a hit on every rank and cached_tokens is what it 
 a page holds b tokens, so the same --kv-cache-memory per rank plans D x the blocks: the pool
 holds D x the tokens (the scheduler sees capacity_tokens D x larger).
 
-Ranks: world = D with tensor_parallel_size 1. Every rank runs the whole model on every token
+Ranks: world = D with tensor_parallel_size 1 (or D, below). Every rank runs the whole model on every token
 (the non-attention work is replicated, as vLLM's DCP ranks replicate it inside their TP group),
 writes only the K/V rows it owns, and attends over its share: per query row a softmax partial
 (o_r, lse_r) over rank r's keys the row may see (global positions <= its own). The partials are
@@ -28,7 +28,8 @@ partials; their decodes take the torch partial (the C kernel's window would coun
 Linear-state (Qwen3-Next) and Mamba (Nemotron-H) layers run replicated: every rank keeps the
 whole state in its pages (a page is sized by the larger of its groups, so where the state
 outweighs half a block's attention, DCP adds no capacity).
-Refused at start: TP x DCP, model classes outside SUPPORTED, KV tiers.
+TP x DCP (tensor_parallel_size = D, the same ranks): MLA models only (layers/mla_tp_dcp.py).
+Refused at start: model classes outside SUPPORTED (TP_SUPPORTED under TP x DCP).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full layers,
 # gpt-oss's sinks and MoE replicated per rank); Qwen3-Next and Nemotron-H (linear-state / Mamba
 # layers replicated per rank: their state is not split); DeepSeek-V3 (MLA: layers/mla.py).
+TP_SUPPORTED = ("DeepseekV3ForCausalLM",)  # TP x DCP: layers/mla_tp_dcp.py
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
@@ -286,6 +288,11 @@ def preflight(config) -> None:
     folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
         model_cls, cfg = resolve(json.load(f))
+    if pc.tensor_parallel_size > 1 and model_cls.__name__ not in TP_SUPPORTED:
+        raise NotImplementedError(f"decode context parallelism with --tensor-parallel-size > 1 "
+                                  f"serves MLA models ({', '.join(TP_SUPPORTED)}), whose latent "
+                                  f"cache TP would replicate; not {model_cls.__name__}: use "
+                                  f"--tensor-parallel-size 1 with -dcp, or -dcp 1")
     if model_cls.__name__ not in SUPPORTED:
         raise NotImplementedError(f"decode context parallelism is verified for "
                                   f"{', '.join(SUPPORTED)} so far, not "

@@ -133,7 +133,8 @@ class MultiprocExecutor(Executor):
             t0 = time.perf_counter()
             if self.world_size > 1:
                 set_layout(0, self.world_size, device, pc.decode_context_parallel_size,
-                           pc.prefill_context_parallel_size, device_offset(pc))
+                           pc.prefill_context_parallel_size, device_offset(pc),
+                           pc.tensor_parallel_size)
             # the model loads while the workers start; the rendezvous comes after
             self.worker = Worker(config)
             self.driver_runner = self.worker.runner

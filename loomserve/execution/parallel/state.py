@@ -7,7 +7,8 @@ a rank that stops answering mid-step fails the step within COLLECTIVE_TIMEOUT_S,
 A peer process that dies closes its sockets, which gloo reports at once as an error.
 Module state: one TPGroup per process (a process is one rank), None until set_layout. Under
 decode context parallelism (dcp_size = size) the same group holds the ranks, but they are no
-tensor-parallel slices: get_tp() is None then (the model loads whole) and get_dcp() names it.
+tensor-parallel slices (get_tp() is None then: the model loads whole) unless tp_size = size too
+(TP x DCP: the same ranks split the weights and the KV); get_dcp() names it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class TPGroup:
     size: int
     group: object  # the model group (gloo or NCCL)
     step_group: object  # gloo, for the step message
-    dcp_size: int = 1  # > 1: the ranks are decode-context-parallel, each with the whole model
+    dcp_size: int = 1  # > 1: the ranks are decode-context-parallel (split the KV by token)
     pcp_size: int = 1  # > 1: the ranks are prefill-context-parallel, each with the whole model
+    tp_size: int = 1  # > 1: the ranks split the weights (= size; with DCP too under TP x DCP)
 
     @property
     def is_driver(self) -> bool:
@@ -63,8 +65,8 @@ _TP: TPGroup | None = None
 
 def get_tp() -> TPGroup | None:
     """The tensor-parallel group, or None on a single rank (no collective ever runs then) and
-    under decode context parallelism (each rank holds the whole model)."""
-    return _TP if _TP is None or (_TP.dcp_size == 1 and _TP.pcp_size == 1) else None
+    under context parallelism without TP (each rank holds the whole model)."""
+    return _TP if _TP is None or _TP.tp_size > 1 else None
 
 
 def get_group() -> TPGroup | None:
@@ -93,7 +95,7 @@ def backend_for(device: torch.device) -> str:
 
 
 def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int = 1,
-               pcp_size: int = 1, device_offset: int = 0) -> TPGroup:
+               pcp_size: int = 1, device_offset: int = 0, tp_size: int | None = None) -> TPGroup:
     """This process's rank, known before the rendezvous so the model can load its slice while
     the other ranks start (the groups are filled in by init_distributed, before any step).
     dcp_size / pcp_size: world_size when the ranks are decode- / prefill-context-parallel.
@@ -102,7 +104,9 @@ def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int =
     global _TP
     if device.type == "cuda":
         torch.cuda.set_device((device_offset + rank) % torch.cuda.device_count())
-    _TP = TPGroup(rank, world_size, None, None, dcp_size, pcp_size)
+    if tp_size is None:  # the ranks split the weights unless they are context-parallel only
+        tp_size = world_size if dcp_size == 1 and pcp_size == 1 else 1
+    _TP = TPGroup(rank, world_size, None, None, dcp_size, pcp_size, tp_size)
     return _TP
 
 

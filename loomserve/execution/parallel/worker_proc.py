@@ -64,7 +64,8 @@ def run_worker(spec: WorkerSpec) -> int:
     device = config.model.torch_device
     set_layout(spec.rank, spec.world_size, device,
                config.parallel.decode_context_parallel_size,
-               config.parallel.prefill_context_parallel_size, device_offset(config.parallel))
+               config.parallel.prefill_context_parallel_size, device_offset(config.parallel),
+               config.parallel.tensor_parallel_size)
     try:
         if os.environ.get("LOOMSERVE_WORKER_FAIL_AT_START") == str(spec.rank):  # debug hook
             raise RuntimeError(f"LOOMSERVE_WORKER_FAIL_AT_START={spec.rank}")
