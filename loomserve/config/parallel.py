@@ -20,9 +20,9 @@ decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_pa
 ranks that each hold 1/D of every sequence's KV (token t on rank (t // I) % D, I =
 dcp_kv_cache_interleave_size): with tensor_parallel_size 1 each rank holds the whole model
 (world = D); with tensor_parallel_size D (MLA models) the TP ranks split the KV too (world =
-D, as vLLM's -tp 8 -dcp 8); data_parallel_size 1 only. prefill_context_parallel_size P > 1 (PCP;
+D, as vLLM's -tp 8 -dcp 8); under DP each engine core has its own D ranks. prefill_context_parallel_size P > 1 (PCP;
 loomserve.execution.parallel.prefill_context_parallel) runs P ranks that each hold the whole
-model and a KV replica and split each step's prefill tokens; accepted alone (world = P).
+model and a KV replica and split each step's prefill tokens; with TP and DCP 1 (world = P; under DP each engine core has its own P ranks).
 """
 
 from __future__ import annotations
@@ -82,19 +82,23 @@ class ParallelConfig:
 
     def _check_context_parallel(self) -> None:
         if self.prefill_context_parallel_size > 1 and (
-                self.tensor_parallel_size > 1 or self.data_parallel_size > 1
-                or self.decode_context_parallel_size > 1):
-            raise ValueError("--prefill-context-parallel-size > 1 is supported alone only (with "
-                             "--tensor-parallel-size, --data-parallel-size and "
-                             "--decode-context-parallel-size 1: its P ranks each run the whole "
-                             "model and split the prefill tokens)")
+                self.tensor_parallel_size > 1 or self.decode_context_parallel_size > 1):
+            raise ValueError("--prefill-context-parallel-size > 1 is supported with "
+                             "--tensor-parallel-size and --decode-context-parallel-size 1 (its "
+                             "P ranks each run the whole model and split the prefill tokens; "
+                             "with --data-parallel-size each engine core has its own P ranks)")
         d, t = self.decode_context_parallel_size, self.tensor_parallel_size
-        if d > 1 and (self.data_parallel_size > 1 or t not in (1, d)):
+        if d > 1 and t not in (1, d):
             raise ValueError("--decode-context-parallel-size D > 1 is supported with "
-                             "--data-parallel-size 1 and either --tensor-parallel-size 1 (D "
-                             "ranks that each run the whole model and hold 1/D of the KV) or "
-                             "--tensor-parallel-size D (the TP ranks also split the KV by "
-                             "token: MLA models, whose latent cache TP would replicate)")
+                             "--tensor-parallel-size 1 (D ranks that each run the whole model "
+                             "and hold 1/D of the KV) or --tensor-parallel-size D (the TP ranks "
+                             "also split the KV by token: MLA models, whose latent cache TP "
+                             "would replicate); with --data-parallel-size each engine core has "
+                             "its own D ranks")
+        if self.enable_expert_parallel and self.data_parallel_size > 1 and self.world_size > 1:
+            raise ValueError("--enable-expert-parallel with a context-parallel group per engine "
+                             "core is not supported yet (experts shard over DP ranks of one "
+                             "rank each)")
 
     @property
     def world_size(self) -> int:

@@ -73,11 +73,15 @@ def test_dp2_greedy_matches_dp1_and_uses_both_ranks(dp2):
     assert dp2.engine.ready.kv_capacity_tokens == 2 * dp1.engine.ready.kv_capacity_tokens
 
 
-def test_dp2_with_tp2_greedy_matches_dp1():
-    """Two DP cores, each a tensor-parallel group of two ranks (four model processes)."""
+@pytest.mark.parametrize("group", [{"tensor_parallel_size": 2},
+                                   {"decode_context_parallel_size": 2},
+                                   {"prefill_context_parallel_size": 2}])
+def test_dp2_with_a_rank_group_per_core_greedy_matches_dp1(group):
+    """Two DP cores, each a group of two ranks (four model processes): tensor, decode-context
+    or prefill-context parallel."""
     with running_server(in_process=True) as dp1:
         expected = complete_all(dp1.url, dp1.model)
-    with running_server(core_env=ENV, data_parallel_size=2, tensor_parallel_size=2) as srv:
+    with running_server(core_env=ENV, data_parallel_size=2, **group) as srv:
         assert complete_all(srv.url, srv.model) == expected
         client = srv.engine.client
         wait_for(lambda: all(s.generation_tokens > 0 for s in client.rank_stats))

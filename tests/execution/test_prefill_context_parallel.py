@@ -75,8 +75,11 @@ def test_greedy_and_cached_tokens_match_one_rank(name):
 
 def test_refusals():
     from loomserve.config import ParallelConfig
-    for other in ({"tensor_parallel_size": 2}, {"decode_context_parallel_size": 2},
-                  {"data_parallel_size": 2}):
+    for other in ({"tensor_parallel_size": 2}, {"decode_context_parallel_size": 2}):
         with pytest.raises(ValueError, match="prefill-context-parallel-size > 1 is supported"):
             ParallelConfig(prefill_context_parallel_size=2, **other)
+    assert ParallelConfig(prefill_context_parallel_size=2, data_parallel_size=2).world_size == 2
+    with pytest.raises(ValueError, match="expert-parallel"):
+        ParallelConfig(prefill_context_parallel_size=2, data_parallel_size=2,
+                       enable_expert_parallel=True)
     assert ParallelConfig(prefill_context_parallel_size=2).world_size == 2
