@@ -207,3 +207,37 @@ def test_cli_flags_and_refusals():
         check_dp_supported(EngineConfig.from_kwargs(data_parallel_size=2, role="prefill"))
     with pytest.raises(EngineStartError, match="engine-in-process"):
         AsyncLLM(EngineConfig.from_kwargs(data_parallel_size=2), in_process=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-next", "tiny-deepseek-v3"])
+def test_dp2_greedy_and_cached_tokens_match_dp1_on_more_families(name, monkeypatch):
+    """Qwen3, a linear-state hybrid and the MLA MoE fixture (no expert parallelism: each core
+    the whole model) at dp 2: per session (each on its own core) the same greedy tokens and
+    cached_tokens as one core serving the same sessions."""
+    from loomserve.config import EngineConfig
+    from loomserve.entrypoints.async_llm import AsyncLLM
+    from tests.execution.tp_util import _fixture
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")
+    model = _fixture(name)
+    async def sessions(engine):
+        async def one(sid, first):  # distinct prefixes: the sessions spread by load
+            a = await turn(engine, first, sid)
+            b = await turn(engine, first + list(a.token_ids) + [9], sid)
+            return [(o.token_ids, o.num_cached_tokens) for o in (a, b)]
+        return await asyncio.gather(one("sa", list(range(100, 167))),
+                                    one("sb", list(range(200, 266))))
+
+    got = {}
+    for dp in (1, 2):
+        engine = AsyncLLM(EngineConfig.from_kwargs(model=model, dtype="float32",
+                                                   kv_cache_memory="4MiB",
+                                                   data_parallel_size=dp))
+        try:
+            got[dp] = asyncio.run(sessions(engine))
+            if dp == 2:
+                placed = engine.client.placement._sessions
+                assert sorted((placed["sa"], placed["sb"])) == [0, 1]
+        finally:
+            engine.shutdown()
+    assert got[2] == got[1]
+    assert all(s[1][1] >= 64 for s in got[2])  # each second turn hit its session's prefix
