@@ -120,6 +120,7 @@ class DeepseekMoE(nn.Module):
         self.experts_down = nn.Parameter(self.experts_down.data[first:first + per].clone(),
                                          requires_grad=False)
         self.ep = (group, rank, size, first)
+        self.ep_pairs = self.ep_bytes = 0  # (token, expert) pairs routed; bytes sent off-rank
 
     def ep_dummy(self, hidden: int, dtype: torch.dtype, device) -> None:
         """This layer's collectives with no tokens (a rank without work this step)."""
@@ -156,6 +157,11 @@ class DeepseekMoE(nn.Module):
                          r[:, hidden + 1:].long(), first, per).float().cpu()
         back = torch.empty(len(order), hidden, dtype=torch.float32)
         dist.all_to_all_single(back, y, sent.tolist(), got.tolist(), group=group)
+        # Bytes this rank sent to the other ranks (its own share stays put): pair rows out,
+        # output rows back, and the counts (benchmarks/dep_comm.py reads them).
+        off_out, off_back = len(order) - int(sent[_rank]), int(got.sum()) - int(got[_rank])
+        self.ep_pairs += len(order)
+        self.ep_bytes += 4 * (off_out * (hidden + 2) + off_back * hidden) + 8 * (size - 1)
         out = torch.zeros(n, hidden, dtype=torch.float32)
         out.index_add_(0, tok, back)
         return out.to(device=x.device, dtype=x.dtype)

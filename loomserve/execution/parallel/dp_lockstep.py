@@ -86,9 +86,12 @@ class LockstepCore:
         try:
             self.core.close()
         finally:
-            log.info("DP lockstep: %d steps, %d of them dummy on this rank (%.1f%%)",
-                     self.global_step, self.dummy_steps,
-                     100.0 * self.dummy_steps / max(1, self.global_step))
+            log.info("DP lockstep: %d steps, %d of them dummy on this rank (%.1f%%); expert "
+                     "all-to-all: %d (token, expert) pairs routed, %d bytes sent to other ranks "
+                     "over %d MoE layers", self.global_step, self.dummy_steps,
+                     100.0 * self.dummy_steps / max(1, self.global_step),
+                     sum(m.ep_pairs for m in self.moes), sum(m.ep_bytes for m in self.moes),
+                     len(self.moes))
             dist.destroy_process_group()
 
     def idle(self) -> None:  # never called: has_work() is always True
