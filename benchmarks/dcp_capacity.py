@@ -16,7 +16,12 @@ all-gather volume per decode step.
    Step times at D = 1 and 2 are reported too, indicative only: each DCP rank replicates the
    non-attention work, so on one shared 2-core host DCP buys capacity, not speed.
 
-    nice -n -15 python benchmarks/dcp_capacity.py [--model PATH] [--kv-cache-memory 64MiB]
+--tp 2 (MLA models): the same at TP 2 alone (latent cache replicated per rank) against TP 2 x
+DCP 2 (the same two ranks also split the latent rows by token); the TP x DCP decode also
+all-gathers the heads' latent queries (heads x (kv_lora_rank + rope) x 4 per token and layer,
+not counted in the gathered bytes above).
+
+    nice -n -15 python benchmarks/dcp_capacity.py [--model PATH] [--kv-cache-memory 64MiB] [--tp 2]
         [--long-prompt 2500] [--streams 8] [--steps 32] [--out benchmarks/results/dcp_capacity.json]
 """
 
@@ -36,9 +41,10 @@ sys.path.insert(0, HERE)
 from common.host import host_info  # noqa: E402
 
 
-def _engine(model: str | None, dcp: int, memory: str):
+def _engine(model: str | None, dcp: int, memory: str, tp: int = 1):
     from loomserve.entrypoints.llm import LLM
-    return LLM(model, decode_context_parallel_size=dcp, kv_cache_memory=memory, dtype="float32")
+    return LLM(model, decode_context_parallel_size=dcp, kv_cache_memory=memory, dtype="float32",
+               tensor_parallel_size=tp)
 
 
 def _prompt(i: int, n: int, vocab: int) -> list[int]:
@@ -99,7 +105,7 @@ def run(args) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     out: dict = {"runs": {}}
     for dcp in (1, 2):
-        llm = _engine(args.model, dcp, args.kv_cache_memory)
+        llm = _engine(args.model, dcp, args.kv_cache_memory, args.tp)
         try:
             mc = llm.core.runner.model_config
             layers = sum(len(g.layer_ids) for g in llm.core.runner.kv_cache_config.groups)
@@ -113,6 +119,7 @@ def run(args) -> dict:
             res["decode"]["gathered_bytes_per_layer_token"] = per
             # MLA gathers its decode partials in latent space: kv_lora_rank + 1 per head
             width = getattr(mc, "kv_lora_rank", None) or mc.head_dim
+            # (the runner's model_config is the checkpoint's: every head, as the partials carry)
             res["formula_bytes_per_layer_token"] = dcp * mc.num_heads * (width + 1) * 4 \
                 if dcp > 1 else 0
             out["runs"][str(dcp)] = res
@@ -131,6 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: built-in SmolLM2)")
     ap.add_argument("--kv-cache-memory", default="64MiB", help="per rank")
+    ap.add_argument("--tp", type=int, default=1, help="2: TP 2 alone against TP 2 x DCP 2 "
+                    "(MLA models), instead of one rank against DCP 2")
     ap.add_argument("--long-prompt", type=int, default=2500)
     ap.add_argument("--compare-len", type=int, default=1400, help="< the D = 1 capacity")
     ap.add_argument("--streams", type=int, default=8)
