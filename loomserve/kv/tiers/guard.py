@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
 from loomserve.kv.tiers.base import Tier, TierUnavailable
+from loomserve.kv.tiers.io_priority import io_pool
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class TierGuard:
     def add(self, tier: Tier) -> None:
         """Guard one more tier (its own thread, the store's backoff)."""
         tier.health.base_s, tier.health.max_s = self._backoff_s
-        self._threads[tier.name] = ThreadPoolExecutor(1, thread_name_prefix=f"tier-{tier.name}")
+        self._threads[tier.name] = io_pool(1, f"tier-{tier.name}")
 
     @staticmethod
     def ok(tier: Tier) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from loomserve.kv.tiers.handles import (
     TierHandle,
 )
 from loomserve.kv.tiers.host import HostTier
+from loomserve.kv.tiers.io_priority import io_pool
 from loomserve.kv.tiers.prefetch import SessionPrefetcher
 from loomserve.kv.tiers.write_path import RecentKeys, WritePath
 
@@ -68,7 +68,7 @@ class TieredStore:
         self._guard = TierGuard(self.lower, op_timeout_s, backoff_s, on_fail=self._forget_tier)
         self._writes = WritePath(self.tiers, self.host, self._guard, queue_depth, recent_keys)
         self._recent = self._writes.recent
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tiers-io")
+        self._io = io_pool(io_threads, "tiers-io")
         self._prefetches: dict[str, TierHandle] = {}
         self.sessions = prefetcher or SessionPrefetcher(self.page_bytes,
                                                         bandwidth_fn=self.load_bandwidth)

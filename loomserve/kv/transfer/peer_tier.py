@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
@@ -28,6 +27,7 @@ import torch
 
 from loomserve.kv.tiers import codec
 from loomserve.kv.tiers.base import Tier, copy_page, rows_list
+from loomserve.kv.tiers.io_priority import io_pool
 from loomserve.kv.transfer.backend import TransferFailed
 from loomserve.kv.transfer.params import TransferParams
 
@@ -49,7 +49,7 @@ class PeerTier(Tier):
         self._pages: dict[bytes, tuple[str, str, int, int]] = {}  # key -> (tid, peer, addr, sum)
         self._transfers: dict[str, tuple[TransferParams, list[bytes], int]] = {}  # tid -> refs
         self._staging: torch.Tensor | None = None
-        self._reader = ThreadPoolExecutor(4, thread_name_prefix="peer-read")
+        self._reader = io_pool(4, "peer-read")
         self.counters = {"registered": 0, "expired": 0, "failed_reads": 0, "bad_checksums": 0,
                          "pages_read": 0}
 
