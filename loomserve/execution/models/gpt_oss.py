@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loomserve.execution.layers.expert_parallel import ExpertParallel
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import ArchConfig
 from loomserve.execution.models.llama import Attention, LlamaForCausalLM, LlamaModel
@@ -40,7 +41,13 @@ class Experts(nn.Module):
                            self.down_proj[e])
 
 
-class MoE(nn.Module):
+class MoE(ExpertParallel, nn.Module):
+    """Softmax-over-top-k routing; the experts run locally or sharded over DP ranks
+    (layers/expert_parallel.py)."""
+
+    expert_params = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
+                     "experts.down_proj_bias")
+
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
@@ -49,13 +56,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, idx = torch.topk(self.router(x), self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            rows, slot = torch.where(idx == e)
-            y = self.experts.run(e, x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(x.dtype))
-        return out
+        return self.run_experts(x, torch.softmax(top, dim=-1), idx)
+
+    @property
+    def routed_width(self) -> int:
+        return self.experts.down_proj.shape[2]
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.experts.run(e, rows)
 
 
 class GptOssDecoderLayer(nn.Module):

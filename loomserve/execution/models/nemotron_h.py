@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
+from loomserve.execution.layers.expert_parallel import ExpertParallel
 from loomserve.execution.layers.mamba2 import Mamba2Mixer
 from loomserve.execution.layers.mlp import ReluSquaredMLP
 from loomserve.execution.layers.norm import RMSNorm
@@ -172,8 +173,13 @@ class Router(nn.Module):
         return w * self.scale, ids
 
 
-class MoE(nn.Module):
-    """Routed relu^2 experts (stacked [experts, out, in]) plus a shared relu^2 expert."""
+class MoE(ExpertParallel, nn.Module):
+    """Routed relu^2 experts (stacked [experts, out, in]) plus a shared relu^2 expert; the
+    routed experts run locally or sharded over DP ranks (layers/expert_parallel.py), summed in
+    fp32 as the reference does."""
+
+    expert_params = ("experts_up", "experts_down")
+    acc_fp32 = True
 
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
@@ -190,15 +196,21 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        acc = torch.zeros(h.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
-            y = F.linear(F.relu(F.linear(h[tok], self.experts_up[e])).square(), self.experts_down[e])
-            acc.index_add_(0, tok, y.float() * weights[tok, slot, None])
-        out = acc.to(x.dtype)
+        out = self.run_experts(h, weights, ids).to(x.dtype)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)
+
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+    @property
+    def routed_width(self) -> int:
+        return self.experts_down.shape[1]
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.relu(F.linear(rows, self.experts_up[e])).square(), self.experts_down[e])
 
 
 class Block(nn.Module):

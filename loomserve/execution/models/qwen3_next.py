@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
+from loomserve.execution.layers.expert_parallel import ExpertParallel
 from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
 from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
@@ -157,9 +158,12 @@ class GatedAttention(nn.Module):
         return self.o_proj(o.reshape(n, self.q_size) * torch.sigmoid(gate))
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(ExpertParallel, nn.Module):
     """Top-k routed SwiGLU experts plus a sigmoid-gated shared expert. Expert weights are stacked
-    [experts, 2 * inter, hidden] (gate; up) and [experts, hidden, inter]."""
+    [experts, 2 * inter, hidden] (gate; up) and [experts, hidden, inter]; the routed experts run
+    locally or sharded over DP ranks (layers/expert_parallel.py)."""
+
+    expert_params = ("experts_gate_up", "experts_down")
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
@@ -177,13 +181,16 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        for e in torch.unique(experts).tolist():
-            tok, slot = torch.where(experts == e)
-            gate, up = F.linear(x[tok], self.experts_gate_up[e]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y)
-        return out
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return shared + self.run_experts(x, weights, experts)
+
+    @property
+    def routed_width(self) -> int:
+        return self.experts_down.shape[1]
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.experts_gate_up[e]).split(self.inter, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts_down[e])
 
 
 class DecoderLayer(nn.Module):

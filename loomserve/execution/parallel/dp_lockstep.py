@@ -39,8 +39,8 @@ def maybe_lockstep(core, config):
     pc = config.parallel
     if not (getattr(pc, "enable_expert_parallel", False) and pc.data_parallel_size > 1):
         return core
-    from loomserve.execution.layers.moe import DeepseekMoE
-    moes = [m for m in core.runner.model.modules() if isinstance(m, DeepseekMoE)]
+    from loomserve.execution.layers.expert_parallel import ExpertParallel
+    moes = [m for m in core.runner.model.modules() if isinstance(m, ExpertParallel)]
     if not moes:
         log.info("--enable-expert-parallel: the model has no MoE layers; DP ranks run freely")
         return core
@@ -55,7 +55,7 @@ def maybe_lockstep(core, config):
         m.enable_ep(group, pc.data_parallel_rank, pc.data_parallel_size)
     log.info("DP rank %d/%d: expert parallel over %d MoE layers, %d experts each",
              pc.data_parallel_rank, pc.data_parallel_size, len(moes),
-             moes[0].experts_down.shape[0])
+             moes[0].local_experts)
     return LockstepCore(core, moes, group)
 
 
@@ -70,7 +70,6 @@ class LockstepCore:
         self.dummy_steps = 0
         self._idle_at = 0.0
         emb = next(core.runner.model.parameters())
-        self._hidden = moes[0].experts_down.shape[1]
         self._dtype, self._device = emb.dtype, emb.device
 
     def __getattr__(self, name):  # add, abort, end_session, stats, ready, close ...
@@ -115,5 +114,5 @@ class LockstepCore:
         if self.moes[0].ep_calls == before:  # this rank ran no forward: keep the others company
             self.dummy_steps += 1
             for m in self.moes:
-                m.ep_dummy(self._hidden, self._dtype, self._device)
+                m.ep_dummy(self._dtype, self._device)
         return outputs
