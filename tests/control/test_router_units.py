@@ -15,6 +15,7 @@ from loomserve.control.router.pd import (
     uncached_tokens,
 )
 from loomserve.control.router.policies import (
+    LIVE_SESSION_S,
     OVERLOAD_MIN_REQUESTS,
     Decision,
     DefaultPolicy,
@@ -294,3 +295,25 @@ def test_prompt_keys_with_the_instances_chat_template(keys):
     custom = PromptKeys(keys.tok, 4, chat_template=template)
     ids = custom.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]}, None)
     assert ids == keys.tok.encode("[user] hi\n", add_special_tokens=False)
+
+
+def test_default_spreads_new_uncached_sessions_by_live_sessions():
+    """In-flight load is zero while agents think: a new session whose prompt is cached nowhere
+    goes where the fewest sessions are live, not to the instance idle this instant."""
+    idx = KVIndex()
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    policy.live.clock = lambda: 1000.0
+    for s in ("s1", "s2"):
+        policy.choose(RouteRequest("chat", s), [a])  # two sessions live on a (b was down)
+    b.active_requests, b.active_blocks = 1, 5.0  # b is busier right now, a idle
+    req, _ = _kv_request(idx, 8, session="s3")
+    d = policy.choose(req, [a, b])
+    assert (d.instance, d.reason, d.overlap) == (b, "load", 0)
+    idx.store("a:1", _kv_request(idx, 8)[1])  # a prompt cached on a: the KV cost decides
+    req, _ = _kv_request(idx, 8, session="s4")
+    assert policy.choose(req, [a, b]).instance is a
+    policy.live.clock = lambda: 1000.0 + LIVE_SESSION_S + 1  # everyone went quiet
+    assert policy.live.counts() == {"a:1": 0, "b:1": 0}
+    policy.forget("s3")
+    assert "s3" not in policy.live._last

@@ -18,7 +18,11 @@ Policies:
   default) prices one block to prefill like one block already decoding; raise it to chase
   cache hits harder (long prompts), lower it to spread load (short prompts, long outputs).
 - default: sessions stick to their instance (no tokenization on a sticky turn); a new session,
-  a session whose home is gone, and a request without session are placed by the kv_aware cost;
+  a session whose home is gone, and a request without session are placed by the kv_aware cost,
+  except that a new session whose prompt is cached nowhere goes to the instance with the fewest
+  live sessions (a request in the last LIVE_SESSION_S seconds), then fewest in-flight requests:
+  in-flight load is ~0 while agents think, and the sessions between turns are the KV each
+  instance must keep, so placing by it spreads the resident contexts evenly;
   a subagent's first request (X-Parent-Session-ID) starts on its parent's instance. A session
   moves only when its home is down, or overloaded: its active blocks exceed OVERLOAD_FACTOR
   (1.5) x the mean over healthy instances AND it has at least OVERLOAD_MIN_REQUESTS (4)
@@ -30,6 +34,7 @@ Policies:
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,6 +52,7 @@ OVERLOAD_FACTOR = 1.5
 OVERLOAD_MIN_REQUESTS = 4
 VNODES = 128
 MAX_STICKY_SESSIONS = 100_000
+LIVE_SESSION_S = 300.0  # a session with a request this recent counts as live on its instance
 
 
 @dataclass
@@ -122,11 +128,11 @@ class LeastLoaded(Policy):
     name = "least_loaded"
 
     def __init__(self) -> None:
-        self._turn = 0
+        self.turn = 0
 
     def choose(self, req, candidates):
-        self._turn += 1
-        return Decision(least_loaded(candidates, self._turn), "load")
+        self.turn += 1
+        return Decision(least_loaded(candidates, self.turn), "load")
 
 
 class HashRing:
@@ -159,13 +165,13 @@ class SessionAffinity(Policy):
 
     def __init__(self, vnodes: int = VNODES) -> None:
         self.ring = HashRing(vnodes)
-        self._turn = 0
+        self.turn = 0
 
     def choose(self, req, candidates):
         key = req.parent or req.session
         if key is None:
-            self._turn += 1
-            return Decision(least_loaded(candidates, self._turn), "fallback")
+            self.turn += 1
+            return Decision(least_loaded(candidates, self.turn), "fallback")
         return Decision(self.ring.lookup(key, candidates), "stickiness")
 
 
@@ -177,16 +183,16 @@ class KVAware(Policy):
         self.index = index
         self.block_size = block_size
         self.weight = overlap_weight
-        self._turn = 0
+        self.turn = 0
 
     def needs_keys(self, req):
         return True
 
     def choose(self, req, candidates):
-        self._turn += 1
+        self.turn += 1
         keys = req.keys()
         if keys is None:
-            return Decision(least_loaded(candidates, self._turn), "fallback")
+            return Decision(least_loaded(candidates, self.turn), "fallback")
         ids, hashes = keys
         prompt_blocks = math.ceil(len(ids) / self.block_size())
         overlaps = self.index.overlaps(hashes)
@@ -196,7 +202,7 @@ class KVAware(Policy):
             j, inst = pair
             new_blocks = prompt_blocks - overlaps.get(inst.name, 0)
             return (self.weight * new_blocks + inst.active_blocks, inst.active_requests,
-                    (j - self._turn) % n)
+                    (j - self.turn) % n)
 
         best = min(enumerate(candidates), key=cost)[1]
         ov = overlaps.get(best.name, 0)
@@ -220,11 +226,13 @@ class DefaultPolicy(Policy):
 
     def __init__(self, kv: KVAware, max_sessions: int = MAX_STICKY_SESSIONS,
                  overload_factor: float = OVERLOAD_FACTOR,
-                 overload_min_requests: int = OVERLOAD_MIN_REQUESTS) -> None:
+                 overload_min_requests: int = OVERLOAD_MIN_REQUESTS,
+                 live_session_s: float = LIVE_SESSION_S) -> None:
         self.kv = kv
         self.max_sessions = max_sessions
         self.factor, self.min_requests = overload_factor, overload_min_requests
         self.sticky: OrderedDict[str, str] = OrderedDict()
+        self.live = LiveSessions(live_session_s)
 
     def choose(self, req, candidates):
         by_name = {i.name: i for i in candidates}
@@ -242,9 +250,22 @@ class DefaultPolicy(Policy):
             if home is not None and not self._overloaded(home, candidates):
                 return self._keep(key, Decision(home, "stickiness"))
         d = self.kv.choose(req, candidates)
+        if moved is None and d.reason == "load" and key is not None and len(candidates) > 1:
+            d = self._spread(req, candidates, d)
         if moved is not None:
             d.reason, d.moved_from = moved, left
         return self._keep(key, d)
+
+    def _spread(self, req, candidates: list[Instance], d: Decision) -> Decision:
+        """A new session cached nowhere: the instance with the fewest live sessions."""
+        if any(self.kv.index.overlaps(req.keys()[1]).get(i.name, 0) for i in candidates):
+            return d  # the KV cost chose load over a real overlap: keep that choice
+        counts = self.live.counts()
+        n = len(candidates)
+        best = min(enumerate(candidates), key=lambda p: (
+            counts.get(p[1].name, 0), p[1].active_requests, p[1].active_blocks,
+            (p[0] - self.kv.turn) % n))[1]
+        return Decision(best, "load", 0)
 
     def needs_keys(self, req):
         return req.session not in self.sticky and req.parent not in self.sticky
@@ -257,14 +278,45 @@ class DefaultPolicy(Policy):
             self.sticky[key] = d.instance.name
             self.sticky.move_to_end(key)
             if len(self.sticky) > self.max_sessions:
-                self.sticky.popitem(last=False)
+                self.live.drop(self.sticky.popitem(last=False)[0])
+            self.live.seen(key, d.instance.name)
         return d
 
     def forget(self, session: str) -> None:
         self.sticky.pop(session, None)
+        self.live.drop(session)
 
     def sessions(self) -> int:
         return len(self.sticky)
+
+
+class LiveSessions:
+    """Sessions with a request in the last `window_s` seconds, counted per instance. O(1)
+    amortized: entries sit in last-request order, expired ones leave from the front."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.clock = window_s, clock
+        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (inst, t)
+        self._count: dict[str, int] = {}
+
+    def seen(self, session: str, instance: str) -> None:
+        self.drop(session)
+        self._last[session] = (instance, self.clock())
+        self._count[instance] = self._count.get(instance, 0) + 1
+
+    def drop(self, session: str) -> None:
+        old = self._last.pop(session, None)
+        if old is not None:
+            self._count[old[0]] -= 1
+
+    def counts(self) -> dict[str, int]:
+        horizon = self.clock() - self.window_s
+        while self._last:
+            session, (_, t) = next(iter(self._last.items()))
+            if t >= horizon:
+                break
+            self.drop(session)
+        return self._count
 
 
 def make_policy(name: str, index: KVIndex, block_size: Callable[[], int],
