@@ -108,7 +108,64 @@ class ThreadCoreClient:
         self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)
 
 
-class ProcCoreClient:
+class ZmqCoreClient:
+    """What every core reached over ZMQ shares: a receiver thread that forwards events and
+    reports the core dead once when its peer is gone, and a submit that never blocks on a dead
+    core. Subclasses open `_inputs` / `_events` and say whether the peer lives (`_peer_alive`,
+    cheap and thread-safe), refresh that view on the receiver thread (`_check_peer`) and why it
+    died (`_death`)."""
+
+    _closing = False
+
+    def _peer_alive(self) -> bool:
+        raise NotImplementedError
+
+    def _check_peer(self) -> None:
+        """Receiver thread only, between events."""
+
+    def _death(self) -> str:
+        raise NotImplementedError
+
+    def _receive(self) -> None:
+        events, dec = self._events, self._dec
+        while not self._closing:
+            if events.poll(int(DEATH_POLL_S * 1000)):
+                event = dec.decode(events.recv(copy=False).buffer)
+                self._on_event(event)
+                if isinstance(event, CoreDead):
+                    return
+                continue
+            self._check_peer()
+            if not self._peer_alive() and not self._closing:
+                self._drain()
+                if not self._closing:
+                    self._on_event(CoreDead(self._death()))
+                return
+
+    def _drain(self) -> None:
+        """Events the core sent before it went (its CoreDead, if it got that far)."""
+        while self._events.poll(0):
+            event = self._dec.decode(self._events.recv())
+            self._on_event(event)
+            if isinstance(event, CoreDead):
+                self._closing = True  # already reported: no made-up CoreDead after it
+
+    def submit(self, msg: CoreInput) -> None:
+        """Queue msg for the core; dropped once the core is gone (its death is reported by
+        the receiver). PUSH blocks without a connected peer, so never block."""
+        data = self._enc.encode(msg)
+        with self._send_lock:
+            while True:
+                try:
+                    self._inputs.send(data, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    if not self._peer_alive():
+                        return
+                    self._inputs.poll(int(DEATH_POLL_S * 1000), zmq.POLLOUT)
+
+
+class ProcCoreClient(ZmqCoreClient):
     """The core in its own process, over two IPC sockets (see loomserve.execution.core_proc).
     The constructor starts the process; wait_ready() waits for the model. A receiver thread
     then decodes events and notices a dead core process within DEATH_POLL_S."""
@@ -160,42 +217,11 @@ class ProcCoreClient:
                 return CoreFailed(f"the engine core process exited with code "
                                   f"{self.proc.exitcode} before it was ready")
 
-    def _receive(self) -> None:
-        events, dec = self._events, self._dec
-        while not self._closing:
-            if events.poll(int(DEATH_POLL_S * 1000)):
-                event = dec.decode(events.recv(copy=False).buffer)
-                self._on_event(event)
-                if isinstance(event, CoreDead):
-                    return
-            elif not self.proc.is_alive() and not self._closing:
-                self._drain()
-                if not self._closing:
-                    self._on_event(CoreDead(f"the engine core process exited with code "
-                                            f"{self.proc.exitcode}"))
-                return
+    def _peer_alive(self) -> bool:
+        return self.proc.is_alive()
 
-    def _drain(self) -> None:
-        """Events the core sent before it exited (its CoreDead, if it got that far)."""
-        while self._events.poll(0):
-            event = self._dec.decode(self._events.recv())
-            self._on_event(event)
-            if isinstance(event, CoreDead):
-                self._closing = True  # already reported: no made-up CoreDead after it
-
-    def submit(self, msg: CoreInput) -> None:
-        """Queue msg for the core; dropped once the core process is gone (its death is
-        reported by the receiver). PUSH blocks without a connected peer, so never block."""
-        data = self._enc.encode(msg)
-        with self._send_lock:
-            while True:
-                try:
-                    self._inputs.send(data, zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    if not self.proc.is_alive():
-                        return
-                    self._inputs.poll(int(DEATH_POLL_S * 1000), zmq.POLLOUT)
+    def _death(self) -> str:
+        return f"the engine core process exited with code {self.proc.exitcode}"
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()

@@ -30,13 +30,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from loomserve.config import EngineConfig
-from loomserve.entrypoints.core_client import DEATH_POLL_S, EngineStartError
+from loomserve.entrypoints.core_client import DEATH_POLL_S, EngineStartError, ZmqCoreClient
 from loomserve.execution.core_proc import HEARTBEAT_TIMEOUT_MS, tcp_options
 from loomserve.execution.messages import (
     CoreDead,
     CoreEvent,
     CoreFailed,
-    CoreInput,
     CoreReady,
     Shutdown,
     event_decoder,
@@ -53,7 +52,7 @@ def bind_host(addr: str) -> str:
     return socket.gethostbyname(addr)
 
 
-class RemoteCoreClient:
+class RemoteCoreClient(ZmqCoreClient):
     """DP core `dp_rank` on another node, over the two TCP sockets node 0 binds for it."""
 
     def __init__(self, config: EngineConfig, dp_rank: int,
@@ -121,36 +120,14 @@ class RemoteCoreClient:
         self._thread.start()
         return first
 
-    def _receive(self) -> None:
-        events, dec = self._events, self._dec
-        while not self._closing:
-            if events.poll(int(DEATH_POLL_S * 1000)):
-                event = dec.decode(events.recv(copy=False).buffer)
-                self._on_event(event)
-                if isinstance(event, CoreDead):
-                    return
-                continue
-            self._watch()
-            if self._gone and not self._closing:
-                while events.poll(0):  # what it sent before the break
-                    event = dec.decode(events.recv())
-                    self._on_event(event)
-                    if isinstance(event, CoreDead):
-                        return
-                self._on_event(CoreDead(f"lost the connection to the core on node {self.node}"))
-                return
+    def _peer_alive(self) -> bool:
+        return not self._gone and not self._closing
 
-    def submit(self, msg: CoreInput) -> None:
-        """Queue msg for the core; dropped once its connection is gone (reported by the
-        receiver). Never blocks the caller for longer than the core stays connected."""
-        data = self._enc.encode(msg)
-        with self._send_lock:
-            while not self._gone and not self._closing:
-                try:
-                    self._inputs.send(data, zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    self._inputs.poll(int(DEATH_POLL_S * 1000), zmq.POLLOUT)
+    def _check_peer(self) -> None:
+        self._watch()
+
+    def _death(self) -> str:
+        return f"lost the connection to the core on node {self.node}"
 
     def is_alive(self) -> bool:
         return not self._gone and not self._closing

@@ -223,7 +223,7 @@ class ModelRunner:
                 state_batch[g].pcp = split  # PCP: the layer gathers every row (PcpStateLayer)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if split is not None:  # PCP: this rank's rows only, then every row's hidden state
-            local = torch.from_numpy(split.local_rows).to(self.device)
+            local = split.local_index.to(self.device)
             hidden = pcp.full_hidden(self.pcp, split, self.model(
                 input_ids[local], positions[local], attn_meta, state_batch), len(ids))
         else:

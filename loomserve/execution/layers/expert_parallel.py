@@ -2,7 +2,8 @@
 
 A block mixes in ExpertParallel and declares: `expert_params` (names, dotted for a child
 module, of its stacked per-expert parameters, each [experts, ...]), `expert(e, rows)` (local
-expert e on rows [n, width], unweighted), `routed_width` and `top_k`; `acc_fp32` when the
+expert e on rows [n, width], unweighted) and `top_k`; `routed_width` when the width is not
+dim 1 of its `experts_down` ([experts, width, inter]); `acc_fp32` when the
 reference sums the experts' outputs in fp32 (Nemotron-H). `run_experts(x, weights, ids)` then
 sums the top-k experts' weighted outputs per token ([tokens, width], weights [tokens, k]).
 
@@ -37,6 +38,11 @@ class ExpertParallel:
         owner, _, attr = name.rpartition(".")
         module = self.get_submodule(owner) if owner else self
         return module, attr, getattr(module, attr)
+
+    @property
+    def routed_width(self) -> int:
+        """The width of the rows the experts take and return (ep_dummy's empty batch)."""
+        return self.experts_down.shape[1]
 
     @property
     def local_experts(self) -> int:

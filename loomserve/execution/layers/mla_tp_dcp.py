@@ -53,22 +53,35 @@ def _decode(layer, q_nope, q_pe, meta, dcp) -> torch.Tensor:
 
 def context_rows(layer, c, meta, dcp, n: int) -> torch.Tensor:
     """The latent rows of positions 0 .. c.start_pos + n - 1, gathered from every rank."""
-    lay, group = dcp.layout, dcp.group
-    ctx, bs = c.start_pos + n, meta.block_size  # block_size is the local page's here
-    counts = [int(DcpLayout(r, lay.size, lay.block_size, lay.interleave).local_count(ctx))
-              for r in range(lay.size)]
-    width, nk = max(counts), counts[lay.rank]
+    counts, places, blocks = _context_plan(c, meta, dcp, n)
+    width, nk = max(counts), counts[dcp.layout.rank]
     mine = torch.zeros(width, layer.latent_dim, dtype=layer.latent_cache.dtype,
                        device=layer.latent_cache.device)
     if nk:
-        blocks = torch.from_numpy(c.table[:(nk + bs - 1) // bs].astype(np.int64)).to(mine.device)
         mine[:nk] = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:nk, :layer.latent_dim]
-    every = group.all_gather(mine)  # [N, width, latent]
-    full = torch.empty(ctx, layer.latent_dim, dtype=mine.dtype, device=mine.device)
-    for r, k in enumerate(counts):
-        pos = DcpLayout(r, lay.size, lay.block_size, lay.interleave).global_positions(k)
-        full[torch.from_numpy(pos).to(mine.device)] = every[r, :k]
+    every = dcp.group.all_gather(mine)  # [N, width, latent]
+    full = torch.empty(c.start_pos + n, layer.latent_dim, dtype=mine.dtype, device=mine.device)
+    for r, (k, pos) in enumerate(zip(counts, places)):
+        full[pos] = every[r, :k]
     return full
+
+
+def _context_plan(c, meta, dcp, n: int):
+    """Per chunk, once per step for every MLA layer: each rank's key count over the chunk's
+    context, where its keys sit (global positions), and this rank's pages holding them."""
+    key = ("tp_dcp_context", c.start)
+    got = meta.derived.get(key)
+    if got is None:
+        lay, ctx = dcp.layout, c.start_pos + n
+        bs = meta.block_size  # the local page's here
+        ranks = [DcpLayout(r, lay.size, lay.block_size, lay.interleave) for r in range(lay.size)]
+        counts = [int(x.local_count(ctx)) for x in ranks]
+        places = [torch.from_numpy(x.global_positions(k)).to(meta.device)
+                  for x, k in zip(ranks, counts)]
+        nk = counts[lay.rank]
+        blocks = torch.from_numpy(c.table[:(nk + bs - 1) // bs].astype(np.int64)).to(meta.device)
+        got = meta.derived[key] = (counts, places, blocks)
+    return got
 
 
 def _prefill(layer, q_nope, q_pe, c, meta, dcp) -> torch.Tensor:

@@ -80,10 +80,6 @@ class DeepseekMoE(ExpertParallel, nn.Module):
     def top_k(self) -> int:
         return self.gate.top_k
 
-    @property
-    def routed_width(self) -> int:
-        return self.experts_down.shape[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.run_experts(x, weights, ids)

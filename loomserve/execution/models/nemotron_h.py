@@ -205,10 +205,6 @@ class MoE(ExpertParallel, nn.Module):
     def top_k(self) -> int:
         return self.gate.top_k
 
-    @property
-    def routed_width(self) -> int:
-        return self.experts_down.shape[1]
-
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(F.relu(F.linear(rows, self.experts_up[e])).square(), self.experts_down[e])
 

@@ -184,10 +184,6 @@ class SparseMoE(ExpertParallel, nn.Module):
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
         return shared + self.run_experts(x, weights, experts)
 
-    @property
-    def routed_width(self) -> int:
-        return self.experts_down.shape[1]
-
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rows, self.experts_gate_up[e]).split(self.inter, dim=-1)
         return F.linear(F.silu(gate) * up, self.experts_down[e])

@@ -23,6 +23,7 @@ decode-context or data parallelism (ParallelConfig).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,15 @@ class PcpSplit:
     @property
     def max_prefill_rows(self) -> int:
         return max(len(r) for r in self.prefill_rows)
+
+    @functools.cached_property
+    def local_index(self) -> torch.Tensor:
+        """local_rows as a tensor, built once per step for every layer that selects them."""
+        return torch.from_numpy(self.local_rows)
+
+    @functools.cached_property
+    def prefill_index(self) -> list[torch.Tensor]:
+        return [torch.from_numpy(rows) for rows in self.prefill_rows]
 
 
 def localize(meta: AttentionMetadata, split: PcpSplit, rank: int) -> None:
@@ -139,7 +149,7 @@ class PcpStateLayer(torch.nn.Module):
         split = sb.pcp
         full = full_hidden(self.group, split, x, sb.num_rows)
         out = self.inner(full, sb)
-        return out[torch.from_numpy(split.local_rows).to(out.device)]
+        return out[split.local_index.to(out.device)]
 
 
 def wrap_state_layers(model: torch.nn.Module, group, kinds: tuple) -> int:
@@ -158,7 +168,7 @@ def full_hidden(group, split: PcpSplit, hidden: torch.Tensor, tokens: int) -> to
     out[:split.num_decode] = hidden[:split.num_decode]
     if width:
         every = gather_rows(group, hidden, split.num_decode, width)
-        for r, rows in enumerate(split.prefill_rows):
+        for r, rows in enumerate(split.prefill_index):
             if len(rows):
-                out[torch.from_numpy(rows).to(out.device)] = every[r, :len(rows)]
+                out[rows.to(out.device)] = every[r, :len(rows)]
     return out
