@@ -31,9 +31,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.layers import dense
 from loomserve.execution.layers.quant import QuantEmbedding
 
 log = logging.getLogger(__name__)
+
+# Rows up to which the dense kernel (layers/dense.py) runs a product, per weight dtype:
+# measured crossovers against torch on the benchmark VM (benchmarks/dense_matmul.py).
+DENSE_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 
 
 def to_input_major(param: torch.Tensor) -> None:
@@ -99,6 +104,13 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
         return "default"
     if isinstance(tied_embedding, QuantEmbedding):
         tied_embedding = None  # the quantized table is its own LM head (lm_head_logits)
+    if dtype in DENSE_ROWS and not (dtype == torch.bfloat16 and onednn_bf16_available()) \
+            and dense.available():
+        rows = DENSE_ROWS[dtype]
+        count = dense.replace_linears(model, rows)
+        if tied_embedding is not None:
+            model.dense_lm_head_rows = rows
+        return f"{count} linears with the dense kernel at <= {rows} rows"
     if dtype == torch.float32:
         for m in model.modules():
             if isinstance(m, nn.Linear):
@@ -136,4 +148,4 @@ def _local_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | N
     packed = getattr(model, "packed_lm_head", None)
     if packed is not None:
         return packed(hidden)
-    return F.linear(hidden, embedding.weight)
+    return dense.linear(hidden, embedding.weight, None, getattr(model, "dense_lm_head_rows", 0))

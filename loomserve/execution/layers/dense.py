@@ -1,0 +1,130 @@
+"""Dense (fp32 / bf16) linear layers on CPU: few rows through kernels/dense.c, the rest torch.
+
+A decode step with few running sequences multiplies a handful of rows by every weight matrix:
+a streaming read of the weights. torch's CPU GEMMs read them well below the bandwidth at few
+rows on hosts without AVX-512-BF16 (measured in benchmarks/dense_matmul.py), so rows up to
+max_rows go through the C kernel (fp32 accumulation, the weight rows read once, sequentially
+per thread); more rows (prefill chunks, big batches) go through torch as before.
+
+Invariants: the weight keeps torch's [out, in] layout and values (the kernel needs it
+contiguous); outputs come back in the input's dtype; where the kernel is missing, the layout
+is not contiguous or the device is not the CPU, F.linear runs unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loomserve.execution import kernels
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lib_cache: list = []
+
+
+def _lib():
+    """The dense kernel library with argtypes set, or None (then torch runs)."""
+    if not _lib_cache:
+        lib = kernels.load("dense")
+        if lib is not None:
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            lib.dense_matmul.argtypes = [p, i64, i64, p, i32, p, p, i64, i32]
+            lib.dense_matmul.restype = None
+        _lib_cache.append(lib)
+    return _lib_cache[0]
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def kernel_fits(weight: torch.Tensor) -> bool:
+    """Whether the kernel can read this weight: CPU, fp32 or bf16, [out, in] contiguous."""
+    return (weight.device.type == "cpu" and weight.dtype in _DTYPES and weight.dim() == 2
+            and weight.is_contiguous())
+
+
+# Serial below this many weight bytes: an OpenMP team's fork and join costs a few
+# microseconds, as much as reading 64 KB.
+SERIAL_BYTES = 1 << 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int = 0) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the kernel when x has at most max_rows rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    lib = _lib() if 0 < rows <= max_rows else None
+    if lib is None or not kernel_fits(weight) or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    bf = None if bias is None else bias.to(torch.float32).contiguous()
+    return _run(lib, x, rows, weight, weight.data_ptr(), _DTYPES[weight.dtype],
+                None if bf is None else bf.data_ptr(), _threads(weight))
+
+
+def _threads(weight: torch.Tensor) -> int:
+    small = weight.numel() * weight.element_size() < SERIAL_BYTES
+    return 1 if small else torch.get_num_threads()
+
+
+def _run(lib, x: torch.Tensor, rows: int, weight: torch.Tensor, w_ptr: int, dtype: int,
+         b_ptr: int | None, threads: int) -> torch.Tensor:
+    """The kernel on x's rows; pointers as ints (ctypes passes them fastest)."""
+    n, k = weight.shape
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.dense_matmul(xf.data_ptr(), rows, k, w_ptr, dtype, b_ptr, y.data_ptr(), n, threads)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+class DenseLinear(nn.Module):
+    """An nn.Linear's weight and bias (the same tensors), few rows through the kernel. The
+    weight must stay where it is (pointers are taken once; .to() or re-laying it resets them)."""
+
+    def __init__(self, linear_: nn.Linear, max_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear_.in_features, linear_.out_features
+        self.weight, self.bias = linear_.weight, linear_.bias
+        self.max_rows = max_rows
+        self._args = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        if not 0 < rows <= self.max_rows:
+            return F.linear(x, self.weight, self.bias)
+        if self._args is None:  # the step's ~200 calls: no per-call checks or conversions
+            lib = _lib()
+            if lib is None or not kernel_fits(self.weight):
+                self.max_rows = 0
+                return F.linear(x, self.weight, self.bias)
+            self._bias32 = None if self.bias is None else self.bias.detach().float().contiguous()
+            self._args = (lib, self.weight.data_ptr(), _DTYPES[self.weight.dtype],
+                          None if self._bias32 is None else self._bias32.data_ptr(),
+                          _threads(self.weight))
+        lib, w, dt, b, threads = self._args
+        return _run(lib, x, rows, self.weight, w, dt, b, threads)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._args = None  # .to() / .share_memory_() may move the weight
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel_rows<={self.max_rows}")
+
+
+def replace_linears(module: nn.Module, max_rows: int) -> int:
+    """Every nn.Linear under module (fp32 / bf16, contiguous) becomes a DenseLinear; returns
+    how many."""
+    count = 0
+    for name, child in module.named_children():
+        if type(child) is nn.Linear and kernel_fits(child.weight):  # not TP subclasses
+            setattr(module, name, DenseLinear(child, max_rows))
+            count += 1
+        else:
+            count += replace_linears(child, max_rows)
+    return count
