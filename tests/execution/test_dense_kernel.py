@@ -52,3 +52,12 @@ def test_non_contiguous_weight_falls_back():
     w = torch.randn(32, 64).t()  # [64, 32] view, not contiguous
     x = torch.randn(1, 32)
     assert torch.equal(dense.linear(x, w, None, max_rows=16), F.linear(x, w))
+
+
+def test_bf16_many_rows_run_in_fp32():
+    lin = nn.Linear(48, 24).to(torch.bfloat16)
+    layer = dense.DenseLinear(lin, max_rows=4)
+    x = torch.randn(10, 48).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))

@@ -4,7 +4,8 @@ A decode step with few running sequences multiplies a handful of rows by every w
 a streaming read of the weights. torch's CPU GEMMs read them well below the bandwidth at few
 rows on hosts without AVX-512-BF16 (measured in benchmarks/dense_matmul.py), so rows up to
 max_rows go through the C kernel (fp32 accumulation, the weight rows read once, sequentially
-per thread); more rows (prefill chunks, big batches) go through torch as before.
+per thread); more rows (prefill chunks, big batches) go through torch's GEMM (in fp32 for bf16
+weights: torch's bf16 GEMM is slow without AVX-512-BF16, and the layer is only installed there).
 
 Invariants: the weight keeps torch's [out, in] layout and values (the kernel needs it
 contiguous); outputs come back in the input's dtype; where the kernel is missing, the layout
@@ -95,7 +96,7 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
         if not 0 < rows <= self.max_rows:
-            return F.linear(x, self.weight, self.bias)
+            return self._many_rows(x)
         if self._args is None:  # the step's ~200 calls: no per-call checks or conversions
             lib = _lib()
             if lib is None or not kernel_fits(self.weight):
@@ -107,6 +108,14 @@ class DenseLinear(nn.Module):
                           _threads(self.weight))
         lib, w, dt, b, threads = self._args
         return _run(lib, x, rows, self.weight, w, dt, b, threads)
+
+    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's GEMM; bf16 weights in fp32 (an upcast copy per call): without AVX-512-BF16
+        torch's bf16 GEMM ran 5-7x slower than MKL's fp32 one at 64-1024 rows on the AMD VM."""
+        if self.weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
 
     def _apply(self, fn, *args, **kwargs):
         self._args = None  # .to() / .share_memory_() may move the weight

@@ -2,17 +2,21 @@
 
 A decode step multiplies one row per sequence by every weight matrix: a streaming read of the
 weights, so its speed is the memory bandwidth the GEMM kernel reaches (and, for bf16 at many
-rows, its compute rate). PyTorch's default [out, in] storage is not the fastest layout for
-either CPU kernel it uses (measured by benchmarks/matmul_layout.py on the 2-core benchmark VM):
+rows, its compute rate). What each dtype gets on the CPU:
 
-- fp32 (MKL GEMM): the same matrix stored input-major ([in, out]) streams at ~23 GB/s instead
-  of ~18 GB/s at one row, and is 2-16% faster with more rows. The parameter keeps its shape
-  [out, in] and its values; only its strides change (a transposed view of a contiguous [in, out]
-  buffer), so F.linear and every model see the same tensor as before.
-- bf16 (oneDNN, AMX / AVX-512-BF16): a weight reordered once into oneDNN's blocked layout is
-  1.3-1.45x faster at 1 to 256 rows; without it oneDNN reorders the plain weight inside every
-  call. A layer is packed only if a probe product is bit-identical to the plain kernel's (some
-  small shapes get other kernels whose rounding differs), so packing never changes an output. Each nn.Linear becomes a PackedLinear holding only the packed
+- fp32 and bf16, where the dense kernel builds (layers/dense.py) and oneDNN has no bf16
+  kernels of its own: weights keep torch's [out, in] layout; products of up to DENSE_ROWS rows
+  run in kernels/dense.c, which streams the weight rows at close to a plain read's bandwidth,
+  more rows in torch. Measured on the 2-core AMD benchmark VM (benchmarks/dense_matmul.py):
+  1.2-4.5x torch's GEMMs at 1 to 64 rows, the default model's single-stream fp32 decode 1.4x.
+- fp32 without the kernel (MKL GEMM): the same matrix stored input-major ([in, out]) streams
+  faster than [out, in] at one row. The parameter keeps its shape [out, in] and its values;
+  only its strides change (a transposed view of a contiguous [in, out] buffer).
+- bf16 with oneDNN's bf16 kernels (AMX / AVX-512-BF16): a weight reordered once into oneDNN's
+  blocked layout is 1.3-1.45x faster at 1 to 256 rows; without it oneDNN reorders the plain
+  weight inside every call. A layer is packed only if a probe product is bit-identical to the
+  plain kernel's (some small shapes get other kernels whose rounding differs), so packing
+  never changes an output. Each nn.Linear becomes a PackedLinear holding only the packed
   copy. A tied LM head (the embedding matrix) gets a packed copy beside the embedding, which
   still serves row gathers.
 
