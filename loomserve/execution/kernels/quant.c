@@ -31,7 +31,7 @@
 #define QK 32
 #define NR 4
 #define MC 64
-#define SMALL_WORK (1 << 21)  /* multiply-adds: the 3072x576 matrix at one row is below */
+#define SMALL_WORK (1 << 17)  /* multiply-adds: below, one thread (a 192x576 matrix at one row) */
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if QAVX2
@@ -322,8 +322,10 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     int8_t *xq = malloc((size_t)(M * K)), *x2 = pairs ? malloc((size_t)(M * K)) : NULL;
     float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *dxs = malloc(sizeof(float) * (size_t)(M * nb));
     float *dxv = pairs ? malloc(sizeof(float) * (size_t)(M * (np * 8 + 1))) : NULL;
-    /* Small products run on the calling thread: one core streams int4 at most of the memory
-     * bandwidth, and waking a pool thread on a busy host can cost a scheduler quantum. */
+    /* Small products run on the calling thread: a team's fork and join costs as much as the
+     * work. One row of the default model's matrices (576x576 up) is not small: the int4 loop is
+     * compute-bound on one core (~4 GB/s), so two threads cut a quiet host's single-stream
+     * step by ~15% (threshold 2^21 before: every layer ran on one thread). */
     if (nthreads < 1 || M * N * K < SMALL_WORK) nthreads = 1;
     /* Few rows of x are quantized before the parallel region: an OpenMP barrier on a busy
      * 2-core host can wait out a descheduled thread's time slice, so the region below has none
