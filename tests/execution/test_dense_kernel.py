@@ -60,4 +60,5 @@ def test_bf16_many_rows_run_in_fp32():
     x = torch.randn(10, 48).to(torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))
+    ref = F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16)
+    assert torch.equal(out, ref)

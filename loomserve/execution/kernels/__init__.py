@@ -7,6 +7,8 @@ too, and a call costs a few microseconds. Each kernel file is `loomserve/executi
 (`$LOOMSERVE_CACHE/kernels`, default ~/.cache/loomserve/kernels) and returns the library.
 
 Invariants:
+- A kernel file may include headers beside it (`#include "x.h"`); they are part of the build's
+  cache key, so editing one rebuilds the library.
 - `load` never raises: no compiler, a failed build or `LOOMSERVE_KERNELS=0` return None (the
   reason logged once), and every caller keeps a torch path for that case.
 - Builds are atomic (compile to a temp name, then rename), so processes starting together
@@ -22,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -79,6 +82,10 @@ def _build(name: str) -> ctypes.CDLL:
     src = os.path.join(_HERE, f"{name}.c")
     with open(src, "rb") as f:
         source = f.read()
+    # Local headers (#include "x.h" beside the source) are part of what is built: hash them too.
+    for header in re.findall(rb'#include "([^"]+)"', source):
+        with open(os.path.join(_HERE, header.decode()), "rb") as f:
+            source += b"\0" + f.read()
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
@@ -113,6 +120,16 @@ def load(name: str) -> ctypes.CDLL | None:
                 log.warning("C kernel %r unavailable, using the torch path: %s", name, exc)
         _loaded[name] = lib
         return lib
+
+
+def bind(name: str, signatures: dict) -> ctypes.CDLL | None:
+    """load(name) with each function's ctypes types set: {function: (argtypes, restype)}."""
+    lib = load(name)
+    if lib is not None:
+        for fn, (argtypes, restype) in signatures.items():
+            getattr(lib, fn).argtypes = argtypes
+            getattr(lib, fn).restype = restype
+    return lib
 
 
 def ptr(t) -> ctypes.c_void_p:

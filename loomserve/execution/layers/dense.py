@@ -15,6 +15,7 @@ is not contiguous or the device is not the CPU, F.linear runs unchanged.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch import nn
@@ -23,19 +24,14 @@ from torch.nn import functional as F
 from loomserve.execution import kernels
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lib_cache: list = []
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+@functools.cache
 def _lib():
     """The dense kernel library with argtypes set, or None (then torch runs)."""
-    if not _lib_cache:
-        lib = kernels.load("dense")
-        if lib is not None:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.dense_matmul.argtypes = [p, i64, i64, p, i32, p, p, i64, i32]
-            lib.dense_matmul.restype = None
-        _lib_cache.append(lib)
-    return _lib_cache[0]
+    argtypes = [_P, _I64, _I64, _P, _I32, _P, _P, _I64, _I32]
+    return kernels.bind("dense", {"dense_matmul": (argtypes, None)})
 
 
 def available() -> bool:

@@ -1,0 +1,249 @@
+/* The AVX2 + FMA decode path of paged_attention.c (included there, inside its
+ * `#if defined(__AVX2__) && defined(__FMA__)`): one split of a sequence's context for one kv
+ * head, in chunks of CHUNK keys. Uses paged_attention.c's scalar helpers (exp_neg, round_bf16,
+ * bf16_to_f32, begin_partials, end_partials, MAX_GROUP), defined before the include. */
+#include <immintrin.h>
+
+/* [sum(a[0]), ..., sum(a[7])]: eight dot-product accumulators reduced at once. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* exp_neg on eight lanes. */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#define CHUNK 128
+
+/* n bf16 values -> fp32 (exact: a bf16 is the top half of an fp32). */
+static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+        _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
+}
+
+/* Row offsets (in elements) of keys [a, a + n) of kv head h, n <= CHUNK: walks the table. */
+static inline int chunk_rows(const int32_t *table, int64_t block_stride, int block_size,
+                             int64_t row, int64_t hoff, int64_t a, int64_t k1, int64_t *off) {
+    int n = 0;
+    while (a < k1 && n < CHUNK) {
+        int64_t blk = a / block_size, first = a % block_size, cnt = block_size - first;
+        if (cnt > k1 - a) cnt = k1 - a;
+        if (cnt > CHUNK - n) cnt = CHUNK - n;
+        int64_t base = table[blk] * block_stride + first * row + hoff;
+        for (int t = 0; t < cnt; t++) off[n + t] = base + t * row;
+        n += (int)cnt;
+        a += cnt;
+    }
+    return n;
+}
+
+/* The scores of one query head over a chunk's n keys (n8 = n rounded up to 8; rows past n
+ * repeat row 0 and are masked to -inf): into s, returning their max. */
+static inline __attribute__((always_inline)) float chunk_scores(
+        const float *qg, const float *const *kr, int n, int n8, int head_dim, float scale,
+        float *s) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < n8; t0 += 8) {
+        __m256 dots[8];
+        for (int t = 0; t < 8; t++) dots[t] = _mm256_setzero_ps();
+        for (int j = 0; j < head_dim; j += 8) {
+            __m256 qv = _mm256_loadu_ps(qg + j);
+            for (int t = 0; t < 8; t++)
+                dots[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t0 + t] + j), dots[t]);
+        }
+        __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t0)), _CMP_LT_OQ);
+        __m256 sc = _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(scale));
+        sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, live);
+        _mm256_storeu_ps(s + t0, sc);
+        mx = _mm256_max_ps(mx, sc);
+    }
+    return hmax8(mx);
+}
+
+/* Online-softmax step of one head over a chunk: rescale acc to the new max, turn s into
+ * probabilities (masked lanes 0), add their sum. */
+static inline __attribute__((always_inline)) void chunk_softmax(
+        float mb, float *m, float *l, float *acc, float *s, int n, int n8, int head_dim,
+        int dtype) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    if (mb > *m) {
+        float alpha = *m == -INFINITY ? 0.f : exp_neg(*m - mb);
+        __m256 av = _mm256_set1_ps(alpha);
+        *l *= alpha;
+        for (int j = 0; j < head_dim; j += 8)
+            _mm256_storeu_ps(acc + j, _mm256_mul_ps(_mm256_loadu_ps(acc + j), av));
+        *m = mb;
+    }
+    __m256 mg = _mm256_set1_ps(*m), sum = _mm256_setzero_ps();
+    for (int t0 = 0; t0 < n8; t0 += 8) {
+        __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t0)), _CMP_LT_OQ);
+        __m256 p = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mg)), live);
+        _mm256_storeu_ps(s + t0, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    *l += hsum8(sum);
+    if (dtype) {  /* probabilities rounded to bf16, as torch's bf16 kernels weight V */
+        for (int t = 0; t < n; t++) s[t] = round_bf16(s[t]);
+    }
+}
+
+/* acc_g += sum_t s_g[t] V[t] for NH heads (NH x NV accumulators in registers, NV vectors of a
+ * 64-lane block from jb): the heads share each V row's loads, and NH x NV independent FMA
+ * chains hide the FMA latency (one head of 32 lanes alone is 4 chains: latency-bound). */
+#define VACC(NH, NV)                                                                          \
+    static inline __attribute__((always_inline)) void vacc_##NH##_##NV(                       \
+            const float *const *vr, const float *s, int cs, int n, float *acc, int astride,   \
+            int jb) {                                                                          \
+        __m256 o[NH][NV];                                                                      \
+        for (int g = 0; g < NH; g++)                                                           \
+            for (int v = 0; v < NV; v++) o[g][v] = _mm256_loadu_ps(acc + g * astride + jb + 8 * v); \
+        for (int t = 0; t < n; t++) {                                                          \
+            __m256 x[NV];                                                                      \
+            for (int v = 0; v < NV; v++) x[v] = _mm256_loadu_ps(vr[t] + jb + 8 * v);           \
+            for (int g = 0; g < NH; g++) {                                                     \
+                __m256 b = _mm256_set1_ps(s[g * cs + t]);                                      \
+                for (int v = 0; v < NV; v++) o[g][v] = _mm256_fmadd_ps(b, x[v], o[g][v]);      \
+            }                                                                                  \
+        }                                                                                      \
+        for (int g = 0; g < NH; g++)                                                           \
+            for (int v = 0; v < NV; v++) _mm256_storeu_ps(acc + g * astride + jb + 8 * v, o[g][v]); \
+    }
+VACC(1, 8) VACC(2, 4) VACC(1, 4) VACC(1, 2) VACC(1, 1) VACC(2, 2) VACC(2, 1)
+
+/* V accumulation of heads [g0, g0 + nh) over one chunk, nh 1 or 2. */
+static inline __attribute__((always_inline)) void chunk_values(
+        const float *const *vr, const float *s, int n, float *acc, int astride, int head_dim,
+        int nh) {
+    for (int jb = 0; jb < head_dim; jb += 64) {
+        int nv = (head_dim - jb) / 8 < 8 ? (head_dim - jb) / 8 : 8;
+        if (nh == 2 && nv == 4) vacc_2_4(vr, s, CHUNK, n, acc, astride, jb);
+        else if (nh == 2 && nv == 2) vacc_2_2(vr, s, CHUNK, n, acc, astride, jb);
+        else if (nh == 2 && nv == 1) vacc_2_1(vr, s, CHUNK, n, acc, astride, jb);
+        else for (int g = 0; g < nh; g++) {
+            float *a = acc + g * astride;
+            const float *sg = s + g * CHUNK;
+            switch (nv) {
+            case 8: vacc_1_8(vr, sg, CHUNK, n, a, astride, jb); break;
+            case 4: vacc_1_4(vr, sg, CHUNK, n, a, astride, jb); break;
+            case 2: vacc_1_2(vr, sg, CHUNK, n, a, astride, jb); break;
+            default:
+                for (int v = 0; v < nv; v++) {  /* 3, 5, 6, 7 vectors: one at a time */
+                    __m256 o = _mm256_loadu_ps(a + jb + 8 * v);
+                    for (int t = 0; t < n; t++)
+                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), _mm256_loadu_ps(vr[t] + jb + 8 * v), o);
+                    _mm256_storeu_ps(a + jb + 8 * v, o);
+                }
+            }
+        }
+    }
+}
+
+/* The split in chunks of CHUNK keys. Per chunk: every query head's scores and softmax step
+ * (K rows read from L1/L2 after the first head), then V accumulated for two heads at a time
+ * where head_dim <= 64 (shared V loads). fp32 rows are read where they lie, bf16 rows widened
+ * once per chunk. Software prefetch of the next chunk was measured and dropped: at 128K context
+ * the kernel reads as fast as a plain streaming read of the same pages (every layer's K and V of
+ * a block share one page, so a layer reads 1/L of each page: the gaps, not the kernel, set it). */
+static inline __attribute__((always_inline)) void split_attend_chunked(
+        const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
+        int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
+        int h, float scale, int dtype, float *part) {
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float sbuf[MAX_GROUP < 8 ? MAX_GROUP * CHUNK : 8 * CHUNK];
+    float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
+    int64_t offs[CHUNK];
+    const float *kr[CHUNK], *vr[CHUNK];
+    const int stride = head_dim + 2;
+    const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    begin_partials(m, l, part, group, head_dim);
+    for (int64_t a = k0; a < k1;) {
+        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs);
+        for (int t = 0; t < n; t++) {
+            if (dtype) {
+                float *kd = kw + t * head_dim, *vd = vw + t * head_dim;
+                widen_bf16((const uint16_t *)kb + offs[t], kd, head_dim);
+                widen_bf16((const uint16_t *)vb + offs[t], vd, head_dim);
+                kr[t] = kd;
+                vr[t] = vd;
+            } else {
+                kr[t] = (const float *)kb + offs[t];
+                vr[t] = (const float *)vb + offs[t];
+            }
+        }
+        int n8 = (n + 7) & ~7;
+        for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
+        for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
+            int gb = group - g0 < 8 ? group - g0 : 8;
+            for (int g = 0; g < gb; g++) {
+                float *s = sbuf + g * CHUNK;
+                float mb = chunk_scores(q + (g0 + g) * head_dim, kr, n, n8, head_dim, scale, s);
+                chunk_softmax(mb, m + g0 + g, l + g0 + g, part + (g0 + g) * stride, s, n, n8,
+                              head_dim, dtype);
+            }
+            int nh = head_dim <= 64 ? 2 : 1;
+            for (int g = 0; g < gb; g += nh)
+                chunk_values(vr, sbuf + g * CHUNK, n, part + (g0 + g) * stride, stride, head_dim,
+                             gb - g < nh ? 1 : nh);
+        }
+        a += n;
+    }
+    end_partials(m, l, part, group, head_dim);
+}
+
+/* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully. */
+#define CHUNKED(D)                                                                            \
+    static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
+                                         int64_t bstride, int bsize, int kvh, int group,       \
+                                         const int32_t *table, int64_t k0, int64_t k1, int h,  \
+                                         float scale, int dtype, float *part) {                \
+        split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, h, scale, \
+                             dtype, part);                                                     \
+    }
+CHUNKED(32) CHUNKED(64) CHUNKED(128)
+
+static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
+                                  int bsize, int kvh, int head_dim, int group,
+                                  const int32_t *table, int64_t k0, int64_t k1, int h, float scale,
+                                  int dtype, float *part) {
+    switch (head_dim) {
+    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
+    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, h, scale, dtype, part);
+    }
+}
