@@ -62,3 +62,19 @@ def test_bf16_many_rows_run_in_fp32():
     assert out.dtype == torch.bfloat16
     ref = F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16)
     assert torch.equal(out, ref)
+
+
+def test_kernel_build_key_covers_local_headers(tmp_path, monkeypatch):
+    """Editing a header a kernel includes rebuilds the library (the header is in its key)."""
+    from loomserve.execution import kernels
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.c").write_text('#include "probe.h"\nint probe(void) { return VALUE; }\n')
+    monkeypatch.setattr(kernels, "_HERE", str(src))
+    monkeypatch.setenv("LOOMSERVE_CACHE", str(tmp_path / "cache"))
+    values = []
+    for value in (3, 7):
+        (src / "probe.h").write_text(f"#define VALUE {value}\n")
+        values.append(kernels._build("probe").probe())
+    assert values == [3, 7]
