@@ -63,7 +63,7 @@ def step(model: str, dtype: torch.dtype, rows: int, repeats: int) -> dict:
     weight_bytes = 0
     for (n, k), count in SHAPES[model]:
         lin = nn.Linear(k, n, bias=False).to(dtype)
-        w, layer = lin.weight, dense.DenseLinear(lin, max_rows=1 << 30)
+        w, layer = lin.weight, dense.DenseLinear(lin.weight, None, max_rows=1 << 30)
         x = torch.randn(rows, k).to(dtype)
         fns = {"kernel": lambda: layer.forward(x), "torch": lambda: F.linear(x, w)}
         if dtype == torch.float32:

@@ -19,7 +19,7 @@ def test_matches_f_linear(dtype, rows, n, k):
     b = torch.randn(n, generator=g).to(dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
     ref = F.linear(x.float(), w.float(), b.float())
-    out = dense.linear(x, w, b, max_rows=16)
+    out = dense.DenseLinear(w, b, max_rows=16)(x)
     assert out.dtype == dtype and out.shape == (rows, n)
     # fp32 accumulation either way; bf16 outputs differ by their own rounding at most
     tol = 1e-4 * k ** 0.5 if dtype == torch.float32 else 1e-2 * ref.abs().max().item()
@@ -29,8 +29,8 @@ def test_matches_f_linear(dtype, rows, n, k):
 def test_more_rows_than_max_run_torch_and_leading_dims_keep():
     w = torch.randn(64, 32)
     x = torch.randn(2, 3, 32)
-    assert torch.equal(dense.linear(x, w, None, max_rows=4), F.linear(x, w))  # 6 rows: torch
-    y = dense.linear(x, w, None, max_rows=8)
+    assert torch.equal(dense.DenseLinear(w, None, max_rows=4)(x), F.linear(x, w))  # 6 rows: torch
+    y = dense.DenseLinear(w, None, max_rows=8)(x)
     assert y.shape == (2, 3, 64) and torch.allclose(y, F.linear(x, w), atol=1e-5)
 
 
@@ -51,12 +51,12 @@ def test_replace_linears_keeps_weights_and_skips_subclasses():
 def test_non_contiguous_weight_falls_back():
     w = torch.randn(32, 64).t()  # [64, 32] view, not contiguous
     x = torch.randn(1, 32)
-    assert torch.equal(dense.linear(x, w, None, max_rows=16), F.linear(x, w))
+    assert torch.equal(dense.DenseLinear(w, None, max_rows=16)(x), F.linear(x, w))
 
 
 def test_bf16_many_rows_run_in_fp32():
     lin = nn.Linear(48, 24).to(torch.bfloat16)
-    layer = dense.DenseLinear(lin, max_rows=4)
+    layer = dense.DenseLinear(lin.weight, lin.bias, max_rows=4)
     x = torch.randn(10, 48).to(torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16

@@ -42,13 +42,9 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def load_library() -> ctypes.CDLL | None:
-    lib = kernels.load("paged_attention")
-    if lib is not None and not getattr(lib, "_typed", False):
-        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        lib.paged_decode.argtypes = [p, p, p, i64, i, i, i, i, i, p, p, i, p, f, p, p, i, i, i, i]
-        lib.paged_decode.restype = ctypes.c_int
-        lib._typed = True
-    return lib
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    argtypes = [p, p, p, i64, i, i, i, i, i, p, p, i, p, f, p, p, i, i, i, i]
+    return kernels.bind("paged_attention", {"paged_decode": (argtypes, ctypes.c_int)})
 
 
 class CpuPagedBackend:

@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
         int h, float scale, int dtype, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP];
-    float sbuf[MAX_GROUP < 8 ? MAX_GROUP * CHUNK : 8 * CHUNK];
+    float sbuf[8 * CHUNK];  /* the scores of up to 8 heads at a time */
     float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
     int64_t offs[CHUNK];
     const float *kr[CHUNK], *vr[CHUNK];

@@ -49,18 +49,6 @@ def kernel_fits(weight: torch.Tensor) -> bool:
 SERIAL_BYTES = 1 << 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           max_rows: int = 0) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the kernel when x has at most max_rows rows."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    lib = _lib() if 0 < rows <= max_rows else None
-    if lib is None or not kernel_fits(weight) or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    bf = None if bias is None else bias.to(torch.float32).contiguous()
-    return _run(lib, x, rows, weight, weight.data_ptr(), _DTYPES[weight.dtype],
-                None if bf is None else bf.data_ptr(), _threads(weight))
-
-
 def _threads(weight: torch.Tensor) -> int:
     small = weight.numel() * weight.element_size() < SERIAL_BYTES
     return 1 if small else torch.get_num_threads()
@@ -79,13 +67,14 @@ def _run(lib, x: torch.Tensor, rows: int, weight: torch.Tensor, w_ptr: int, dtyp
 
 
 class DenseLinear(nn.Module):
-    """An nn.Linear's weight and bias (the same tensors), few rows through the kernel. The
-    weight must stay where it is (pointers are taken once; .to() or re-laying it resets them)."""
+    """F.linear with a given weight and bias (the same tensors: an nn.Linear's, or a tied
+    embedding as the LM head), few rows through the kernel. The weight must stay where it is
+    (pointers are taken once; .to() resets them)."""
 
-    def __init__(self, linear_: nn.Linear, max_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear_.in_features, linear_.out_features
-        self.weight, self.bias = linear_.weight, linear_.bias
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
         self.max_rows = max_rows
         self._args = None
 
@@ -128,7 +117,7 @@ def replace_linears(module: nn.Module, max_rows: int) -> int:
     count = 0
     for name, child in module.named_children():
         if type(child) is nn.Linear and kernel_fits(child.weight):  # not TP subclasses
-            setattr(module, name, DenseLinear(child, max_rows))
+            setattr(module, name, DenseLinear(child.weight, child.bias, max_rows))
             count += 1
         else:
             count += replace_linears(child, max_rows)

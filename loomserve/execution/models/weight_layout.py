@@ -6,7 +6,7 @@ rows, its compute rate). What each dtype gets on the CPU:
 
 - fp32 and bf16, where the dense kernel builds (layers/dense.py) and oneDNN has no bf16
   kernels of its own: weights keep torch's [out, in] layout; products of up to DENSE_ROWS rows
-  run in kernels/dense.c, which streams the weight rows at close to a plain read's bandwidth,
+  (a tied LM head's too) run in kernels/dense.c, which streams the weight rows at close to a plain read's bandwidth,
   more rows in torch. Measured on the 2-core AMD benchmark VM (benchmarks/dense_matmul.py):
   1.2-4.5x torch's GEMMs at 1 to 64 rows, the default model's single-stream fp32 decode 1.4x.
 - fp32 without the kernel (MKL GEMM): the same matrix stored input-major ([in, out]) streams
@@ -40,9 +40,9 @@ from loomserve.execution.layers.quant import QuantEmbedding
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the dense kernel (layers/dense.py) runs a product, per weight dtype:
-# measured crossovers against torch on the benchmark VM (benchmarks/dense_matmul.py).
-DENSE_ROWS = {torch.float32: 64, torch.bfloat16: 64}
+# Rows up to which the dense kernel (layers/dense.py) runs a product, fp32 and bf16 alike: it
+# beat torch at every row count to 64 on the benchmark VM (benchmarks/dense_matmul.py).
+DENSE_ROWS = 64
 
 
 def to_input_major(param: torch.Tensor) -> None:
@@ -108,13 +108,12 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
         return "default"
     if isinstance(tied_embedding, QuantEmbedding):
         tied_embedding = None  # the quantized table is its own LM head (lm_head_logits)
-    if dtype in DENSE_ROWS and not (dtype == torch.bfloat16 and onednn_bf16_available()) \
-            and dense.available():
-        rows = DENSE_ROWS[dtype]
-        count = dense.replace_linears(model, rows)
+    if dtype in (torch.float32, torch.bfloat16) and dense.available() \
+            and not (dtype == torch.bfloat16 and onednn_bf16_available()):
+        count = dense.replace_linears(model, DENSE_ROWS)
         if tied_embedding is not None:
-            model.dense_lm_head_rows = rows
-        return f"{count} linears with the dense kernel at <= {rows} rows"
+            model.cpu_lm_head = dense.DenseLinear(tied_embedding.weight, None, DENSE_ROWS)
+        return f"{count} linears with the dense kernel at <= {DENSE_ROWS} rows"
     if dtype == torch.float32:
         for m in model.modules():
             if isinstance(m, nn.Linear):
@@ -125,16 +124,16 @@ def optimize_cpu_layout(model: nn.Module, device: torch.device, dtype: torch.dty
     if dtype == torch.bfloat16 and onednn_bf16_available():
         _replace_linears(model, batch_hint)
         if tied_embedding is not None:
-            model.packed_lm_head = _packed(tied_embedding.weight, None, batch_hint)
+            model.cpu_lm_head = _packed(tied_embedding.weight, None, batch_hint)
         return "onednn-packed bf16"
     return "default"
 
 
 def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,
                    embedding: nn.Embedding) -> torch.Tensor:
-    """Logits through the untied LM head, else through the embedding matrix (its packed copy
-    when optimize_cpu_layout made one). Under tensor parallelism (`model.tp` set) each rank
-    has one vocabulary slice: the slices are joined on rank 0, the sampler's."""
+    """Logits through the untied LM head, else through the embedding matrix (through the
+    cpu_lm_head layer when optimize_cpu_layout made one). Under tensor parallelism (`model.tp`
+    set) each rank has one vocabulary slice: the slices are joined on rank 0, the sampler's."""
     logits = _local_logits(model, hidden, lm_head, embedding)
     tp = getattr(model, "tp", None)
     if tp is None:
@@ -149,7 +148,7 @@ def _local_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | N
         return lm_head(hidden)
     if isinstance(embedding, QuantEmbedding):
         return embedding.project(hidden)
-    packed = getattr(model, "packed_lm_head", None)
-    if packed is not None:
-        return packed(hidden)
-    return dense.linear(hidden, embedding.weight, None, getattr(model, "dense_lm_head_rows", 0))
+    head = getattr(model, "cpu_lm_head", None)  # a re-laid copy or view (optimize_cpu_layout)
+    if head is not None:
+        return head(hidden)
+    return F.linear(hidden, embedding.weight)
