@@ -31,6 +31,7 @@ from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.request import Request, RequestStatus
 from loomserve.execution.scheduler import Scheduler
 from loomserve.execution.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
+from loomserve.execution.step_trace import StepTrace
 from loomserve.execution.structured import StructuredManager
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.connector import (
@@ -129,6 +130,14 @@ def step_cost_model(runner: ModelRunner) -> StepCostModel:
                                                 mc.num_heads * mc.head_dim, rate))
 
 
+def _shape(inp) -> str:
+    """A step's batch for the slow-step log: sequences, new tokens, longest context."""
+    seqs = inp.seqs
+    new = sum(len(s.token_ids) for s in seqs) if seqs else 0
+    ctx = max((s.start_pos + len(s.token_ids) for s in seqs), default=0)
+    return f"seqs={len(seqs)} new_tokens={new} max_context={ctx}"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -165,6 +174,7 @@ class EngineCore:
         self.generation_tokens = 0
         self.num_rejected = 0
         self.structured: StructuredManager | None = None
+        self.trace = StepTrace()
         # Last: its sockets are bound only once nothing else in the constructor can fail.
         self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
 
@@ -208,15 +218,19 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[CoreOutput]:
+        trace = self.trace
+        trace.begin()
         tiers = self.tiers
         if tiers is not None:
             tiers.poll()
         self.transfer.poll()
+        trace.mark("poll")
         outputs = self._grammar_failures() if self.structured is not None else []
         sched = self.scheduler.schedule()
         inp = sched.model_input
         if self.structured is not None:
             self.structured.fill_bitmask(inp, self.scheduler.requests)
+        trace.mark("schedule")
         # Finished ids go to the workers even in a step without seqs (their per-request state).
         if inp.seqs:
             t0 = time.perf_counter()
@@ -225,12 +239,14 @@ class EngineCore:
         else:
             result = (self.executor.execute_model(inp)
                       if inp.finished_request_ids else ModelOutput({}))
+        trace.mark("execute")
         if tiers is not None:
             tiers.after_execute()
             if not sched.model_input.seqs:
                 tiers.wait_io(0.005)  # only tier I/O is pending: do not spin
         if not inp.seqs and self.structured is not None:
             self.structured.wait(0.005)  # only grammars are compiling: do not spin
+        trace.mark("after")
         logprobs = result.logprobs
         for req, tokens in self.scheduler.update(sched, result.sampled):
             self.generation_tokens += len(tokens)
@@ -242,6 +258,9 @@ class EngineCore:
                                       getattr(req, "kv_transfer_result", None) if done else None))
         if self.events is not None:
             self.events.flush()
+        trace.mark("update")
+        if trace.enabled:
+            trace.end(_shape(inp))
         return outputs
 
     def _grammar_failures(self) -> list[CoreOutput]:
