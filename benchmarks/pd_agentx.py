@@ -5,12 +5,15 @@ PD on) against 2 co-located instances (router, default policy), on warm agent tu
 Traffic (a driver in this script, /v1/completions with token-id prompts, streaming):
   warm    W sessions, each a fixed context (--warm-context tokens) primed once, then turns that
           add a short new suffix (--warm-suffix tokens) and stream --warm-output tokens
-          (ignore_eos), one after another with a short think gap. Their turns are almost all
+          (ignore_eos), one after another with a short think gap; every --warm-cycle turns
+          the session compacts back to its primed context. Their turns are almost all
           cached: the router sends them straight to decode.
   cold    from the second phase on, a fresh subagent of a warm session (X-Parent-Session-ID)
           every --cold-every s: --cold-tokens unique tokens, 16 output tokens. Above
           --pd-threshold-tokens uncached, the router sends them through the prefill instance.
-Phases per layout: `quiet` (warm only, --quiet s) then `cold` (warm + cold, --loaded s). Reported:
+Phases per layout: `quiet` (warm only, --quiet s) then `cold` (warm + cold arrivals for
+--loaded s, the phase lasting until the last cold request has finished, so that the decode
+legs' KV imports fall inside it). Reported:
 the warm sessions' inter-token latency p50/p99 (gaps between streamed chunks after the first)
 per phase and layout, the cold requests' TTFT, and errors. Target (issue 11): PD's warm ITL p99
 with cold prefills within 1.5x of its ITL without them; the co-located figure is reported.
@@ -19,7 +22,7 @@ Correctness: --check-prompts prompts of --check-tokens tokens sent greedily thro
 router (so they take the prefill -> decode path) must produce the same text as a co-located
 instance of the same model answering them alone.
 
-    python benchmarks/pd_agentx.py [--quiet 40 --loaded 60] [--layouts pd colo]
+    python benchmarks/pd_agentx.py [--quiet 90 --loaded 90] [--layouts pd colo]
 
 Writes benchmarks/results/pd_agentx.json. Ports 24500-24599.
 """
@@ -122,10 +125,16 @@ async def warm_session(client, url, a, k: int, stop: asyncio.Event, phases: list
     hdr = {"X-Session-ID": f"warm-{k}"}
     await stream(client, url, ctx, 1, hdr)  # the primer: the context becomes cached
     primed.append(k)
+    turn = 0
     while not stop.is_set():
+        turn += 1
+        # A compaction every --warm-cycle turns (back to the primed, cached context): the
+        # contexts, and so the warm steps' cost, have the same spread in every phase, instead
+        # of growing through the run and making the later phase slower by itself.
+        if turn % a.warm_cycle == 0 or len(ctx) + a.warm_suffix + a.warm_output > \
+                a.max_model_len - 64:
+            ctx = ctx[:a.warm_context]
         ctx = ctx + ids(rng, a.warm_suffix)
-        if len(ctx) + a.warm_output > a.max_model_len - 64:
-            ctx = ctx[:a.warm_context]  # a compaction: back to the cached context
         rec = await stream(client, url, ctx, a.warm_output, hdr)
         phases[-1].warm.append(rec)
         await asyncio.sleep(a.think)
@@ -171,9 +180,13 @@ async def drive(url: str, a) -> dict:
         cold = asyncio.create_task(cold_arrivals(client, url, a, cold_stop, phases[1]))
         await asyncio.sleep(a.loaded)
         cold_stop.set()
+        # The phase lasts until the last cold request has finished: a decode leg imports its
+        # KV and decodes after the prefill, often past --loaded; the warm streams must be
+        # measured through that too.
+        await asyncio.wait_for(cold, timeout=a.request_timeout)
         phases[1].end = time.monotonic()
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*warm, cold), timeout=a.request_timeout)
+        await asyncio.wait_for(asyncio.gather(*warm), timeout=a.request_timeout)
     return {p.name: p.summary() for p in phases}
 
 
@@ -212,6 +225,9 @@ def layout(name: str, a) -> tuple[list[Instance], list[str]]:
 
 def run_layout(name: str, a, store: ResultStore) -> None:
     insts, router_extra = layout(name, a)
+    if a.pin_cores:  # this driver and the router (started below, inheriting it) on the last
+        # instance's core: with cold prefills or without, they share the same core
+        os.sched_setaffinity(0, {(len(insts) - 1) % (os.cpu_count() or 1)})
     router = None
     try:
         start_instances(insts)
@@ -246,6 +262,9 @@ def main() -> int:
     ap.add_argument("--warm-suffix", type=int, default=32)
     ap.add_argument("--warm-output", type=int, default=48)
     ap.add_argument("--think", type=float, default=0.5)
+    ap.add_argument("--warm-cycle", type=int, default=6,
+                    help="turns after which a warm session compacts back to its primed "
+                         "context (stationary context lengths across phases)")
     ap.add_argument("--cold-tokens", type=int, default=6144,
                     help="fresh prompt tokens (default: %(default)s; float32 SmolLM2 takes "
                          "46 KB/token, 270 MiB here: the prefill side's --kv-transfer-buffer "
@@ -254,7 +273,9 @@ def main() -> int:
     ap.add_argument("--cold-every", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=10.0,
                     help="s after the primers before the quiet phase")
-    ap.add_argument("--quiet", type=float, default=40.0)
+    ap.add_argument("--quiet", type=float, default=90.0,
+                    help="s of warm traffic alone (long enough for ~1,500 gaps: the p99 of a "
+                         "few hundred is the noise of a handful of steps)")
     ap.add_argument("--loaded", type=float, default=90.0)
     ap.add_argument("--pd-threshold", type=int, default=1024)
     ap.add_argument("--check-prompts", type=int, default=2)
@@ -266,8 +287,10 @@ def main() -> int:
     ap.add_argument("--vocab-hi", type=int, default=40000, help="token ids stay below this")
     ap.add_argument("--request-timeout", type=float, default=400.0)
     ap.add_argument("--pin-cores", action="store_true",
-                    help="pin instance i to core i (taskset): each instance its own core, as "
-                         "on separate devices; the router and this driver float")
+                    help="pin instance i to core i (taskset), this driver and the router to "
+                         "the last instance's core: each instance its own core, as on separate "
+                         "devices, and nothing migrates to the decode core only when the "
+                         "prefill core is busy")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_agentx.json"))
     a = ap.parse_args()
