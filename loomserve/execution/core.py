@@ -202,7 +202,8 @@ class EngineCore:
         self.scheduler.add(req)
         self.prompt_tokens += req.num_prompt_tokens
 
-    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+    def abort(self, request_id: str,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """End a request early (client gone, or a stop string the front end matched)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
@@ -290,6 +291,7 @@ class EngineCore:
         """No request to run: notice a dead worker rank (so an idle engine reports it within
         the loop's idle wait, not at the next request), release finished tier writes and
         start due prefetches."""
+        self.trace.idle()
         self.executor.check_health()
         if self.tiers is not None:
             self.tiers.poll()

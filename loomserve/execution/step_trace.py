@@ -2,9 +2,10 @@
 
 `LOOMSERVE_SLOW_STEP_MS=N` logs (INFO, logger loomserve.execution.steps) every step whose wall
 time, or whose gap since the previous step ended (the core loop's own work: receiving requests,
-sending outputs), exceeds N ms, with the time of each phase and the batch's shape. Off (the
-default) it costs one attribute check per phase. A diagnostic for tail inter-token latency:
-the longest gaps a stream sees are steps, and this says which part of which step.
+sending outputs; a gap across an idle wait is not counted), exceeds N ms, with the time of each
+phase and the batch's shape. Off (the default) it costs one attribute check per phase. A
+diagnostic for tail inter-token latency: the longest gaps a stream sees are steps, and this says
+which part of which step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class StepTrace:
         self._phases: list[tuple[str, float]] = []
         self._t0 = 0.0
         self._last_end: float | None = None
+
+    def idle(self) -> None:
+        """The loop went idle: the next step's gap is waiting for work, not the loop's own."""
+        self._last_end = None
 
     def begin(self) -> None:
         if self.enabled:

@@ -49,3 +49,13 @@ def test_off_by_default(monkeypatch, caplog):
 def test_env_turns_it_on(monkeypatch):
     monkeypatch.setenv("LOOMSERVE_SLOW_STEP_MS", "150")
     assert StepTrace().threshold_s == 0.15
+
+
+def test_gap_across_idle_not_logged(caplog):
+    trace = StepTrace(threshold_ms=20)
+    with caplog.at_level(logging.INFO, logger="loomserve.execution.steps"):
+        _step(trace, 0.0)
+        trace.idle()  # the loop waited for work: not the loop's own time
+        time.sleep(0.03)
+        _step(trace, 0.0)
+    assert not caplog.records

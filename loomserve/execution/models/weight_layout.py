@@ -6,9 +6,10 @@ rows, its compute rate). What each dtype gets on the CPU:
 
 - fp32 and bf16, where the dense kernel builds (layers/dense.py) and oneDNN has no bf16
   kernels of its own: weights keep torch's [out, in] layout; products of up to DENSE_ROWS rows
-  (a tied LM head's too) run in kernels/dense.c, which streams the weight rows at close to a plain read's bandwidth,
-  more rows in torch. Measured on the 2-core AMD benchmark VM (benchmarks/dense_matmul.py):
-  1.2-4.5x torch's GEMMs at 1 to 64 rows, the default model's single-stream fp32 decode 1.4x.
+  (a tied LM head's too) run in kernels/dense.c, which streams the weight rows at close to a
+  plain read's bandwidth, more rows in torch. Measured on the 2-core AMD benchmark VM
+  (benchmarks/dense_matmul.py): 1.2-4.5x torch's GEMMs at 1 to 64 rows, the default model's
+  single-stream fp32 decode 1.4x.
 - fp32 without the kernel (MKL GEMM): the same matrix stored input-major ([in, out]) streams
   faster than [out, in] at one row. The parameter keeps its shape [out, in] and its values;
   only its strides change (a transposed view of a contiguous [in, out] buffer).
@@ -69,13 +70,15 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none",
+                                                  [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> PackedLinear | None:
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None,
+            batch_hint: int) -> PackedLinear | None:
     """A PackedLinear of the weight, or None where oneDNN refuses it or rounds differently."""
     try:
         packed = PackedLinear(weight, bias, batch_hint)
