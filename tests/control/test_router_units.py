@@ -7,7 +7,7 @@ import os
 import pytest
 
 from loomserve.control.router.instances import Instance, Lease, events_address
-from loomserve.control.router.kv_index import KVIndex
+from loomserve.control.router.kv_index import PRESSURE_HALF_LIFE_S, KVIndex
 from loomserve.control.router.pd import (
     decode_body,
     prefill_body,
@@ -128,10 +128,9 @@ def test_default_sticks_then_moves_only_when_overloaded():
     req, hashes = _kv_request(idx, 8, session="s1")
     idx.store("a:1", hashes)
     assert policy.choose(req, [a, b]).reason == "overlap"
-    calls = []
-    sticky = RouteRequest("chat", "s1", None, lambda: calls.append(1))
+    sticky, _ = _kv_request(idx, 8, session="s1")
     d = policy.choose(sticky, [a, b])
-    assert (d.instance, d.reason) == (a, "stickiness") and calls == []  # no tokenization
+    assert (d.instance, d.reason) == (a, "stickiness")
     a.active_blocks, a.active_requests = 100.0, OVERLOAD_MIN_REQUESTS - 1
     assert policy.choose(sticky, [a, b]).instance is a  # few requests: not an overload
     a.active_requests = OVERLOAD_MIN_REQUESTS
@@ -317,3 +316,72 @@ def test_default_spreads_new_uncached_sessions_by_live_sessions():
     assert policy.live.counts() == {"a:1": 0, "b:1": 0}
     policy.forget("s3")
     assert "s3" not in policy.live._last
+
+
+def test_index_pressure_counts_evicted_device_blocks_and_decays():
+    now = [100.0]
+    idx = KVIndex(clock=lambda: now[0])
+    chain = [b"p%d" % i for i in range(8)]
+    assert not idx.tracks("a") and idx.pressure("a") == 0.0
+    idx.apply("a", batch(stored(chain)))
+    assert idx.tracks("a")
+    idx.apply("a", batch(BlockRemoved(block_hashes=chain[4:] + [b"never-held"], medium=MEDIUM_GPU),
+                         BlockRemoved(block_hashes=chain[:2], medium=MEDIUM_CPU)))
+    assert idx.pressure("a") == 4.0  # held device blocks only: not a tier copy, not unknowns
+    now[0] += PRESSURE_HALF_LIFE_S
+    assert idx.pressure("a") == pytest.approx(2.0)
+    idx.apply("a", batch(BlockRemoved(block_hashes=chain[:2], medium=MEDIUM_GPU)))
+    assert idx.pressure("a") == pytest.approx(4.0) and idx.stats()["pressure"] == {"a": 4.0}
+    idx.apply("a", batch(AllBlocksCleared()))
+    assert not idx.tracks("a")  # a restarted instance: its zero overlaps mean nothing yet
+
+
+def test_default_moves_a_session_whose_home_lost_its_context():
+    """The home's pool turned over and the session's prefix is gone from it: its prefill is a
+    recompute anywhere, so it goes where eviction pressure is lowest, and stays there."""
+    idx = KVIndex(clock=lambda: 0.0)
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    req, hashes = _kv_request(idx, 8, session="s1")
+    idx.store("a:1", hashes)
+    idx.store("b:1", [b"other"])
+    assert policy.choose(req, [a, b]).instance is a
+    idx.apply("a:1", batch(BlockRemoved(block_hashes=hashes[2:], medium=MEDIUM_GPU)))
+    req, _ = _kv_request(idx, 8, session="s1")  # 2 of 8 blocks left at home
+    d = policy.choose(req, [a, b])
+    assert (d.instance, d.reason, d.moved_from) == (b, "evicted", a)
+    idx.store("b:1", hashes)
+    req, _ = _kv_request(idx, 8, session="s1")
+    assert (policy.choose(req, [a, b]).reason, policy.sticky["s1"]) == ("stickiness", "b:1")
+
+
+def test_default_keeps_a_lost_session_home_when_no_pool_has_more_room():
+    idx = KVIndex(clock=lambda: 0.0)
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    req, hashes = _kv_request(idx, 8, session="s1")
+    idx.store("a:1", hashes + [b"x%d" % i for i in range(8)])
+    idx.store("b:1", [b"y%d" % i for i in range(8)])
+    policy.choose(req, [a, b])
+    idx.apply("a:1", batch(BlockRemoved(block_hashes=hashes, medium=MEDIUM_GPU)))
+    idx.apply("b:1", batch(BlockRemoved(block_hashes=[b"y%d" % i for i in range(5)],
+                                        medium=MEDIUM_GPU)))
+    req, _ = _kv_request(idx, 8, session="s1")  # b evicted 5 > half of a's 8: no move
+    assert (policy.choose(req, [a, b]).instance, policy.sticky["s1"]) == (a, "a:1")
+    idx.apply("a:1", batch(BlockRemoved(block_hashes=[b"x%d" % i for i in range(8)],
+                                        medium=MEDIUM_GPU)))
+    idx.store("a:1", hashes)  # the context is back at home: stickiness whatever the pressure
+    req, _ = _kv_request(idx, 8, session="s1")
+    assert policy.choose(req, [a, b]).reason == "stickiness"
+
+
+def test_default_sticky_turn_skips_tokenizing_without_kv_events():
+    idx = KVIndex()
+    a, b = up("http://a:1"), up("http://b:1")
+    policy = DefaultPolicy(KVAware(idx, lambda: 4))
+    policy.sticky["s1"] = "a:1"
+    calls = []
+    sticky = RouteRequest("chat", "s1", None, lambda: calls.append(1))
+    assert not policy.needs_keys(sticky)
+    d = policy.choose(sticky, [a, b])
+    assert (d.instance, d.reason) == (a, "stickiness") and calls == []  # a is not indexed

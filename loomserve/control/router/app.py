@@ -127,8 +127,8 @@ class RouterService:
         return _error(502, "No instance could be reached.", path, "instance_unreachable")
 
     def _release_session(self, home: Instance, session: str, headers: dict) -> None:
-        """A session left its overloaded home: unpin its blocks there (in the background; a
-        failure only leaves them to the instance's own eviction)."""
+        """A session left its home (overloaded, or its context lost there): unpin its blocks
+        there (in the background; a failure only leaves them to the instance's own eviction)."""
         async def release() -> None:
             try:
                 await self.upstream.client.delete(

@@ -12,6 +12,10 @@ Media: only the engine's own pool (medium "GPU", or no medium) counts as cached.
 host/disk tiers still save a recompute but cost a load; they are counted in stats() only, so a
 router never prefers an instance for a prefix it would have to page back in.
 
+Eviction pressure: each instance's BlockRemoved blocks (device medium), exponentially weighted
+with a PRESSURE_HALF_LIFE_S half-life: how fast its pool is turning over now. The default
+policy sends a session whose context its home lost to the instance where this is lowest.
+
 Invariants:
 - `_where[h]` is the set of instances holding block h; `_held[i]` the set of blocks instance i
   holds; each mirrors the other exactly (every write updates both under `_lock`).
@@ -25,7 +29,8 @@ long either.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from loomserve.kv.event_wire import (
     MEDIUM_GPU,
@@ -36,14 +41,17 @@ from loomserve.kv.event_wire import (
 )
 
 _COUNTED_MEDIA = (MEDIUM_GPU, None)
+PRESSURE_HALF_LIFE_S = 30.0
 
 
 class KVIndex:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._where: dict[Hashable, set[str]] = {}
         self._held: dict[str, set[Hashable]] = {}
         self._other_media = 0  # events about host/disk tiers seen (not indexed)
+        self._clock = clock
+        self._evicted: dict[str, tuple[float, float]] = {}  # instance -> (weighted blocks, at)
 
     def apply(self, instance: str, batch: KVEventBatch) -> None:
         """Apply one batch of `instance`'s events, in order."""
@@ -99,14 +107,31 @@ class KVIndex:
                 result[inst] = i
         return result
 
+    def tracks(self, instance: str) -> bool:
+        """Whether the index knows what `instance` holds (it has stored a block since its last
+        clear): only then does a zero overlap there mean the prefix is not cached."""
+        with self._lock:
+            return instance in self._held
+
+    def pressure(self, instance: str) -> float:
+        """Blocks `instance` evicted, weighted by age (half-life PRESSURE_HALF_LIFE_S)."""
+        with self._lock:
+            return self._decayed(instance, self._clock())
+
+    def _decayed(self, instance: str, now: float) -> float:
+        count, at = self._evicted.get(instance, (0.0, now))
+        return count * 0.5 ** ((now - at) / PRESSURE_HALF_LIFE_S)
+
     def blocks_of(self, instance: str) -> int:
         with self._lock:
             return len(self._held.get(instance, ()))
 
     def stats(self) -> dict:
         with self._lock:
+            now = self._clock()
             return {"blocks": len(self._where), "instances": {
-                i: len(h) for i, h in self._held.items()}, "other_media_events": self._other_media}
+                i: len(h) for i, h in self._held.items()}, "other_media_events": self._other_media,
+                "pressure": {i: round(self._decayed(i, now), 1) for i in self._evicted}}
 
     def _store(self, instance: str, hashes: Sequence[Hashable]) -> None:
         held = self._held.setdefault(instance, set())
@@ -123,10 +148,15 @@ class KVIndex:
         held = self._held.get(instance)
         if not held:
             return
+        n = 0
         for h in hashes:
             if h in held:
                 held.discard(h)
                 self._drop(h, instance)
+                n += 1
+        if n:
+            now = self._clock()
+            self._evicted[instance] = (self._decayed(instance, now) + n, now)
 
     def _clear(self, instance: str) -> None:
         for h in self._held.pop(instance, ()):

@@ -6,6 +6,7 @@ Every policy returns a `Decision`: the instance, the reason (one of REASONS) and
   overlap     the instance with the lowest KV cost, which holds part of the prompt
   load        the least loaded instance (nothing cached anywhere, or the home was overloaded)
   fallback    the prompt could not be known (or the session's home is down): least loaded
+  evicted     the session's home no longer holds its context: where eviction pressure is lowest
 
 Policies:
 - round_robin: each instance in turn. Load testing, identical short requests.
@@ -29,6 +30,13 @@ Policies:
   requests in flight (both: one long request alone is not an overload). The router then ends
   the session on the home it left (DELETE /v1/sessions/{id} there: its pinned blocks become
   evictable, which is what the overloaded instance needs).
+  A session also moves when its home lost its context: the KV index (KV events on) shows the
+  home holding less than LOST_FRACTION (1/2) of a prompt of at least LOST_MIN_BLOCKS blocks.
+  Its prefill is a recompute wherever it runs, so it goes where that evicts least: the
+  instance with the lowest eviction pressure (KVIndex.pressure, blocks evicted lately),
+  provided that is at most RELOCATE_RATIO (1/2) of the home's (else it stays: no ping-pong
+  between equally busy pools). Partitioned pools then share their slack the way one pooled
+  cache would, instead of one pool recomputing its sessions while another idles.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import xxhash
 from loomserve.control.router.instances import Instance
 from loomserve.control.router.kv_index import KVIndex
 
-REASONS = ("stickiness", "overlap", "load", "fallback")
+REASONS = ("stickiness", "overlap", "load", "fallback", "evicted")
 POLICIES = ("default", "round_robin", "least_loaded", "session", "kv_aware")
 OVERLAP_WEIGHT = 1.0
 OVERLOAD_FACTOR = 1.5
@@ -53,6 +61,9 @@ OVERLOAD_MIN_REQUESTS = 4
 VNODES = 128
 MAX_STICKY_SESSIONS = 100_000
 LIVE_SESSION_S = 300.0  # a session with a request this recent counts as live on its instance
+LOST_FRACTION = 0.5
+LOST_MIN_BLOCKS = 4
+RELOCATE_RATIO = 0.5
 
 
 @dataclass
@@ -240,7 +251,8 @@ class DefaultPolicy(Policy):
         if key is not None and key in self.sticky:
             home = by_name.get(self.sticky[key])
             if home is not None and not self._overloaded(home, candidates):
-                return self._keep(key, Decision(home, "stickiness"))
+                return self._keep(key, self._lost(req, home, candidates)
+                                  or Decision(home, "stickiness"))
             moved = "load" if home is not None else "fallback"
             left = home
             if home is not None:
@@ -267,8 +279,29 @@ class DefaultPolicy(Policy):
             (p[0] - self.kv.turn) % n))[1]
         return Decision(best, "load", 0)
 
+    def _lost(self, req, home: Instance, candidates: list[Instance]) -> Decision | None:
+        """A move for a sticky session whose home lost its context (module doc), else None."""
+        index = self.kv.index
+        if len(candidates) < 2 or not index.tracks(home.name) or (keys := req.keys()) is None:
+            return None
+        hashes = keys[1]
+        overlaps = index.overlaps(hashes)
+        at_home = overlaps.get(home.name, 0)
+        if len(hashes) < LOST_MIN_BLOCKS or at_home >= LOST_FRACTION * len(hashes):
+            return None
+        counts, n = self.live.counts(), len(candidates)
+        best = min(enumerate(candidates), key=lambda p: (
+            index.pressure(p[1].name), counts.get(p[1].name, 0), p[1].active_requests,
+            (p[0] - self.kv.turn) % n))[1]
+        limit = RELOCATE_RATIO * index.pressure(home.name)
+        if best is home or not index.pressure(best.name) < limit:  # a home evicting nothing keeps
+            return None
+        return Decision(best, "evicted", overlaps.get(best.name, 0), moved_from=home)
+
     def needs_keys(self, req):
-        return req.session not in self.sticky and req.parent not in self.sticky
+        if req.session in self.sticky:  # a sticky turn looks only to see if its context is lost
+            return self.kv.index.tracks(self.sticky[req.session])
+        return req.parent not in self.sticky
 
     def _overloaded(self, home: Instance, candidates: list[Instance]) -> bool:
         return overloaded(home, candidates, self.factor, self.min_requests)
