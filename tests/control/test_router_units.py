@@ -375,13 +375,22 @@ def test_default_keeps_a_lost_session_home_when_no_pool_has_more_room():
     assert policy.choose(req, [a, b]).reason == "stickiness"
 
 
-def test_default_sticky_turn_skips_tokenizing_without_kv_events():
-    idx = KVIndex()
+def test_default_sticky_turn_tokenizes_only_when_a_move_could_follow():
+    """Without KV events, or with pools turning over evenly, a sticky turn tokenizes nothing."""
+    idx = KVIndex(clock=lambda: 0.0)
     a, b = up("http://a:1"), up("http://b:1")
     policy = DefaultPolicy(KVAware(idx, lambda: 4))
     policy.sticky["s1"] = "a:1"
     calls = []
     sticky = RouteRequest("chat", "s1", None, lambda: calls.append(1))
     assert not policy.needs_keys(sticky)
-    d = policy.choose(sticky, [a, b])
-    assert (d.instance, d.reason) == (a, "stickiness") and calls == []  # a is not indexed
+    assert (policy.choose(sticky, [a, b]).reason, calls) == ("stickiness", [])  # a not indexed
+    idx.store("a:1", [b"a%d" % i for i in range(8)])
+    idx.store("b:1", [b"b%d" % i for i in range(8)])
+    idx.apply("a:1", batch(BlockRemoved(block_hashes=[b"a0", b"a1"], medium=MEDIUM_GPU)))
+    idx.apply("b:1", batch(BlockRemoved(block_hashes=[b"b0"], medium=MEDIUM_GPU)))
+    sticky = RouteRequest("chat", "s1", None, lambda: calls.append(1))
+    assert not policy.needs_keys(sticky)  # b evicts half of what a does: not less
+    assert (policy.choose(sticky, [a, b]).reason, calls) == ("stickiness", [])
+    idx.apply("a:1", batch(BlockRemoved(block_hashes=[b"a2"], medium=MEDIUM_GPU)))
+    assert policy.needs_keys(RouteRequest("chat", "s1"))  # 1 < 0.5 x 3: worth a look

@@ -118,6 +118,12 @@ class KVIndex:
         with self._lock:
             return self._decayed(instance, self._clock())
 
+    def pressures(self) -> dict[str, float]:
+        """pressure() of every instance the index tracks."""
+        with self._lock:
+            now = self._clock()
+            return {i: self._decayed(i, now) for i in self._held}
+
     def _decayed(self, instance: str, now: float) -> float:
         count, at = self._evicted.get(instance, (0.0, now))
         return count * 0.5 ** ((now - at) / PRESSURE_HALF_LIFE_S)

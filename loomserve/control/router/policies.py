@@ -280,27 +280,31 @@ class DefaultPolicy(Policy):
         return Decision(best, "load", 0)
 
     def _lost(self, req, home: Instance, candidates: list[Instance]) -> Decision | None:
-        """A move for a sticky session whose home lost its context (module doc), else None."""
+        """A move for a sticky session whose home lost its context (module doc), else None.
+        The prompt is looked at only when some instance is under RELOCATE_RATIO of the home's
+        pressure: with pools turning over evenly a sticky turn tokenizes nothing."""
         index = self.kv.index
-        if len(candidates) < 2 or not index.tracks(home.name) or (keys := req.keys()) is None:
-            return None
-        hashes = keys[1]
-        overlaps = index.overlaps(hashes)
-        at_home = overlaps.get(home.name, 0)
-        if len(hashes) < LOST_MIN_BLOCKS or at_home >= LOST_FRACTION * len(hashes):
+        if len(candidates) < 2 or not index.tracks(home.name):
             return None
         counts, n = self.live.counts(), len(candidates)
         best = min(enumerate(candidates), key=lambda p: (
             index.pressure(p[1].name), counts.get(p[1].name, 0), p[1].active_requests,
             (p[0] - self.kv.turn) % n))[1]
         limit = RELOCATE_RATIO * index.pressure(home.name)
-        if best is home or not index.pressure(best.name) < limit:  # a home evicting nothing keeps
+        if best is home or not index.pressure(best.name) < limit or (keys := req.keys()) is None:
+            return None  # strictly less: a home that evicts nothing keeps its sessions
+        hashes = keys[1]
+        overlaps = index.overlaps(hashes)
+        kept = overlaps.get(home.name, 0)
+        if len(hashes) < LOST_MIN_BLOCKS or kept >= LOST_FRACTION * len(hashes):
             return None
         return Decision(best, "evicted", overlaps.get(best.name, 0), moved_from=home)
 
     def needs_keys(self, req):
-        if req.session in self.sticky:  # a sticky turn looks only to see if its context is lost
-            return self.kv.index.tracks(self.sticky[req.session])
+        if req.session in self.sticky:  # only when _lost could move it
+            p = self.kv.index.pressures()
+            home = self.sticky[req.session]
+            return home in p and min(p.values()) < RELOCATE_RATIO * p[home]
         return req.parent not in self.sticky
 
     def _overloaded(self, home: Instance, candidates: list[Instance]) -> bool:
