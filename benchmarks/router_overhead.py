@@ -9,7 +9,11 @@ Setup: --sessions agent conversations sharing a system prompt, each --turns turn
 (~--history-tokens tokens), spread over --instances instances; the index holds every
 session's prefix on its home instance, as the instances' KV events would have it. Then each
 session sends its next turn (one more assistant and user message). Paths timed:
-  default/turn   the default policy, a known session: sticky, no tokenization at all
+  default/turn   the default policy, a known session: sticky, no tokenization at all (every
+                 instance's eviction pressure even: none evicts)
+  default/pressed  the same on an instance evicting while another does not: the sticky turn
+                 is tokenized to see whether its context is gone there (render + memoized
+                 encode + new-block hashes + index walk)
   default/fork   a subagent's first request (X-Parent-Session-ID): its parent's instance
   default/cold   a session nobody has seen, unrelated history: render + full encode + hash
   kv_aware/turn  kv_aware on the next turn: render + memoized encode + new-block hashes +
@@ -38,6 +42,7 @@ from loomserve.control.router.metrics import RouterMetrics
 from loomserve.control.router.policies import make_policy
 from loomserve.control.router.routing import Router
 from loomserve.control.router.tokens import PromptKeys
+from loomserve.kv.event_wire import MEDIUM_GPU, BlockRemoved, KVEventBatch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEM = " ".join(f"Rule {i}: keep the build green and explain each change." for i in range(60))
@@ -99,6 +104,19 @@ def measure(router: Router, requests: list[tuple[list[dict], dict]]) -> dict:
             "mean_us": statistics.fmean(times) * 1e6, "n": len(times), "reasons": reasons}
 
 
+def pressed(router: Router, convs: list[list[dict]]) -> dict:
+    """default/pressed: instance 0 evicts blocks nobody uses (its pressure > 0, the others'
+    0), then its sessions send one more turn each."""
+    home = router.instances.instances[0].name
+    junk = [b"junk%d" % i for i in range(64)]
+    router.index.store(home, junk)
+    router.index.apply(home, KVEventBatch(ts=0.0, events=[
+        BlockRemoved(block_hashes=junk, medium=MEDIUM_GPU)]))
+    mine = [s for s in range(len(convs)) if router.policy.sticky.get(f"s{s}") == home]
+    return measure(router, [(next_turn(next_turn(convs[s], s), s), {"x-session-id": f"s{s}"})
+                            for s in mine])
+
+
 def run(args) -> dict:
     """The paths of the module doc, each over every session (cold: over --cold of them)."""
     results = {}
@@ -116,6 +134,7 @@ def run(args) -> dict:
             (fork(m, s), {"x-session-id": f"sub{s}", "x-parent-session-id": f"s{s}"})
             for s, m in enumerate(convs)])
         if policy == "default":
+            results["default/pressed"] = pressed(router, convs)
             results["default/cold"] = measure(router, [
                 (m, {"x-session-id": f"cold{s}"}) for s, m in enumerate(convs[:args.cold])])
     prompt_tokens = len(make_router("kv_aware", args.tokenizer, 1, args.block_size).keys.keys(

@@ -347,8 +347,9 @@ def test_default_moves_a_session_whose_home_lost_its_context():
     idx.store("b:1", [b"other"])
     assert policy.choose(req, [a, b]).instance is a
     idx.apply("a:1", batch(BlockRemoved(block_hashes=hashes[2:], medium=MEDIUM_GPU)))
+    c = up("http://c:1")  # no KV events from c: its zero pressure means nothing
     req, _ = _kv_request(idx, 8, session="s1")  # 2 of 8 blocks left at home
-    d = policy.choose(req, [a, b])
+    d = policy.choose(req, [c, a, b])
     assert (d.instance, d.reason, d.moved_from) == (b, "evicted", a)
     idx.store("b:1", hashes)
     req, _ = _kv_request(idx, 8, session="s1")

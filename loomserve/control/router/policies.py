@@ -33,10 +33,11 @@ Policies:
   A session also moves when its home lost its context: the KV index (KV events on) shows the
   home holding less than LOST_FRACTION (1/2) of a prompt of at least LOST_MIN_BLOCKS blocks.
   Its prefill is a recompute wherever it runs, so it goes where that evicts least: the
-  instance with the lowest eviction pressure (KVIndex.pressure, blocks evicted lately),
-  provided that is at most RELOCATE_RATIO (1/2) of the home's (else it stays: no ping-pong
-  between equally busy pools). Partitioned pools then share their slack the way one pooled
-  cache would, instead of one pool recomputing its sessions while another idles.
+  instance with the lowest eviction pressure (KVIndex.pressure, blocks evicted lately; only
+  instances whose events the index follows), provided that is under RELOCATE_RATIO (1/2) of
+  the home's (else it stays: no ping-pong between equally busy pools). Partitioned pools then
+  share their slack the way one pooled cache would, instead of one pool recomputing its
+  sessions while another idles.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ class DefaultPolicy(Policy):
         if len(candidates) < 2 or not index.tracks(home.name):
             return None
         counts, n = self.live.counts(), len(candidates)
-        best = min(enumerate(candidates), key=lambda p: (
+        best = min((p for p in enumerate(candidates) if index.tracks(p[1].name)), key=lambda p: (
             index.pressure(p[1].name), counts.get(p[1].name, 0), p[1].active_requests,
             (p[0] - self.kv.turn) % n))[1]
         limit = RELOCATE_RATIO * index.pressure(home.name)
