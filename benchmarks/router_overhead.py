@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.host import host_info  # noqa: E402
@@ -105,9 +106,13 @@ def measure(router: Router, requests: list[tuple[list[dict], dict]]) -> dict:
 
 
 def pressed(router: Router, convs: list[list[dict]]) -> dict:
-    """default/pressed: instance 0 evicts blocks nobody uses (its pressure > 0, the others'
-    0), then its sessions send one more turn each."""
-    home = router.instances.instances[0].name
+    """default/pressed: the instance holding the most sessions evicts blocks nobody uses (its
+    pressure > 0; every other instance holds a block and evicts none), then its sessions send
+    one more turn each."""
+    homes = Counter(router.policy.sticky.get(f"s{s}") for s in range(len(convs)))
+    home = homes.most_common(1)[0][0]
+    for inst in router.instances.instances:
+        router.index.store(inst.name, [b"other-" + inst.name.encode()])
     junk = [b"junk%d" % i for i in range(64)]
     router.index.store(home, junk)
     router.index.apply(home, KVEventBatch(ts=0.0, events=[
