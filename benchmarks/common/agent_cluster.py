@@ -304,7 +304,31 @@ def summarize(result: dict) -> dict:
             "requests_ok": m["requests"]["ok"], "errors": m["requests"]["errors"],
             "errors_by_kind": errors, "prompt_tokens": m["tokens"]["prompt"],
             "cached_tokens": m["tokens"]["cached"],
-            "hit_by_source": m["hit_rate"].get("by_source")}
+            "hit_by_source": m["hit_rate"].get("by_source"), "lost_hits": lost_hits(recs)}
+
+
+def lost_hits(recs: list[dict]) -> dict:
+    """Where served hits fall short of the infinite cache, by request kind: main agent or
+    subagent, its first measured request or a later one. lost = (theoretical - served cached
+    tokens) over all measured prompt tokens, so the kinds' shares add up to theor. - served."""
+    ok = sorted((r for r in recs if not r.get("error") and r.get("cached_tokens") is not None),
+                key=lambda r: r["send_time"])
+    total = sum(r["intended_prompt_tokens"] for r in ok) or 1
+    seen: set = set()
+    out: dict[str, dict] = {}
+    for r in ok:
+        who = (r.get("session"), r.get("agent"))
+        kind = ("main" if r.get("agent") == "main" else "subagent") + (
+            "/later" if who in seen else "/first")
+        seen.add(who)
+        k = out.setdefault(kind, {"requests": 0, "prompt": 0, "theoretical": 0, "served": 0})
+        k["requests"] += 1
+        k["prompt"] += r["intended_prompt_tokens"]
+        k["theoretical"] += r["theoretical_cached_tokens"]
+        k["served"] += r["cached_tokens"]
+    for k in out.values():
+        k["lost_share"] = round((k["theoretical"] - k["served"]) / total, 4)
+    return out
 
 
 def router_counters(url: str) -> dict:
