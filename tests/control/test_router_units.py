@@ -334,6 +334,7 @@ def test_index_pressure_counts_evicted_device_blocks_and_decays():
     assert idx.pressure("a") == pytest.approx(4.0) and idx.stats()["pressure"] == {"a": 4.0}
     idx.apply("a", batch(AllBlocksCleared()))
     assert not idx.tracks("a")  # a restarted instance: its zero overlaps mean nothing yet
+    assert idx.pressure("a") == 0.0
 
 
 def test_default_moves_a_session_whose_home_lost_its_context():

@@ -167,6 +167,7 @@ class KVIndex:
     def _clear(self, instance: str) -> None:
         for h in self._held.pop(instance, ()):
             self._drop(h, instance)
+        self._evicted.pop(instance, None)  # an emptied pool has room: no pressure left
 
     def _drop(self, h: Hashable, instance: str) -> None:
         s = self._where.get(h)
