@@ -284,28 +284,24 @@ class DefaultPolicy(Policy):
         """A move for a sticky session whose home lost its context (module doc), else None.
         The prompt is looked at only when some instance is under RELOCATE_RATIO of the home's
         pressure: with pools turning over evenly a sticky turn tokenizes nothing."""
-        index = self.kv.index
-        if len(candidates) < 2 or not index.tracks(home.name):
+        pressure = self.kv.index.pressures()  # one snapshot; only instances the index tracks
+        roomier = _roomier(pressure, home.name)
+        eligible = [(j, c) for j, c in enumerate(candidates) if c.name in roomier]
+        if not eligible or (keys := req.keys()) is None:
+            return None
+        hashes = keys[1]
+        overlaps = self.kv.index.overlaps(hashes)
+        if len(hashes) < LOST_MIN_BLOCKS or \
+                overlaps.get(home.name, 0) >= LOST_FRACTION * len(hashes):
             return None
         counts, n = self.live.counts(), len(candidates)
-        best = min((p for p in enumerate(candidates) if index.tracks(p[1].name)), key=lambda p: (
-            index.pressure(p[1].name), counts.get(p[1].name, 0), p[1].active_requests,
-            (p[0] - self.kv.turn) % n))[1]
-        limit = RELOCATE_RATIO * index.pressure(home.name)
-        if best is home or not index.pressure(best.name) < limit or (keys := req.keys()) is None:
-            return None  # strictly less: a home that evicts nothing keeps its sessions
-        hashes = keys[1]
-        overlaps = index.overlaps(hashes)
-        kept = overlaps.get(home.name, 0)
-        if len(hashes) < LOST_MIN_BLOCKS or kept >= LOST_FRACTION * len(hashes):
-            return None
+        best = min(eligible, key=lambda p: (pressure[p[1].name], counts.get(p[1].name, 0),
+                                            p[1].active_requests, (p[0] - self.kv.turn) % n))[1]
         return Decision(best, "evicted", overlaps.get(best.name, 0), moved_from=home)
 
     def needs_keys(self, req):
         if req.session in self.sticky:  # only when _lost could move it
-            p = self.kv.index.pressures()
-            home = self.sticky[req.session]
-            return home in p and min(p.values()) < RELOCATE_RATIO * p[home]
+            return bool(_roomier(self.kv.index.pressures(), self.sticky[req.session]))
         return req.parent not in self.sticky
 
     def _overloaded(self, home: Instance, candidates: list[Instance]) -> bool:
@@ -326,6 +322,15 @@ class DefaultPolicy(Policy):
 
     def sessions(self) -> int:
         return len(self.sticky)
+
+
+def _roomier(pressure: dict[str, float], home: str) -> set[str]:
+    """Tracked instances evicting under RELOCATE_RATIO x home's pressure (strictly: a home
+    that evicts nothing, or one the index does not track, keeps its sessions)."""
+    if home not in pressure:
+        return set()
+    limit = RELOCATE_RATIO * pressure[home]
+    return {name for name, p in pressure.items() if p < limit}
 
 
 class LiveSessions:
