@@ -8,6 +8,7 @@ import pytest
 
 from loomserve.control.router.instances import Instance, Lease, events_address
 from loomserve.control.router.kv_index import PRESSURE_HALF_LIFE_S, KVIndex
+from loomserve.control.router.live import LIVE_SESSION_S, LiveSessions
 from loomserve.control.router.pd import (
     decode_body,
     prefill_body,
@@ -15,7 +16,6 @@ from loomserve.control.router.pd import (
     uncached_tokens,
 )
 from loomserve.control.router.policies import (
-    LIVE_SESSION_S,
     OVERLOAD_MIN_REQUESTS,
     Decision,
     DefaultPolicy,
@@ -296,9 +296,9 @@ def test_prompt_keys_with_the_instances_chat_template(keys):
     assert ids == keys.tok.encode("[user] hi\n", add_special_tokens=False)
 
 
-def test_default_spreads_new_uncached_sessions_by_live_sessions():
-    """In-flight load is zero while agents think: a new session whose prompt is cached nowhere
-    goes where the fewest sessions are live, not to the instance idle this instant."""
+def test_default_places_new_sessions_by_overlap_and_live_sessions():
+    """In-flight load is zero while agents think: a new session goes where missing prompt
+    blocks + its prompt x live sessions is lowest, not to the instance idle this instant."""
     idx = KVIndex()
     a, b = up("http://a:1"), up("http://b:1")
     policy = DefaultPolicy(KVAware(idx, lambda: 4))
@@ -306,16 +306,47 @@ def test_default_spreads_new_uncached_sessions_by_live_sessions():
     for s in ("s1", "s2"):
         policy.choose(RouteRequest("chat", s), [a])  # two sessions live on a (b was down)
     b.active_requests, b.active_blocks = 1, 5.0  # b is busier right now, a idle
-    req, _ = _kv_request(idx, 8, session="s3")
-    d = policy.choose(req, [a, b])
-    assert (d.instance, d.reason, d.overlap) == (b, "load", 0)
-    idx.store("a:1", _kv_request(idx, 8)[1])  # a prompt cached on a: the KV cost decides
+    req, hashes = _kv_request(idx, 8, session="s3")
+    assert (policy.choose(req, [a, b]).instance, req.known_tokens) == (b, 32)
+    idx.store("a:1", hashes[:6])  # a system prompt cached on both: it decides nothing
+    idx.store("b:1", hashes[:6])
     req, _ = _kv_request(idx, 8, session="s4")
-    assert policy.choose(req, [a, b]).instance is a
+    d = policy.choose(req, [a, b])  # a: 2 + 8 x 2 live, b: 2 + 8 x 1
+    assert (d.instance, d.reason, d.overlap) == (b, "overlap", 6)
+    idx.store("a:1", hashes)  # the whole prompt cached on a only (a fork without its parent)
+    req, _ = _kv_request(idx, 8, session="s5")
+    assert policy.choose(req, [a, b]).instance is a  # a: 0 + 8 x 2, b: 8 + 8 x 2
+    for s in ("s6", "s7"):
+        policy.choose(RouteRequest("chat", s), [a])  # a now has two live sessions more
+    req, _ = _kv_request(idx, 8, session="s8")
+    assert policy.choose(req, [a, b]).instance is b  # a: 0 + 8 x 5, b: 8 + 8 x 2
     policy.live.clock = lambda: 1000.0 + LIVE_SESSION_S + 1  # everyone went quiet
     assert policy.live.counts() == {"a:1": 0, "b:1": 0}
     policy.forget("s3")
-    assert "s3" not in policy.live._last
+    assert not policy.live.tracked("s3") and policy.live.tracked("s4")
+
+
+def test_live_sessions_end_after_a_few_of_their_own_gaps():
+    now = [0.0]
+    live = LiveSessions(window_s=300.0, clock=lambda: now[0], gaps=4.0, min_s=5.0)
+    for t in (0.0, 2.0, 4.0):  # a session turning every 2 s
+        now[0] = t
+        live.seen("fast", "a")
+    live.seen("once", "a")  # one request: no gap known, live for the whole window
+    now[0] = 4.0 + 7.9
+    assert live.counts() == {"a": 2}
+    now[0] = 4.0 + 8.1  # silent for over 4 gaps of 2 s
+    assert live.counts() == {"a": 1}
+    live.seen("fast", "b")  # it came back (to another instance): counted once, there
+    assert live.counts() == {"a": 1, "b": 1}
+    assert live.ttl(0.1) == 5.0 and live.ttl(1e4) == 300.0 and live.ttl(None) == 300.0
+    now[0] = 4.0 + 8.1 + 15.0  # its mean gap grew to 0.7 x 2 + 0.3 x 8.1 s: ttl 15.3 s
+    assert live.counts() == {"a": 1, "b": 1}
+    now[0] = 4.0 + 300.1  # "once" ends with the window
+    assert live.counts() == {"a": 0, "b": 0} and live.tracked("once")
+    live.drop("fast")
+    live.drop("fast")
+    assert not live.tracked("fast")
 
 
 def test_index_pressure_counts_evicted_device_blocks_and_decays():

@@ -18,12 +18,15 @@ Policies:
   cached there) + active blocks (what its in-flight requests hold). Weight 1.0 (Dynamo's
   default) prices one block to prefill like one block already decoding; raise it to chase
   cache hits harder (long prompts), lower it to spread load (short prompts, long outputs).
-- default: sessions stick to their instance (no tokenization on a sticky turn); a new session,
-  a session whose home is gone, and a request without session are placed by the kv_aware cost,
-  except that a new session whose prompt is cached nowhere goes to the instance with the fewest
-  live sessions (a request in the last LIVE_SESSION_S seconds), then fewest in-flight requests:
-  in-flight load is ~0 while agents think, and the sessions between turns are the KV each
-  instance must keep, so placing by it spreads the resident contexts evenly;
+- default: sessions stick to their instance (no tokenization on a sticky turn). A new session
+  goes where missing prompt blocks + P x live sessions is lowest (P: its prompt in blocks;
+  live: router/live.py, silent for under a few of its own gaps), then fewest in-flight
+  requests: the sessions between turns are the KV each instance must keep (in-flight load is
+  ~0 while agents think), so an instance with one live session more must be P blocks worse
+  on overlap to lose the session: a system prompt cached on every instance decides nothing,
+  a context cached on one instance only (a fork sent without its parent) keeps it there
+  unless its live sessions exceed the others' by two. A session whose home is gone, and a
+  request without session, are placed by the kv_aware cost;
   a subagent's first request (X-Parent-Session-ID) starts on its parent's instance. A session
   moves only when its home is down, or overloaded: its active blocks exceed OVERLOAD_FACTOR
   (1.5) x the mean over healthy instances AND it has at least OVERLOAD_MIN_REQUESTS (4)
@@ -43,7 +46,6 @@ Policies:
 from __future__ import annotations
 
 import math
-import time
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
@@ -53,6 +55,7 @@ import xxhash
 
 from loomserve.control.router.instances import Instance
 from loomserve.control.router.kv_index import KVIndex
+from loomserve.control.router.live import LIVE_SESSION_S, LiveSessions
 
 REASONS = ("stickiness", "overlap", "load", "fallback", "evicted")
 POLICIES = ("default", "round_robin", "least_loaded", "session", "kv_aware")
@@ -61,7 +64,6 @@ OVERLOAD_FACTOR = 1.5
 OVERLOAD_MIN_REQUESTS = 4
 VNODES = 128
 MAX_STICKY_SESSIONS = 100_000
-LIVE_SESSION_S = 300.0  # a session with a request this recent counts as live on its instance
 LOST_FRACTION = 0.5
 LOST_MIN_BLOCKS = 4
 RELOCATE_RATIO = 0.5
@@ -262,23 +264,30 @@ class DefaultPolicy(Policy):
             home = by_name.get(self.sticky[req.parent])
             if home is not None and not self._overloaded(home, candidates):
                 return self._keep(key, Decision(home, "stickiness"))
+        if moved is None and key is not None and len(candidates) > 1:
+            return self._keep(key, self._place(req, candidates))
         d = self.kv.choose(req, candidates)
-        if moved is None and d.reason == "load" and key is not None and len(candidates) > 1:
-            d = self._spread(req, candidates, d)
         if moved is not None:
             d.reason, d.moved_from = moved, left
         return self._keep(key, d)
 
-    def _spread(self, req, candidates: list[Instance], d: Decision) -> Decision:
-        """A new session cached nowhere: the instance with the fewest live sessions."""
-        if any(self.kv.index.overlaps(req.keys()[1]).get(i.name, 0) for i in candidates):
-            return d  # the KV cost chose load over a real overlap: keep that choice
-        counts = self.live.counts()
-        n = len(candidates)
+    def _place(self, req, candidates: list[Instance]) -> Decision:
+        """A new session: lowest prompt blocks missing there + P x live sessions there, where
+        P is this prompt's length in blocks (the resident KV a live session is taken to hold);
+        ties by in-flight requests, then blocks (module doc)."""
+        keys = req.keys()
+        if keys is None:
+            return self.kv.choose(req, candidates)
+        self.kv.turn += 1
+        hashes = keys[1]
+        prompt = math.ceil(len(keys[0]) / self.kv.block_size())
+        overlaps = self.kv.index.overlaps(hashes) if hashes else {}
+        counts, n = self.live.counts(), len(candidates)
         best = min(enumerate(candidates), key=lambda p: (
-            counts.get(p[1].name, 0), p[1].active_requests, p[1].active_blocks,
-            (p[0] - self.kv.turn) % n))[1]
-        return Decision(best, "load", 0)
+            prompt - overlaps.get(p[1].name, 0) + prompt * counts.get(p[1].name, 0),
+            p[1].active_requests, p[1].active_blocks, (p[0] - self.kv.turn) % n))[1]
+        ov = overlaps.get(best.name, 0)
+        return Decision(best, "overlap" if ov else "load", ov)
 
     def _lost(self, req, home: Instance, candidates: list[Instance]) -> Decision | None:
         """A move for a sticky session whose home lost its context (module doc), else None.
@@ -331,35 +340,6 @@ def _roomier(pressure: dict[str, float], home: str) -> set[str]:
         return set()
     limit = RELOCATE_RATIO * pressure[home]
     return {name for name, p in pressure.items() if p < limit}
-
-
-class LiveSessions:
-    """Sessions with a request in the last `window_s` seconds, counted per instance. O(1)
-    amortized: entries sit in last-request order, expired ones leave from the front."""
-
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.window_s, self.clock = window_s, clock
-        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (inst, t)
-        self._count: dict[str, int] = {}
-
-    def seen(self, session: str, instance: str) -> None:
-        self.drop(session)
-        self._last[session] = (instance, self.clock())
-        self._count[instance] = self._count.get(instance, 0) + 1
-
-    def drop(self, session: str) -> None:
-        old = self._last.pop(session, None)
-        if old is not None:
-            self._count[old[0]] -= 1
-
-    def counts(self) -> dict[str, int]:
-        horizon = self.clock() - self.window_s
-        while self._last:
-            session, (_, t) = next(iter(self._last.items()))
-            if t >= horizon:
-                break
-            self.drop(session)
-        return self._count
 
 
 def make_policy(name: str, index: KVIndex, block_size: Callable[[], int],
