@@ -427,3 +427,14 @@ def test_default_sticky_turn_tokenizes_only_when_a_move_could_follow():
     assert (policy.choose(sticky, [a, b]).reason, calls) == ("stickiness", [])
     idx.apply("a:1", batch(BlockRemoved(block_hashes=[b"a2"], medium=MEDIUM_GPU)))
     assert policy.needs_keys(RouteRequest("chat", "s1"))  # 1 < 0.5 x 3: worth a look
+
+
+def test_live_sessions_heap_stays_bounded_by_the_sessions():
+    now = [0.0]
+    live = LiveSessions(window_s=300.0, clock=lambda: now[0])
+    for i in range(2000):  # two sessions, many turns: each turn supersedes a heap entry
+        now[0] = i * 0.5
+        live.seen(f"s{i % 2}", "a")
+    assert len(live._heap) <= 2 * 2 + 64 and live.counts() == {"a": 2}
+    now[0] = 2000.0  # both silent for far more than 4 gaps of 1 s
+    assert live.counts() == {"a": 0}

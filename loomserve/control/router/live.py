@@ -9,7 +9,8 @@ balanced sessions ever seen, not sessions holding KV now.
 
 Invariants: `counts()[i]` is the number of tracked sessions whose last request went to i and
 whose deadline has not passed; each tracked session has exactly one heap entry with its
-current sequence number (older entries are skipped when they surface).
+current sequence number (older entries are skipped when they surface); the heap is rebuilt
+from the live sessions' entries when it outgrows twice their number, so it stays O(sessions).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class _Session:
     last: float
     gap: float | None
     seq: int
+    deadline: float
     counted: bool = True
 
 
@@ -54,10 +56,14 @@ class LiveSessions:
             step = now - old.last
             gap = step if old.gap is None else (1 - GAP_EMA) * old.gap + GAP_EMA * step
             self._uncount(old)
-        seq = next(self._seq)
-        self._sessions[session] = _Session(instance, now, gap, seq)
+        seq, deadline = next(self._seq), now + self.ttl(gap)
+        self._sessions[session] = _Session(instance, now, gap, seq, deadline)
         self._count[instance] = self._count.get(instance, 0) + 1
-        heapq.heappush(self._heap, (now + self.ttl(gap), seq, session))
+        heapq.heappush(self._heap, (deadline, seq, session))
+        if len(self._heap) > 2 * len(self._sessions) + 64:  # superseded entries pile up
+            self._heap = [(s.deadline, s.seq, name) for name, s in self._sessions.items()
+                          if s.counted]
+            heapq.heapify(self._heap)
 
     def ttl(self, gap: float | None) -> float:
         """How long a session with this mean gap stays live after a request."""
