@@ -19,8 +19,8 @@ Policies:
   default) prices one block to prefill like one block already decoding; raise it to chase
   cache hits harder (long prompts), lower it to spread load (short prompts, long outputs).
 - default: sessions stick to their instance (no tokenization on a sticky turn). A new session
-  goes where missing prompt blocks + P x live sessions is lowest (P: its prompt in blocks;
-  live: router/live.py, silent for under a few of its own gaps), then fewest in-flight
+  goes where the KV cost with P x live sessions as its load is lowest (P: its prompt in
+  blocks; live: router/live.py, silent for under a few of its own gaps), then fewest in-flight
   requests: the sessions between turns are the KV each instance must keep (in-flight load is
   ~0 while agents think), so an instance with one live session more must be P blocks worse
   on overlap to lose the session: a system prompt cached on every instance decides nothing,
@@ -202,7 +202,10 @@ class KVAware(Policy):
     def needs_keys(self, req):
         return True
 
-    def choose(self, req, candidates):
+    def choose(self, req, candidates, load: Callable[[Instance, int], tuple] | None = None):
+        """Lowest weight x new prefill blocks + load; `load(instance, prompt blocks)` is the
+        rest of the cost key, its first item in blocks (default: active blocks, then in-flight
+        requests); ties rotate."""
         self.turn += 1
         keys = req.keys()
         if keys is None:
@@ -210,17 +213,22 @@ class KVAware(Policy):
         ids, hashes = keys
         prompt_blocks = math.ceil(len(ids) / self.block_size())
         overlaps = self.index.overlaps(hashes)
+        load = load or _in_flight
         n = len(candidates)
 
         def cost(pair):
             j, inst = pair
+            blocks, *rest = load(inst, prompt_blocks)
             new_blocks = prompt_blocks - overlaps.get(inst.name, 0)
-            return (self.weight * new_blocks + inst.active_blocks, inst.active_requests,
-                    (j - self.turn) % n)
+            return (self.weight * new_blocks + blocks, *rest, (j - self.turn) % n)
 
         best = min(enumerate(candidates), key=cost)[1]
         ov = overlaps.get(best.name, 0)
         return Decision(best, "overlap" if ov else "load", ov)
+
+
+def _in_flight(inst: Instance, prompt_blocks: int) -> tuple:
+    return inst.active_blocks, inst.active_requests
 
 
 def overloaded(inst: Instance, candidates: list[Instance], factor: float = OVERLOAD_FACTOR,
@@ -272,22 +280,12 @@ class DefaultPolicy(Policy):
         return self._keep(key, d)
 
     def _place(self, req, candidates: list[Instance]) -> Decision:
-        """A new session: lowest prompt blocks missing there + P x live sessions there, where
-        P is this prompt's length in blocks (the resident KV a live session is taken to hold);
-        ties by in-flight requests, then blocks (module doc)."""
-        keys = req.keys()
-        if keys is None:
-            return self.kv.choose(req, candidates)
-        self.kv.turn += 1
-        hashes = keys[1]
-        prompt = math.ceil(len(keys[0]) / self.kv.block_size())
-        overlaps = self.kv.index.overlaps(hashes) if hashes else {}
-        counts, n = self.live.counts(), len(candidates)
-        best = min(enumerate(candidates), key=lambda p: (
-            prompt - overlaps.get(p[1].name, 0) + prompt * counts.get(p[1].name, 0),
-            p[1].active_requests, p[1].active_blocks, (p[0] - self.kv.turn) % n))[1]
-        ov = overlaps.get(best.name, 0)
-        return Decision(best, "overlap" if ov else "load", ov)
+        """A new session: the KV cost with P x live sessions there as the load, where P is its
+        prompt in blocks (the resident KV a live session is taken to hold); ties by in-flight
+        requests, then blocks (module doc)."""
+        counts = self.live.counts()
+        return self.kv.choose(req, candidates, lambda inst, prompt: (
+            prompt * counts.get(inst.name, 0), inst.active_requests, inst.active_blocks))
 
     def _lost(self, req, home: Instance, candidates: list[Instance]) -> Decision | None:
         """A move for a sticky session whose home lost its context (module doc), else None.
