@@ -37,6 +37,7 @@ from common import RESULTS_DIR, host_info  # noqa: E402
 from common.agent_cluster import (  # noqa: E402
     Instance,
     ResultStore,
+    instance_counters,
     kv_bytes_per_token,
     prepare_traces,
     replay,
@@ -152,6 +153,7 @@ def run_one(key: str, a, traces: list[str], plan: dict, slot: int) -> dict:
         row = summarize(res)
         if router is not None and hasattr(router, "server"):
             row["router_counters"] = router_counters(router.url)
+        row["instance_counters"] = {i.name: instance_counters(i.url) for i in insts}
         if fault:
             row["fault"] = {**log, "replay_finished": True,
                             "output_check": check_outputs(res, insts[0].url)}

@@ -333,6 +333,16 @@ def lost_hits(recs: list[dict]) -> dict:
 
 def router_counters(url: str) -> dict:
     """The router's request/PD/error counters from its /metrics (name{labels} -> value)."""
+    return metric_counters(url, "loomserve_router_")
+
+
+def instance_counters(url: str) -> dict:
+    """An instance's preemption and prefix-cache counters from its /metrics."""
+    return metric_counters(url, "loomserve_num_preemptions", "loomserve_prefix_cache_")
+
+
+def metric_counters(url: str, *prefixes: str) -> dict:
+    """Counters (`_total` samples) from url's /metrics whose names start with a prefix."""
     import httpx
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
@@ -340,8 +350,8 @@ def router_counters(url: str) -> dict:
         return {}
     out = {}
     for ln in text.splitlines():
-        if ln.startswith("loomserve_router_") and "_total{" in ln:
-            name, _, value = ln.rpartition(" ")
+        name, _, value = ln.rpartition(" ")
+        if ln.startswith(prefixes) and "_total" in name:
             out[name] = float(value)
     return out
 

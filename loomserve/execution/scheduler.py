@@ -99,6 +99,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.kv.refresh_prefix(req)
         if self.tiers is not None:
             self.tiers.on_add(req)
 

@@ -146,6 +146,22 @@ class KVCacheManager:
             self.stats.prefix_hit_tokens += num_hit
         return hit, num_hit
 
+    def refresh_prefix(self, req: KVRequest) -> int:
+        """A request arrived that will hit its cached prefix: make those blocks the most
+        recently used (tail first, so chain heads stay longest), as if used now. Its wait in
+        the queue then evicts what no waiting request needs before its own prefix (LRU from
+        the last use alone evicts first the session back from the longest tool call, the one
+        about to run). Takes no reference; returns the blocks refreshed."""
+        if not self.enable_caching:
+            return 0
+        hit, _ = self.get_computed_blocks(req, record_stats=False)
+        null = self.pool.null_block
+        blocks = [b for group in hit.blocks for b in group if b is not None and b is not null]
+        if blocks:
+            self.pool.touch(blocks)
+            self.pool.free(reversed(blocks))
+        return len(blocks)
+
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: KVHit | None = None,
                        num_hit_tokens: int = 0, cache: bool = True) -> bool:

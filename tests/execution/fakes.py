@@ -73,6 +73,10 @@ class FakeKV:
             self.stats.prefix_hit_tokens += n
         return FakeHit(req.request_id, n), n
 
+    def refresh_prefix(self, req: Request) -> int:
+        """No recency order here (prefixes never evict): nothing to refresh, nothing logged."""
+        return 0
+
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: FakeHit | None = None,
                        num_hit_tokens: int = 0) -> bool:
         rid, bs = req.request_id, self.block_size

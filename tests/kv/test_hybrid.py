@@ -271,3 +271,18 @@ def test_scheduler_passes_state_directives():
     seq = out.model_input.seqs[0]
     d = seq.states[kv.state_groups[0]]
     assert d.zero_init and seq.block_ids[kv.state_groups[0]] == [d.running_block]
+
+
+def test_refresh_prefix_on_hybrid_groups_keeps_counts_and_hits():
+    """Sliding (null blocks before the window) and state groups (None before the checkpoint):
+    refreshing an arrived turn's prefix takes no reference and changes no hit."""
+    kv = KVCacheManager(make_hybrid_config(48, window=8))
+    a = Req("a", list(range(30)))
+    run(kv, a)
+    kv.free(a)
+    nxt = Req("a2", list(range(30)) + [99, 98])
+    free, hit = kv.num_free_blocks, kv.get_computed_blocks(nxt, record_stats=False)[1]
+    assert hit > 0 and kv.refresh_prefix(nxt) > 0
+    assert kv.num_free_blocks == free
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks if b is not kv.pool.null_block)
+    assert kv.get_computed_blocks(nxt, record_stats=False)[1] == hit

@@ -211,3 +211,24 @@ def test_hit_for_request_holding_blocks_rejected_without_change():
         kv.allocate_slots(b, 1, hit, n)
     assert kv.num_free_blocks == free and all(
         blk.ref_cnt == 1 for blk in kv.pool.blocks if blk.block_id in kv.get_block_ids("a")[0])
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
+@pytest.mark.parametrize("refresh", [False, True])
+def test_refresh_prefix_keeps_an_arrived_requests_prefix_past_older_blocks(eviction, refresh):
+    """A session back from a long tool call has the oldest blocks; once its next turn has
+    arrived (refresh_prefix), blocks freed after its last use are evicted before its prefix."""
+    kv = KVCacheManager(make_config(8, 4), eviction=eviction)
+    a, b = Req("a", list(range(12))), Req("b", list(range(100, 112)))
+    run_prompt(kv, a)
+    kv.free(a)  # a's three blocks are the oldest hashed ones
+    run_prompt(kv, b)
+    kv.free(b)
+    a2 = Req("a2", list(range(16)), session_id="a")
+    if refresh:
+        assert kv.refresh_prefix(a2) == 3
+    assert kv.stats.prefix_queried_tokens == 24  # the refresh probe is not counted
+    cold = Req("c", list(range(500, 520)))  # 5 blocks: the 2 never used + 3 hashed
+    run_prompt(kv, cold)
+    assert kv.get_computed_blocks(a2)[1] == (12 if refresh else 0)
+    assert kv.get_computed_blocks(Req("b2", list(range(100, 116))))[1] == (0 if refresh else 12)
