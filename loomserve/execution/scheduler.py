@@ -238,9 +238,8 @@ class Scheduler:
     def _victim(self, req: Request, n: int, done: set[str]) -> Request:
         """fcfs: the most recently admitted; otherwise the cheapest to recompute among the
         running requests not given blocks yet this step (preemption.py)."""
-        if self.policy == "fcfs":
-            return self.running[-1]
-        return victim_for(req, n, self.running, done, self.kv, self.cost_model, self.layout)
+        return self.running[-1] if self.policy == "fcfs" else victim_for(
+            req, n, self.running, done, self.kv, self.cost_model, self.layout)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs or \
