@@ -91,7 +91,7 @@ def instances_for(policy: str, nbytes: int, a, slot: int) -> list[Instance]:
     if policy == "ideal":  # one instance, 3x the pool, the machine's two cores
         return [Instance("ideal", ps[0], ps[0] + 1,
                          serve_argv(ps[0], 3 * nbytes, a.max_context, a.dtype, ps[0] + 1, model),
-                         threads=2)]
+                         threads=a.ideal_threads)]
     return [Instance(f"inst{i}", p, p + 1,
                      serve_argv(p, nbytes, a.max_context, a.dtype, p + 1, model))
             for i, p in enumerate(ps)]
@@ -225,6 +225,8 @@ def main() -> int:
                     help="fixed work: each live session replays one trace to its end (bench "
                          "agentx --once; --duration caps it), so every run, the ideal included, "
                          "serves the same requests")
+    ap.add_argument("--ideal-threads", type=int, default=2,
+                    help="torch threads of the ideal instance (default: the 2 cores it has alone)")
     ap.add_argument("--force", action="store_true", help="redo runs already in the results")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "router_agentx.json"))
     a = ap.parse_args()

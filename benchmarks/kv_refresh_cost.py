@@ -1,0 +1,68 @@
+"""Cost of `KVCacheManager.refresh_prefix` (an arriving request's cached prefix made the most
+recently used) beside the prefix probe that hashes the prompt, at long contexts.
+
+A prompt of N tokens is computed and freed; then, per repeat, a fresh request with the same
+prompt plus 64 new tokens is probed (`get_computed_blocks`, which hashes the prompt), and
+another is refreshed (`refresh_prefix`: hashing + lookup + touch and re-free of every hit
+block). The difference is what the refresh adds to a request's arrival.
+
+    python benchmarks/kv_refresh_cost.py [--tokens 131072] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loomserve.kv.cache_manager import KVCacheManager
+from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    session_id: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    a = ap.parse_args()
+    spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=1, head_dim=8,
+                             dtype=torch.float16)
+    blocks = a.tokens // a.block_size + 64
+    kv = KVCacheManager(KVCacheConfig(num_blocks=blocks, groups=(KVCacheGroup(spec, (0,)),)))
+    prompt = list(range(a.tokens))
+    first = Req("first", prompt, len(prompt))
+    hit, n = kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, len(prompt) - n, hit, n)
+    first.num_computed_tokens = len(prompt)
+    kv.free(first)
+    probe, refresh = [], []
+    for k in range(a.repeats):
+        tokens = prompt + [7] * 64
+        t0 = time.perf_counter()
+        kv.get_computed_blocks(Req(f"p{k}", list(tokens), len(tokens)), record_stats=False)
+        t1 = time.perf_counter()
+        n = kv.refresh_prefix(Req(f"r{k}", list(tokens), len(tokens)))
+        t2 = time.perf_counter()
+        probe.append(t1 - t0)
+        refresh.append(t2 - t1)
+    p, r = statistics.median(probe) * 1e3, statistics.median(refresh) * 1e3
+    print(f"{a.tokens} tokens, {n} hit blocks: probe {p:.2f} ms, refresh {r:.2f} ms "
+          f"(adds {r - p:.2f} ms; medians of {a.repeats})")
+
+
+if __name__ == "__main__":
+    main()
