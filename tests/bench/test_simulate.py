@@ -81,9 +81,11 @@ def reference_lru(w: Workload, num_blocks: int) -> tuple[int, int]:
     the hit is the longest cached prefix within (n - 1) // bs blocks; the request then needs
     ceil(n / bs) blocks at once (its hit blocks plus new ones, taken from unused blocks first,
     then least recently used cached ones; if they do not all fit it gets what is there and
-    caches only that prefix); it caches its full blocks (a key already cached elsewhere keeps
-    that copy, in place); when it ends its blocks become free tail first, so its head ends up
-    most recent. With append_outputs it then grows by its output tokens the same way."""
+    caches only that prefix); it offers each full block to the cache once, when it is
+    computed (a key already cached elsewhere keeps that copy, in place, and the new block
+    stays unhashed even if that copy is evicted later, as the manager does); when it ends
+    its blocks become free tail first, so its head ends up most recent. With append_outputs
+    it then grows by its output tokens the same way."""
     bs = w.block_size
     cache: OrderedDict[tuple, None] = OrderedDict()  # cached free blocks, LRU first
     unused = num_blocks  # free blocks holding nothing
@@ -98,10 +100,11 @@ def reference_lru(w: Workload, num_blocks: int) -> tuple[int, int]:
         for k in keys[:h]:
             del cache[k]
         held: list[tuple | None] = list(keys[:h])  # the request's blocks; None = unhashed
+        done = h  # full blocks already offered to the cache (a duplicate stays unhashed)
 
         def grow(base: int, target: int) -> bool:
             """Cover `target` tokens (base already computed); False if truncated."""
-            nonlocal unused
+            nonlocal unused, done
             want = -(-target // bs) - len(held)
             room = unused + len(cache)
             covered = target if want <= room else base + min(target - base, room * bs)
@@ -112,9 +115,11 @@ def reference_lru(w: Workload, num_blocks: int) -> tuple[int, int]:
                 cache.popitem(last=False)
             held.extend([None] * take)
             all_keys = prefix_keys(w, r, toks)
-            for i in range(min(covered, len(toks)) // bs):
+            full = min(covered, len(toks)) // bs
+            for i in range(done, full):
                 if held[i] is None and all_keys[i] not in cache and all_keys[i] not in held:
                     held[i] = all_keys[i]
+            done = max(done, full)
             return want <= room
 
         ok = grow(h * bs, n)
@@ -175,6 +180,23 @@ def test_lru_manager_matches_reference(sessions, blocks, draw_bs, semantics, out
     w = workload(sessions, draw_bs, semantics=semantics, append_outputs=outputs)
     res = run_lru(w, blocks * w.block_size)
     assert (res.hit_tokens, res.counted_tokens) == reference_lru(w, res.num_blocks)
+
+
+def test_lru_duplicate_stays_unhashed_after_its_original_is_evicted():
+    """Found by the property above: a re-computed block whose key another block holds stays
+    unhashed, even when growing for the outputs evicts that other block (the manager offers
+    each block to the cache once); the next turn then hits 3 of [1, 1, 2, 2, -7], not 4."""
+    def req(t, i, o, h):
+        return TraceRequest(t=t, in_tokens=i, out_tokens=o, hash_ids=h, think_time=0.0,
+                            api_time=None, streaming=False, stop=None, agent="main")
+    sessions = [Session("trace0", "", 2, [], [req(2.0, 1, 0, ()), req(2.0, 1, 3, ())], []),
+                Session("trace1", "", 2, [], [req(0.5, 4, 0, (1, 2)), req(0.5, 2, 0, (1,)),
+                                              req(2.5, 4, 1, (1, 2)), req(2.5, 5, 0, (1, 2))],
+                        []),
+                Session("trace2", "", 2, [], [req(0.0, 1, 0, ())], [])]
+    w = workload(sessions, 1, semantics="loomserve", append_outputs=True)
+    res = run_lru(w, 10 * w.block_size)
+    assert (res.hit_tokens, res.counted_tokens) == reference_lru(w, res.num_blocks) == (7, 18)
 
 
 def test_lru_reference_sanity():
