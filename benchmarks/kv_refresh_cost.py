@@ -14,23 +14,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from loomserve.kv.cache_manager import KVCacheManager
-from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    session_id: str | None = None
-    block_hashes: list[bytes] = field(default_factory=list)
+# The simulator's manager (token-level spec) and request stand-in: nothing here is new.
+from loomserve.bench.simulate.policies import _make_manager
+from loomserve.bench.simulate.workload import _KVReq
 
 
 def main() -> None:
@@ -39,12 +26,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
-    spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=1, head_dim=8,
-                             dtype=torch.float16)
-    blocks = a.tokens // a.block_size + 64
-    kv = KVCacheManager(KVCacheConfig(num_blocks=blocks, groups=(KVCacheGroup(spec, (0,)),)))
+    kv = _make_manager(a.tokens // a.block_size + 64, a.block_size, 1)
     prompt = list(range(a.tokens))
-    first = Req("first", prompt, len(prompt))
+    first = _KVReq("first", prompt, None, None)
     hit, n = kv.get_computed_blocks(first)
     assert kv.allocate_slots(first, len(prompt) - n, hit, n)
     first.num_computed_tokens = len(prompt)
@@ -53,9 +37,9 @@ def main() -> None:
     for k in range(a.repeats):
         tokens = prompt + [7] * 64
         t0 = time.perf_counter()
-        kv.get_computed_blocks(Req(f"p{k}", list(tokens), len(tokens)), record_stats=False)
+        kv.get_computed_blocks(_KVReq(f"p{k}", list(tokens), None, None), record_stats=False)
         t1 = time.perf_counter()
-        n = kv.refresh_prefix(Req(f"r{k}", list(tokens), len(tokens)))
+        n = kv.refresh_prefix(_KVReq(f"r{k}", list(tokens), None, None))
         t2 = time.perf_counter()
         probe.append(t1 - t0)
         refresh.append(t2 - t1)
