@@ -6,7 +6,13 @@ import os
 
 import pytest
 
-from loomserve.control.router.instances import Instance, Lease, events_address
+from loomserve.control.router.instances import (
+    LOAD_WINDOW_S,
+    Instance,
+    Lease,
+    LoadAverage,
+    events_address,
+)
 from loomserve.control.router.kv_index import PRESSURE_HALF_LIFE_S, KVIndex
 from loomserve.control.router.live import LIVE_SESSION_S, LiveSessions
 from loomserve.control.router.pd import (
@@ -123,7 +129,10 @@ def test_kv_aware_prefers_overlap_until_load_outweighs_it():
 
 def test_default_sticks_then_moves_only_when_overloaded():
     idx = KVIndex()
+    now = [0.0]
     a, b = up("http://a:1"), up("http://b:1")
+    for inst in (a, b):
+        inst.load = LoadAverage(LOAD_WINDOW_S, clock=lambda: now[0])
     policy = DefaultPolicy(KVAware(idx, lambda: 4))
     req, hashes = _kv_request(idx, 8, session="s1")
     idx.store("a:1", hashes)
@@ -131,12 +140,18 @@ def test_default_sticks_then_moves_only_when_overloaded():
     sticky, _ = _kv_request(idx, 8, session="s1")
     d = policy.choose(sticky, [a, b])
     assert (d.instance, d.reason) == (a, "stickiness")
-    a.active_blocks, a.active_requests = 100.0, OVERLOAD_MIN_REQUESTS - 1
+    a.active_blocks = b.active_blocks = 20.0
+    now[0] += 5 * LOAD_WINDOW_S  # both have held 20 blocks for long
+    a.active_blocks, a.active_requests = 100.0, OVERLOAD_MIN_REQUESTS
+    now[0] += 1.0  # a 1 s burst: 100 > 1.5 x 60 now, but a averages ~22.6 against b's 20
+    assert policy.choose(sticky, [a, b]).instance is a
+    now[0] += 3 * LOAD_WINDOW_S  # sustained: a averages ~96 > 1.5 x mean ~58
+    a.active_requests = OVERLOAD_MIN_REQUESTS - 1
     assert policy.choose(sticky, [a, b]).instance is a  # few requests: not an overload
     a.active_requests = OVERLOAD_MIN_REQUESTS
     req, _ = _kv_request(idx, 8, session="s1")
     d = policy.choose(req, [a, b])
-    assert (d.instance, d.reason, d.moved_from) == (b, "load", a)
+    assert (d.instance, d.reason, d.moved_from) == (b, "overload", a)
     a.active_blocks, a.active_requests = 0.0, 0
     assert policy.choose(RouteRequest("chat", "s1"), [a, b]).instance is b  # new home sticks
 

@@ -40,8 +40,8 @@ def add_router_parser(sub) -> None:
                         "cost (default: %(default)s)")
     p.add_argument("--overload-factor", type=float, default=OVERLOAD_FACTOR,
                    help="default policy: a session leaves its instance when that one's active "
-                        "blocks exceed this x the mean of the healthy instances... "
-                        "(default: %(default)s)")
+                        "blocks exceed this x the mean of the healthy instances, now and "
+                        "averaged over ~30 s... (default: %(default)s)")
     p.add_argument("--overload-min-requests", type=int, default=OVERLOAD_MIN_REQUESTS,
                    metavar="N", help="...and it has at least N requests in flight "
                    "(default: %(default)s)")

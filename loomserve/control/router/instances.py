@@ -10,7 +10,9 @@ its /info is read again (it may have restarted with other event endpoints).
 Load: the router counts what it sent and has not seen finish: in-flight requests and their
 blocks (the whole prompt plus the tokens generated so far, over block_size: what the request
 holds in the instance's KV pool while it decodes). A `Lease` adds a request on creation and
-takes exactly what it added away on release().
+takes exactly what it added away on release(). Beside the present blocks, each instance keeps
+their time-weighted average over about the last LOAD_WINDOW_S seconds (`LoadAverage`), so a
+policy can tell a sustained overload from a burst that drains by itself.
 
 Invariants: an instance that is down holds nothing in the KV index (cleared when it goes
 down, refilled only by events after it is up again); `went_down` is set exactly while the
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -33,6 +37,32 @@ from loomserve.control.router.kv_index import KVIndex
 logger = logging.getLogger("loomserve.control.router")
 
 WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+LOAD_WINDOW_S = 30.0
+
+
+class LoadAverage:
+    """The time-weighted exponential average of a piecewise-constant load (`value`), with time
+    constant `tau` s: a level held for tau counts 63%, a burst of tau/10 under 10%.
+    Invariant: `avg` is the average up to time `t`; between set() calls the load was `value`."""
+
+    def __init__(self, tau: float = LOAD_WINDOW_S, clock=time.monotonic) -> None:
+        self.tau, self.clock = tau, clock
+        self.value = self.avg = 0.0
+        self.t = clock()
+
+    def set(self, value: float) -> None:
+        self._advance()
+        self.value = value
+
+    def average(self) -> float:
+        self._advance()
+        return self.avg
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if now > self.t:
+            self.avg = self.value + (self.avg - self.value) * math.exp((self.t - now) / self.tau)
+            self.t = now
 
 
 @dataclass(eq=False)
@@ -42,13 +72,21 @@ class Instance:
     up: bool = False
     fails: int = 0
     active_requests: int = 0
-    active_blocks: float = 0.0
+    load: LoadAverage = field(default_factory=LoadAverage)  # active blocks, now and averaged
     subscriber: object | None = None
     went_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self.went_down.set()  # down until a health check says otherwise
+
+    @property
+    def active_blocks(self) -> float:
+        return self.load.value
+
+    @active_blocks.setter
+    def active_blocks(self, blocks: float) -> None:
+        self.load.set(blocks)
 
     @property
     def name(self) -> str:
