@@ -85,15 +85,26 @@ def ports(slot: int) -> tuple[int, list[int]]:
     return base, [base + 10, base + 20, base + 30]
 
 
+def pin_args(a, pool_bytes: int) -> list[str]:
+    """Session pinning flags: --pin-ttl seconds, a budget of --pin-share of each pool."""
+    if a.pin_ttl <= 0:
+        return []
+    return ["--session-pin-ttl", str(a.pin_ttl),
+            "--session-pin-budget", str(int(a.pin_share * pool_bytes))]
+
+
 def instances_for(policy: str, nbytes: int, a, slot: int) -> list[Instance]:
     _, ps = ports(slot)
     model = [a.model] if a.model else []
     if policy == "ideal":  # one instance, 3x the pool, the machine's two cores
         return [Instance("ideal", ps[0], ps[0] + 1,
-                         serve_argv(ps[0], 3 * nbytes, a.max_context, a.dtype, ps[0] + 1, model),
+                         serve_argv(ps[0], 3 * nbytes, a.max_context, a.dtype, ps[0] + 1,
+                                    model + pin_args(a, 3 * nbytes)),
                          threads=a.ideal_threads)]
     return [Instance(f"inst{i}", p, p + 1,
-                     serve_argv(p, nbytes, a.max_context, a.dtype, p + 1, model))
+                     serve_argv(p, nbytes, a.max_context, a.dtype, p + 1,
+                                model + pin_args(a, nbytes)),
+                     threads=a.instance_threads)
             for i, p in enumerate(ps)]
 
 
@@ -144,7 +155,8 @@ def run_one(key: str, a, traces: list[str], plan: dict, slot: int) -> dict:
             endpoint = insts[0].url
         else:
             router_port, _ = ports(slot)
-            router = start_router([i.url for i in insts], router_port, policy)
+            router = start_router([i.url for i in insts], router_port, policy,
+                                  a.router_args.split())
             endpoint = router.url
         log: dict = {}
         during = killer(insts[1], a.kill_at, log) if fault else None
@@ -227,6 +239,16 @@ def main() -> int:
                          "serves the same requests")
     ap.add_argument("--ideal-threads", type=int, default=2,
                     help="torch threads of the ideal instance (default: the 2 cores it has alone)")
+    ap.add_argument("--instance-threads", type=int, default=1,
+                    help="torch threads of each of the three instances (default 1: three share "
+                         "two cores)")
+    ap.add_argument("--pin-ttl", type=float, default=0.0,
+                    help="instances pin each session's prefix through pauses this long (s; 0: off)")
+    ap.add_argument("--pin-share", type=float, default=0.5,
+                    help="pin budget as a share of each instance's pool")
+    ap.add_argument("--router-args", default="",
+                    help="extra `loomserve router` flags in one string, e.g. "
+                         "\"--overload-factor 2\"")
     ap.add_argument("--force", action="store_true", help="redo runs already in the results")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "router_agentx.json"))
     a = ap.parse_args()
