@@ -52,3 +52,21 @@ def test_leases_drive_the_instance_load():
     lease.release()
     assert inst.active_blocks == 0.0
     assert math.isclose(inst.load.average(), 4.0 * (1 - math.exp(-1.0)))
+
+
+def test_metrics_show_the_averaged_load():
+    from types import SimpleNamespace
+
+    from loomserve.control.router.kv_index import KVIndex
+    from loomserve.control.router.metrics import RouterMetrics
+
+    now = [0.0]
+    inst = Instance("http://a:1")
+    inst.load = LoadAverage(30.0, clock=lambda: now[0])
+    inst.active_blocks = 10.0
+    now[0] = 30.0
+    m = RouterMetrics()
+    m.refresh(SimpleNamespace(instances=[inst]), KVIndex(), SimpleNamespace(sessions=lambda: 0))
+    text = m.render()[0].decode()
+    avg = 10.0 * (1 - math.exp(-1.0))
+    assert f'loomserve_router_active_blocks_avg{{instance="a:1"}} {avg}' in text

@@ -21,7 +21,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(_P + "requests", "Requests routed, by instance and by why it "
-                                "went there (stickiness, overlap, load, fallback)",
+                                "went there (policies.REASONS)",
                                 ["instance", "reason"], registry=r)
         self.overlap = Histogram(_P + "overlap_blocks", "Prompt blocks cached on the chosen "
                                  "instance, for requests whose prompt was looked up",
@@ -40,6 +40,9 @@ class RouterMetrics:
                                      ["instance"], registry=r)
         self.active_blocks = Gauge(_P + "active_blocks", "KV blocks held by requests in flight "
                                    "(router's estimate)", ["instance"], registry=r)
+        self.active_blocks_avg = Gauge(_P + "active_blocks_avg", "Active blocks averaged over "
+                                       "~30 s (what a sustained overload is judged on)",
+                                       ["instance"], registry=r)
         self.cached_blocks = Gauge(_P + "indexed_blocks", "Blocks the KV index holds for the "
                                    "instance (from its KV events)", ["instance"], registry=r)
         self.sessions = Gauge(_P + "sessions", "Sessions the policy keeps a home for",
@@ -50,6 +53,7 @@ class RouterMetrics:
             self.up.labels(i.name, i.role).set(1 if i.up else 0)
             self.active_requests.labels(i.name).set(i.active_requests)
             self.active_blocks.labels(i.name).set(i.active_blocks)
+            self.active_blocks_avg.labels(i.name).set(i.load.average())
             self.cached_blocks.labels(i.name).set(index.blocks_of(i.name))
         self.sessions.set(policy.sessions())
 
