@@ -52,6 +52,9 @@ class Request:
         self.num_cached_tokens = -1  # set at first admission; -1 = not admitted yet
         self.num_tier_cached_tokens = 0  # of those, loaded from a KV tier (host/disk/remote)
         self.num_preemptions = 0
+        # Set at each admission: its uncached work exceeded one long-prefill chunk, so the
+        # step-time budget cuts its chunks (a short prefill, e.g. a warm turn, goes whole).
+        self.long_prefill = False
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= eos_token_ids

@@ -3,18 +3,21 @@
 Every request has `num_tokens - num_computed_tokens` tokens left to compute (a fresh prompt, a
 preempted request's prompt + outputs, or one decode token). Each step serves running requests
 first, preempting by recompute when the pool cannot hold them, then admits waiting ones, each
-claiming its longest cached prefix (asking the TierConnector first when there is one). The
-policy: docs/architecture.md, "Scheduling"; the step in detail: "Details by module".
+claiming its longest cached prefix (asking the TierConnector first when there is one); more in
+docs/architecture.md, "Scheduling" and "Details by module".
 
 Policies (each in its own module): the waiting queue's admission order and aging
 (waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the
 cheapest recompute given what stays cached), and the step-time budget (a StepCostModel from
-step_cost.py predicts a step's seconds): running decodes are counted first, then each prefill
-chunk (running or newly admitted) is cut to what keeps the predicted step within the target,
-in whole blocks where possible; the first prefill chunk of a step always gets at least one
-block, so prefill never starves. target_step_ms: None = auto (AUTO_TARGET_MULT x the predicted
-cost of the step's decodes; no time limit in a step without decodes), 0 = off (token budget
-only), > 0 = that many ms. The token budget stays the upper bound either way.
+step_cost.py predicts a step's seconds): running decodes are counted first, then each *long*
+prefill's chunk (running or newly admitted) is cut to what keeps the predicted step within the
+target, in whole blocks where possible; the first such chunk of a step always gets at least one
+block, so prefill never starves. A long prefill is one whose uncached work at admission exceeds
+one long-prefill chunk (`long_prefill_threshold`, else the token budget): a cold prompt, a fresh
+subagent. A short one (a warm turn: a tool result over a cached context) goes whole: cutting it
+stretches its TTFT ~mult / (mult - 1)x, while its stall stays bounded by the chunk cap.
+target_step_ms: None = auto (AUTO_TARGET_MULT x the predicted cost of the step's decodes; none
+in a step without decodes), 0 = off, > 0 = that many ms; the token budget bounds either way.
 
 Invariants:
 - A request is in exactly one of `waiting` / `running` or finished.
@@ -35,9 +38,9 @@ from loomserve.execution.step_cost import ModelLayout, StepCostModel, StepFeatur
 from loomserve.execution.waiting_queue import WaitingQueue
 from loomserve.kv.cache_manager import KVCacheManager
 
-# Auto step-time target: this multiple of the predicted cost of the step's decodes alone, so a
-# step carrying prefill takes at most ~2x a pure decode step (ITL p99 / p50 near 2).
-AUTO_TARGET_MULT = 2.0
+# Auto step-time target: this multiple of the predicted cost of the step's decodes alone, so
+# ITL p99 / p50 stays under 3 with room for the cost model's error (p90 0.2-0.25 in replays).
+AUTO_TARGET_MULT = 2.5
 _FIXED = StepFeatures.fixed_term()
 
 
@@ -52,7 +55,6 @@ class SchedulerOutput:
 
 class _Plan:
     """One step's time budget: features so far (decodes reserved up front), the target."""
-
     __slots__ = ("feats", "target", "prefilled")
 
     def __init__(self, feats: StepFeatures, target: float | None) -> None:
@@ -67,10 +69,9 @@ class Scheduler:
                  prefill_schedule_interval: int = 1) -> None:
         """Defaults keep the plain behaviour (fcfs, token budget only); EngineCore passes the
         configured policy, cost model and target (loomserve.config.scheduler)."""
-        # The prefill schedule interval: waiting requests are admitted only on steps whose
-        # number is a multiple of it (decodes and running chunks on every step), so DP ranks
-        # start prefills together and none waits for another's at the MoE all-to-all.
-        # step_number counts schedule() calls (each DP core its own; a lockstep driver may set it).
+        # Waiting requests are admitted only on steps whose number (schedule() calls; a
+        # lockstep driver may set it) is a multiple of the prefill schedule interval, so DP
+        # ranks start prefills together and none waits for another's at the MoE all-to-all.
         self.prefill_schedule_interval = prefill_schedule_interval
         self.step_number = 0
         self.kv = kv
@@ -161,8 +162,7 @@ class Scheduler:
         self.step_number += 1
         return out
 
-    def _prefill_allowed(self) -> bool:
-        """May this step admit new prefill work (the prefill schedule interval)?"""
+    def _prefill_allowed(self) -> bool:  # may this step admit new prefill work?
         return self.step_number % self.prefill_schedule_interval == 0
 
     def _run_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan,
@@ -236,8 +236,7 @@ class Scheduler:
         self.last_target_s = plan.target
 
     def _victim(self, req: Request, n: int, done: set[str]) -> Request:
-        """fcfs: the most recently admitted; otherwise the cheapest to recompute among the
-        running requests not given blocks yet this step (preemption.py)."""
+        """fcfs: the last admitted; else the cheapest recompute not yet given blocks this step."""
         return self.running[-1] if self.policy == "fcfs" else victim_for(
             req, n, self.running, done, self.kv, self.cost_model, self.layout)
 
@@ -271,6 +270,7 @@ class Scheduler:
         # A decode leg whose tail block arrived computes only its last prompt token.
         tail = self.transfer.tail_for(req, num_hit) if self.transfer is not None else None
         left = req.num_tokens - num_hit
+        req.long_prefill = left > (self.long_prefill_threshold or self.max_num_batched_tokens)
         n = 1 if tail else self._chunk(req, left, budget, plan, num_hit)
         if n == 0:
             return None, budget  # no time left this step: the head keeps its place
@@ -319,12 +319,12 @@ class Scheduler:
 
     def _chunk(self, req: Request, left: int, budget: int, plan: _Plan, context: int) -> int:
         """Tokens of req to compute this step: its left tokens capped by the long-prefill
-        threshold and the token budget, and a prefill chunk by the step-time target (0: none
-        fits; the step's first prefill chunk gets at least one block)."""
+        threshold and the token budget, and a long prefill's chunk by the step-time target (0:
+        none fits; the step's first such chunk gets at least one block)."""
         if self.long_prefill_threshold and left > self.long_prefill_threshold:
             left = self.long_prefill_threshold
         n = min(left, budget)
-        if plan.target is None or n <= 1:
+        if plan.target is None or n <= 1 or not req.long_prefill:
             return n
         fit = self._fit(plan, context, n)
         if not plan.prefilled:
@@ -380,7 +380,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]
+               ) -> list[tuple[Request, list[int]]]:
         """Advance computed counts, append sampled tokens, finish what stopped.
 
         Returns (request, new token ids) for every request that produced a token."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from loomserve.execution.preemption import choose_victim
 from loomserve.execution.request import Request, RequestStatus
-from loomserve.execution.scheduler import Scheduler
+from loomserve.execution.scheduler import AUTO_TARGET_MULT, Scheduler
 from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.sampling_params import SamplingParams
 from tests.execution.fakes import FakeRunner, step
@@ -157,7 +157,7 @@ def test_sessions_with_a_recent_turn_or_a_pin_count_as_warm():
 # -- the step-time budget --------------------------------------------------------------------
 def test_fixed_target_cuts_a_prefill_to_whole_blocks_after_the_decodes():
     # cost = 1 + tokens; target 15: 8 decodes (9) leave 6 tokens -> one whole block of 4
-    sched, kv, clock = make(budget=256, seqs=16, target_ms=0, cost=FakeCost())
+    sched, kv, clock = make(budget=256, seqs=16, target_ms=0, cost=FakeCost(), threshold=16)
     runner = FakeRunner(BS)
     for k in range(8):
         sched.add(req(f"d{k}", 4, max_tokens=50))
@@ -170,7 +170,7 @@ def test_fixed_target_cuts_a_prefill_to_whole_blocks_after_the_decodes():
 
 
 def test_auto_target_is_a_multiple_of_the_decodes_and_keeps_one_block_of_prefill():
-    sched, kv, clock = make(budget=512, target_ms=None, cost=FakeCost())
+    sched, kv, clock = make(budget=512, target_ms=None, cost=FakeCost(), threshold=8)
     runner = FakeRunner(BS)
     for k in range(4):
         sched.add(req(f"d{k}", 4, max_tokens=50))
@@ -178,8 +178,8 @@ def test_auto_target_is_a_multiple_of_the_decodes_and_keeps_one_block_of_prefill
     sched.add(req("long", 200, max_tokens=1))
     out, _ = step(sched, runner)
     sizes = dict((r.request_id, n) for r, n in out.scheduled)
-    assert out.target_s == 2.0 * (1 + 4)  # AUTO_TARGET_MULT x (fixed + 4 decode tokens)
-    assert sizes["long"] == 4  # 10 - 5 leaves 5 tokens: cut to a whole block
+    assert out.target_s == AUTO_TARGET_MULT * (1 + 4)  # x (fixed + 4 decode tokens)
+    assert sizes["long"] == 4  # 12.5 - 5 leaves 7.5 tokens: cut to a whole block
     # a target smaller than the decodes alone still admits one block (no starvation)
     sched.target_step_ms = 1.0
     out, _ = step(sched, runner)
@@ -187,7 +187,8 @@ def test_auto_target_is_a_multiple_of_the_decodes_and_keeps_one_block_of_prefill
 
 
 def test_a_warm_turn_takes_the_spare_time_before_a_running_cold_prefill():
-    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=None, cost=FakeCost())
+    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=None, cost=FakeCost(),
+                            threshold=8)
     runner = FakeRunner(BS)
     sched.add(req("w0", SYSTEM + [1, 2], max_tokens=1))
     drain(sched, runner)  # SYSTEM cached
@@ -200,8 +201,8 @@ def test_a_warm_turn_takes_the_spare_time_before_a_running_cold_prefill():
     sched.add(req("warm", SYSTEM + [7, 8, 9], max_tokens=1))
     out, _ = step(sched, runner)
     sizes = dict((r.request_id, n) for r, n in out.scheduled)
-    # warm first: 5 + 3 leaves 2 tokens of the target (10) for cold, less than a block
-    assert sizes["warm"] == 3 and sizes["cold"] == 2
+    # warm first and whole (short): 5 + 3 leaves 4.5 tokens of the target (12.5) for cold
+    assert sizes["warm"] == 3 and sizes["cold"] == 4
     cold = sched.requests["cold"]
     while cold.num_computed_tokens < 200:  # still at least a block per step
         out, _ = step(sched, runner)
@@ -214,7 +215,7 @@ def test_a_running_prefill_ages_from_its_last_chunk_not_its_arrival():
     a later warm turn (it is not postponed while it gets chunks); one that got nothing for
     max_postpone goes first."""
     sched, kv, clock = make(num_blocks=256, budget=512, target_ms=None, cost=FakeCost(),
-                            postpone_ms=5_000)
+                            postpone_ms=5_000, threshold=8)
     runner = FakeRunner(BS)
     sched.add(req("w0", SYSTEM + [1, 2], max_tokens=1))
     drain(sched, runner)
@@ -232,6 +233,33 @@ def test_a_running_prefill_ages_from_its_last_chunk_not_its_arrival():
     assert sched.waiting.key(cold, 1)[0] == 1  # just progressed: not aged
     clock.t += 5
     assert sched.waiting.key(cold, 1) == (0, clock.t - 5)  # 5 s without a chunk: first
+
+
+def test_a_short_prefill_goes_whole_and_a_long_one_is_cut_to_the_target():
+    """Long or short is decided at admission from the uncached work against the long-prefill
+    threshold (8): a warm turn with 7 new tokens over a cached context goes whole past a 6 s
+    target; a 40-token cold prompt gets one block per step (the floor that keeps a long prefill
+    moving), its last 8 tokens too."""
+    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=0, cost=FakeCost(),
+                            threshold=8)
+    runner = FakeRunner(BS)
+    sched.add(req("w0", SYSTEM + [1, 2], max_tokens=1))
+    drain(sched, runner)
+    sched.add(req("d", 4, max_tokens=60))
+    step(sched, runner)
+    sched.target_step_ms = 6_000  # fixed 1 + 1 decode leaves 4 tokens
+    warm, cold = req("warm", SYSTEM + list(range(7)), max_tokens=1), req("cold", 40, max_tokens=1)
+    sched.add(warm)
+    sched.add(cold)
+    out, _ = step(sched, runner)
+    sizes = dict((r.request_id, n) for r, n in out.scheduled)
+    assert sizes["warm"] == 7 and sizes["cold"] == BS  # over the target: cold gets the floor
+    assert not warm.long_prefill and cold.long_prefill
+    chunks = []
+    while cold.num_output_tokens == 0:
+        out, _ = step(sched, runner)
+        chunks += [n for r, n in out.scheduled if r.request_id == "cold"]
+    assert chunks == [BS] * 9  # one block per step to the end, never a whole 8-token chunk
 
 
 def test_target_zero_is_the_token_budget_alone():
