@@ -17,7 +17,7 @@ class SchedulerConfig:
     # (priority, then warm sessions, then least uncached work, with aging), priority (vLLM's:
     # the request's priority, then arrival), fcfs (arrival; preempted first).
     scheduling_policy: str = "cache_aware"
-    # Step-time budget in ms: None = auto (2x the learned cost of the step's decodes), 0 = off
+    # Step-time budget in ms: None = auto (2.5x the learned cost of the step's decodes), 0 = off
     # (token budget only); the token budget stays the upper bound. Off by default: on the
     # 2-core test CPU the auto budget cut stream stalls (worst gap 7.8 -> 1.8 s beside a cold
     # 6K prefill; AgentX replay ITL p99/p50 ~4.5 -> ~2) but stretched cold prefills 5.6x and

@@ -68,8 +68,8 @@ def _add_serve(sub) -> None:
                         "warm sessions and least uncached work, with aging), priority (request "
                         "priority, then arrival), fcfs (arrival) (default: %(default)s)")
     p.add_argument("--target-step-ms", type=_target_ms, default=_DEFAULTS["target_step_ms"],
-                   help="step-time budget: prefill chunks are cut so a step's predicted time "
-                        "stays within it; auto: 2x the learned cost of the running decodes; 0: "
+                   help="step-time budget: long prefills are cut so a step's predicted time "
+                        "stays within it; auto: 2.5x the learned cost of the running decodes; 0: "
                         "off, the token budget only (default: 0; see README)")
     p.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
                    help="aging: a request waiting longer goes to the front of the admission "

@@ -8,16 +8,9 @@ docs/architecture.md, "Scheduling" and "Details by module".
 
 Policies (each in its own module): the waiting queue's admission order and aging
 (waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the
-cheapest recompute given what stays cached), and the step-time budget (a StepCostModel from
-step_cost.py predicts a step's seconds): running decodes are counted first, then each *long*
-prefill's chunk (running or newly admitted) is cut to what keeps the predicted step within the
-target, in whole blocks where possible; the first such chunk of a step always gets at least one
-block, so prefill never starves. A long prefill is one whose uncached work at admission exceeds
-one long-prefill chunk (`long_prefill_threshold`, else the token budget): a cold prompt, a fresh
-subagent. A short one (a warm turn: a tool result over a cached context) goes whole: cutting it
-stretches its TTFT ~mult / (mult - 1)x, while its stall stays bounded by the chunk cap.
-target_step_ms: None = auto (AUTO_TARGET_MULT x the predicted cost of the step's decodes; none
-in a step without decodes), 0 = off, > 0 = that many ms; the token budget bounds either way.
+cheapest recompute given what stays cached), and the step-time budget (step_budget.py, priced
+by step_cost.py's learned model): decodes go first, then long prefills are cut to what fits the
+step's target and short ones (warm turns) go whole or wait; the token budget bounds either way.
 
 Invariants:
 - A request is in exactly one of `waiting` / `running` or finished.
@@ -34,14 +27,10 @@ from dataclasses import dataclass, field
 from loomserve.execution.batch import ModelInput, ScheduledSeq
 from loomserve.execution.preemption import victim_for
 from loomserve.execution.request import Request, RequestStatus
+from loomserve.execution.step_budget import StepPlan
 from loomserve.execution.step_cost import ModelLayout, StepCostModel, StepFeatures
 from loomserve.execution.waiting_queue import WaitingQueue
 from loomserve.kv.cache_manager import KVCacheManager
-
-# Auto step-time target: this multiple of the predicted cost of the step's decodes alone, so
-# ITL p99 / p50 stays under 3 with room for the cost model's error (p90 0.2-0.25 in replays).
-AUTO_TARGET_MULT = 2.5
-_FIXED = StepFeatures.fixed_term()
 
 
 @dataclass
@@ -51,14 +40,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     features: object = None  # np.ndarray of step_cost.FEATURES for the scheduled step
     target_s: float | None = None  # the step-time target this step was filled to (None: none)
-
-
-class _Plan:
-    """One step's time budget: features so far (decodes reserved up front), the target."""
-    __slots__ = ("feats", "target", "prefilled")
-
-    def __init__(self, feats: StepFeatures, target: float | None) -> None:
-        self.feats, self.target, self.prefilled = feats, target, False
 
 
 class Scheduler:
@@ -165,7 +146,7 @@ class Scheduler:
     def _prefill_allowed(self) -> bool:  # may this step admit new prefill work?
         return self.step_number % self.prefill_schedule_interval == 0
 
-    def _run_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan,
+    def _run_one(self, out: SchedulerOutput, req: Request, budget: int, plan: StepPlan,
                  done: set[str]) -> int:
         """Schedule a running request's next chunk, preempting while the pool is short;
         returns the budget left."""
@@ -183,12 +164,12 @@ class Scheduler:
         self._add_to_batch(out, req, n)
         done.add(req.request_id)
         if left > 1:
-            plan.feats.add(req.num_computed_tokens, n)
+            plan.add(req.num_computed_tokens, n)
             self.waiting.progressed(req)
         return budget - n
 
     def _fill_prefills(self, out: SchedulerOutput, deferred: list[Request], budget: int,
-                       plan: _Plan, done: set[str]) -> None:
+                       plan: StepPlan, done: set[str]) -> None:
         """The step's time left, to running prefills and waiting requests in one policy order
         (a running prefill's key counts its tokens left as its uncached work)."""
         key = self.waiting.key
@@ -208,25 +189,11 @@ class Scheduler:
                 admitted, budget = self._admit_one(out, req, budget, plan)
                 admit = admitted is not None
 
-    def _plan(self) -> _Plan:
-        """The step's time budget with every running decode counted up front (they go first)."""
-        feats = StepFeatures(self.layout)
-        if self.cost_model is None or self.target_step_ms == 0:
-            return _Plan(feats, None)
-        decodes = 0
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens == 1:
-                feats.add(r.num_computed_tokens, 1)
-                decodes += 1
-        if self.target_step_ms is not None:
-            target = self.target_step_ms / 1000.0
-        elif decodes:
-            target = AUTO_TARGET_MULT * self.cost_model.predict(feats.vector)
-        else:
-            target = None  # no stream to protect: the token budget alone
-        return _Plan(feats, target)
+    def _plan(self) -> StepPlan:
+        return StepPlan.for_step(self.running, self.layout, self.cost_model, self.target_step_ms,
+                                 self.kv.block_size)
 
-    def _finish_plan(self, out: SchedulerOutput, plan: _Plan) -> None:
+    def _finish_plan(self, out: SchedulerOutput, plan: StepPlan) -> None:
         """The exact features of what was scheduled (for the cost model to learn from)."""
         feats = StepFeatures(self.layout)
         for req, n in out.scheduled:
@@ -240,7 +207,7 @@ class Scheduler:
         return self.running[-1] if self.policy == "fcfs" else victim_for(
             req, n, self.running, done, self.kv, self.cost_model, self.layout)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: _Plan) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, plan: StepPlan) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs or \
                 not self._prefill_allowed():
             return  # before ordering: the order may probe the prefix cache
@@ -251,7 +218,7 @@ class Scheduler:
             if admitted is None:
                 break
 
-    def _admit_one(self, out: SchedulerOutput, req: Request, budget: int, plan: _Plan
+    def _admit_one(self, out: SchedulerOutput, req: Request, budget: int, plan: StepPlan
                    ) -> tuple[bool | None, int]:
         """Try to admit one waiting request: (True admitted / False skipped, it waits for
         something of its own / None: stop admitting this step, budget left)."""
@@ -297,7 +264,7 @@ class Scheduler:
             self.transfer.on_admit(req)
         self.running.append(req)
         self._add_to_batch(out, req, n)
-        plan.feats.add(req.num_computed_tokens, n)
+        plan.add(req.num_computed_tokens, n)
         self.waiting.progressed(req)
         return True, budget - n
 
@@ -317,37 +284,12 @@ class Scheduler:
             return True  # still waiting (maybe for its grammar, which always becomes ready)
         return first.num_computed_tokens < first.num_prompt_tokens
 
-    def _chunk(self, req: Request, left: int, budget: int, plan: _Plan, context: int) -> int:
+    def _chunk(self, req: Request, left: int, budget: int, plan: StepPlan, context: int) -> int:
         """Tokens of req to compute this step: its left tokens capped by the long-prefill
-        threshold and the token budget, and a long prefill's chunk by the step-time target (0:
-        none fits; the step's first such chunk gets at least one block)."""
+        threshold and the token budget, then by the step-time plan (0: none this step)."""
         if self.long_prefill_threshold and left > self.long_prefill_threshold:
             left = self.long_prefill_threshold
-        n = min(left, budget)
-        if plan.target is None or n <= 1 or not req.long_prefill:
-            return n
-        fit = self._fit(plan, context, n)
-        if not plan.prefilled:
-            fit = max(fit, min(n, self.kv.block_size))
-            plan.prefilled = fit > 0
-        return fit
-
-    def _fit(self, plan: _Plan, context: int, n: int) -> int:
-        """Most tokens (<= n) whose chunk keeps the predicted step within the target; cut to
-        end on a block boundary when that leaves anything."""
-        model, feats, target = self.cost_model, plan.feats, plan.target
-        if model.predict(feats.with_chunk(context, n) + _FIXED) <= target:
-            return n
-        lo, hi = 0, n  # predict is monotone in n: bisect the largest fitting n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if model.predict(feats.with_chunk(context, mid) + _FIXED) <= target:
-                lo = mid
-            else:
-                hi = mid - 1
-        bs = self.kv.block_size
-        aligned = (context + lo) // bs * bs - context
-        return aligned if aligned > 0 else lo
+        return plan.chunk(min(left, budget), context, req.long_prefill)
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens

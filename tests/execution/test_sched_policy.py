@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from loomserve.execution.preemption import choose_victim
 from loomserve.execution.request import Request, RequestStatus
-from loomserve.execution.scheduler import AUTO_TARGET_MULT, Scheduler
+from loomserve.execution.scheduler import Scheduler
+from loomserve.execution.step_budget import AUTO_TARGET_MULT
 from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.sampling_params import SamplingParams
 from tests.execution.fakes import FakeRunner, step
@@ -238,8 +239,8 @@ def test_a_running_prefill_ages_from_its_last_chunk_not_its_arrival():
 def test_a_short_prefill_goes_whole_and_a_long_one_is_cut_to_the_target():
     """Long or short is decided at admission from the uncached work against the long-prefill
     threshold (8): a warm turn with 7 new tokens over a cached context goes whole past a 6 s
-    target; a 40-token cold prompt gets one block per step (the floor that keeps a long prefill
-    moving), its last 8 tokens too."""
+    target as the step's first prefill; a 40-token cold prompt then gets one block per step (the
+    floor a long prefill gets as the first), its last 8 tokens too."""
     sched, kv, clock = make(num_blocks=256, budget=512, target_ms=0, cost=FakeCost(),
                             threshold=8)
     runner = FakeRunner(BS)
@@ -253,13 +254,29 @@ def test_a_short_prefill_goes_whole_and_a_long_one_is_cut_to_the_target():
     sched.add(cold)
     out, _ = step(sched, runner)
     sizes = dict((r.request_id, n) for r, n in out.scheduled)
-    assert sizes["warm"] == 7 and sizes["cold"] == BS  # over the target: cold gets the floor
+    assert sizes["warm"] == 7 and "cold" not in sizes  # past the target: cold waits a step
     assert not warm.long_prefill and cold.long_prefill
     chunks = []
     while cold.num_output_tokens == 0:
         out, _ = step(sched, runner)
         chunks += [n for r, n in out.scheduled if r.request_id == "cold"]
-    assert chunks == [BS] * 9  # one block per step to the end, never a whole 8-token chunk
+    assert chunks == [BS] * 10  # one block per step to the end, never a whole 8-token chunk
+
+
+def test_a_second_short_prefill_that_does_not_fit_waits_whole_for_the_next_step():
+    sched, kv, clock = make(num_blocks=256, budget=512, target_ms=0, cost=FakeCost(),
+                            threshold=8)
+    runner = FakeRunner(BS)
+    sched.add(req("d", 4, max_tokens=60))
+    step(sched, runner)
+    sched.target_step_ms = 12_000  # fixed 1 + 1 decode leaves 10 tokens
+    for rid, n in (("a", 7), ("b", 5), ("c", 3)):
+        sched.add(req(rid, n, max_tokens=1))
+    out, _ = step(sched, runner)
+    # cache_aware: least uncached work first; c (3) and b (5) fit (2 + 8 <= 12), a (7) waits
+    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "c": 3, "b": 5}
+    out, _ = step(sched, runner)
+    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "a": 7}
 
 
 def test_target_zero_is_the_token_budget_alone():
