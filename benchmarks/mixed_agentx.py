@@ -5,14 +5,16 @@ Traces: `loomserve bench synth --profile agentx --forked-subagents 0.5` (cached 
 dir), replayed by `loomserve bench agentx` with one --max-context / --max-output / --scale for
 every system. Systems, interleaved per repeat, a fresh server each:
   today:         loomserve --target-step-ms 0 --scheduling-policy fcfs
-  new:           loomserve --target-step-ms auto (step-time budget; cache_aware order, the default)
+  new:           loomserve --target-step-ms auto (the step-time budget; cache_aware order)
+  default:       loomserve as it starts without flags (cache_aware order; the budget is opt-in)
   llama-server:  -np = the largest concurrency, -c = that x the context cap (as agentx_cpu.py)
 Reported per system and concurrency: ITL p50 / p99 and their ratio, TTFT p50 / p90 of warm
 turns (a theoretical cached share >= --warm-share of the prompt: the work is the same for every
 server, so the set of turns is too), split into warm turns whose wait overlapped a cold turn's
-wait ("under cold") and the rest ("no cold": the issue's baseline), and of all turns, TPGS, served hit rate, prompt tokens sent,
-and for loomserve the step cost model's relative error (median / p90) and the step-time target
-scraped from /metrics at the end of each replay. Writes benchmarks/results/mixed_agentx.json.
+wait ("under cold") and the rest ("no cold": the issue's baseline), and of all turns, TPGS,
+served hit rate, prompt tokens sent, and for loomserve the step cost model's relative error
+(median / p90) and the step-time target scraped from /metrics at the end of each replay.
+Writes benchmarks/results/mixed_agentx.json.
 
     nice -n -15 python benchmarks/mixed_agentx.py [--concurrency 4 16] [--duration 300]
     python benchmarks/mixed_agentx.py --model tests/fixtures/tiny-agent --max-context 4096 \
@@ -45,7 +47,8 @@ from common import (  # noqa: E402
 from mixed_traffic import scrape  # noqa: E402
 
 SCHED_FLAGS = {"today": ["--target-step-ms", "0", "--scheduling-policy", "fcfs"],
-               "new": ["--target-step-ms", "auto"]}
+               "new": ["--target-step-ms", "auto"],
+               "default": []}  # the engine's defaults (cache_aware order, the budget off)
 
 
 def synth_traces(args) -> str:
@@ -103,8 +106,8 @@ def summarize(result: dict, warm_share: float) -> dict:
     return {"itl_p50_s": itl["p50"], "itl_p99_s": itl["p99"],
             "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl["p50"] else None,
             "ttft_warm_s": pct(warm), "ttft_warm_under_cold_s": pct(under),
-            "ttft_warm_no_cold_s": pct(quiet), "ttft_all_s": pct([r["first_token_time"] - r["send_time"]
-                                                         for r in recs]),
+            "ttft_warm_no_cold_s": pct(quiet),
+            "ttft_all_s": pct([r["first_token_time"] - r["send_time"] for r in recs]),
             "tpgs": m["tpgs"], "hit_served": m["hit_rate"]["served"],
             "hit_theoretical": m["hit_rate"]["theoretical"],
             "prompt_tokens_sent": m["tokens"]["intended_prompt"],
@@ -127,7 +130,7 @@ def server_argv(name: str, port: int, args) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", nargs="+", default=["today", "new", "llama-server"],
-                    choices=["today", "new", "llama-server"])
+                    choices=["today", "new", "default", "llama-server"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=1)
@@ -184,9 +187,9 @@ def main() -> int:
                          r["ttft_warm_under_cold_s"]["p90"], r["tpgs"], r["hit_served"],
                          r["prompt_tokens_sent"], sm.get("cost_error_p50"),
                          sm.get("cost_error_p90")])
-    print(format_table(["system", "c", "ITL p50", "ITL p99", "p99/p50", "warm TTFT p90", "no cold", "under cold",
-                        "TPGS",
-                        "hit served", "prompt tok", "cost err p50", "p90"], rows),
+    print(format_table(["system", "c", "ITL p50", "ITL p99", "p99/p50", "warm TTFT p90", "no cold",
+                        "under cold", "TPGS", "hit served", "prompt tok", "cost err p50", "p90"],
+                       rows),
           file=sys.stderr)
     print(save(), file=sys.stderr)
     return 0
