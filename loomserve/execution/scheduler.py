@@ -10,7 +10,7 @@ Policies (each in its own module): the waiting queue's admission order and aging
 (waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the
 cheapest recompute given what stays cached), and the step-time budget (step_budget.py, priced
 by step_cost.py's learned model): decodes go first, then long prefills are cut to what fits the
-step's target and short ones (warm turns) go whole or wait; the token budget bounds either way.
+step's target and short ones (warm turns) go whole; the token budget bounds either way.
 
 Invariants:
 - A request is in exactly one of `waiting` / `running` or finished.

@@ -7,14 +7,15 @@ prefill's share (`chunk`) and records what it scheduled (`add`).
 
 Long and short prefills (Request.long_prefill, set at admission: uncached work over one
 long-prefill chunk): a long prefill (a cold prompt, a fresh subagent) is cut to what keeps the
-predicted step within the target, on a block boundary where that leaves anything, and gets at
-least one block as the step's first prefill, so it never starves. A short one (a warm turn: a
-tool result over a cached context) is never split, which would stretch its TTFT about
-mult / (mult - 1)x: it goes whole if it fits or is the step's first prefill, else waits for a
-later step (several at once would add up past the target).
+predicted step within the target, on a block boundary where that leaves anything; the step's
+first long chunk gets at least one block, so a long prefill never starves. A short one (a warm
+turn: a tool result over a cached context) goes whole, as without a target: cutting it would
+stretch its TTFT about mult / (mult - 1)x, and its stall stays bounded by the long-prefill cap.
+Holding a short one that does not fit for a later step was tried and measured worse (16-session
+AgentX replay: TPGS -13% instead of -5.5%, ITL p99/p50 4.4 instead of 4.2; BENCHMARKS.md).
 
-Invariant: chunk() is at most n, and a step's prefills exceed the predicted target only by its
-first prefill (one block of a long one, or one short one whole).
+Invariant: chunk() is at most n; a step exceeds the predicted target only by its short prefills
+and one block of its first long one.
 """
 
 from __future__ import annotations
@@ -63,15 +64,12 @@ class StepPlan:
 
     def chunk(self, n: int, context: int, long_prefill: bool) -> int:
         """How many of a prefill's next n tokens (already capped) go this step (0: none)."""
-        if self.target is None or n <= 1:
+        if self.target is None or n <= 1 or not long_prefill:
             return n
-        if long_prefill:
-            fit = self._fit(context, n)
-            if not self.prefilled:
-                fit = max(fit, min(n, self.block_size))
-        else:
-            fit = n if not self.prefilled or self._fits(context, n) else 0
-        self.prefilled = self.prefilled or fit > 0
+        fit = self._fit(context, n)
+        if not self.prefilled:
+            fit = max(fit, min(n, self.block_size))
+            self.prefilled = fit > 0
         return fit
 
     def _fits(self, context: int, n: int) -> bool:

@@ -239,8 +239,8 @@ def test_a_running_prefill_ages_from_its_last_chunk_not_its_arrival():
 def test_a_short_prefill_goes_whole_and_a_long_one_is_cut_to_the_target():
     """Long or short is decided at admission from the uncached work against the long-prefill
     threshold (8): a warm turn with 7 new tokens over a cached context goes whole past a 6 s
-    target as the step's first prefill; a 40-token cold prompt then gets one block per step (the
-    floor a long prefill gets as the first), its last 8 tokens too."""
+    target; a 40-token cold prompt gets one block per step (the floor of the step's first long
+    chunk), its last 8 tokens too."""
     sched, kv, clock = make(num_blocks=256, budget=512, target_ms=0, cost=FakeCost(),
                             threshold=8)
     runner = FakeRunner(BS)
@@ -254,29 +254,30 @@ def test_a_short_prefill_goes_whole_and_a_long_one_is_cut_to_the_target():
     sched.add(cold)
     out, _ = step(sched, runner)
     sizes = dict((r.request_id, n) for r, n in out.scheduled)
-    assert sizes["warm"] == 7 and "cold" not in sizes  # past the target: cold waits a step
+    assert sizes["warm"] == 7 and sizes["cold"] == BS  # past the target: cold gets the floor
     assert not warm.long_prefill and cold.long_prefill
     chunks = []
     while cold.num_output_tokens == 0:
         out, _ = step(sched, runner)
         chunks += [n for r, n in out.scheduled if r.request_id == "cold"]
-    assert chunks == [BS] * 10  # one block per step to the end, never a whole 8-token chunk
+    assert chunks == [BS] * 9  # one block per step to the end, never a whole 8-token chunk
 
 
-def test_a_second_short_prefill_that_does_not_fit_waits_whole_for_the_next_step():
+def test_short_prefills_go_whole_together_and_a_long_one_gets_what_is_left():
     sched, kv, clock = make(num_blocks=256, budget=512, target_ms=0, cost=FakeCost(),
                             threshold=8)
     runner = FakeRunner(BS)
     sched.add(req("d", 4, max_tokens=60))
     step(sched, runner)
     sched.target_step_ms = 12_000  # fixed 1 + 1 decode leaves 10 tokens
-    for rid, n in (("a", 7), ("b", 5), ("c", 3)):
+    for rid, n in (("a", 7), ("b", 5), ("long", 40)):
         sched.add(req(rid, n, max_tokens=1))
     out, _ = step(sched, runner)
-    # cache_aware: least uncached work first; c (3) and b (5) fit (2 + 8 <= 12), a (7) waits
-    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "c": 3, "b": 5}
+    # b and a (short) whole, past the target; long: nothing fits, the floor block
+    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "b": 5, "a": 7,
+                                                                  "long": BS}
     out, _ = step(sched, runner)
-    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "a": 7}
+    assert dict((r.request_id, n) for r, n in out.scheduled) == {"d": 1, "long": 8}
 
 
 def test_target_zero_is_the_token_budget_alone():
