@@ -20,9 +20,9 @@ class SchedulerConfig:
     # Step-time budget in ms: None = auto (2.5x the learned cost of the step's decodes), 0 = off
     # (token budget only); the token budget stays the upper bound. Off by default: on the
     # 2-core test CPU the auto budget cut stream stalls (worst gap 7.8 -> 1.8 s beside a cold
-    # 6K prefill; AgentX replay ITL p99/p50 ~4.5 -> ~2) but stretched cold prefills 5.6x and
-    # warm-turn TTFT p90 ~3-4x, with TPGS 7-9% lower (BENCHMARKS.md "Mixed traffic"); opt in
-    # with --target-step-ms auto (or a number).
+    # 6K prefill) but stretched cold prefills 5.6x, and on equal-work AgentX replays it cost
+    # 5-9% of TPGS (ITL p99/p50 4.88 -> 4.22 at 16 sessions, 2.76 -> 3.31 at 4; BENCHMARKS.md
+    # "Mixed traffic"); opt in with --target-step-ms auto (or a number).
     target_step_ms: float | None = 0.0
     # Aging: a request waiting longer than this goes to the front of the admission order.
     max_postpone_ms: float = 10_000.0
