@@ -45,14 +45,14 @@ class StepPlan:
         feats = StepFeatures(layout)
         if model is None or target_step_ms == 0:
             return cls(feats, None)
-        decodes = 0
+        decoding = False
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 feats.add(r.num_computed_tokens, 1)
-                decodes += 1
+                decoding = True
         if target_step_ms is not None:
             target = target_step_ms / 1000.0
-        elif decodes:
+        elif decoding:
             target = AUTO_TARGET_MULT * model.predict(feats.vector)
         else:
             target = None
