@@ -98,8 +98,8 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = RMSNorm(self.inner, eps, gate="before", groups=n_groups)  # gate, then normalize
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=use_bias)
-        # HF's prefill clamps dt to [time_step_min, inf); applied in decode too so a token's state
-        # does not depend on how the scheduler cut the sequence.
+        # dt is clamped to the config's dt limit (mamba_ssm's dt_limit, default [0, inf)) in
+        # prefill and decode alike, so a token's state does not depend on how the step was cut.
         self.dt_min, self.dt_max = dt_min, dt_max
         # Set by the runner: (conv [num_blocks, conv_dim, kernel-1], ssm [num_blocks, H, P, N]).
         self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None

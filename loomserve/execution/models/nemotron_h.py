@@ -36,6 +36,17 @@ from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 _KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
+def _dt_limit(raw: Any) -> tuple[float, float]:
+    """The config's [low, high] dt clamp; absent or null means mamba_ssm's default [0, inf)."""
+    if raw is None:
+        return 0.0, float("inf")
+
+    def num(v: Any, absent: float) -> float:  # transformers writes inf as {"__float__": "Infinity"}
+        return absent if v is None else float(v["__float__"] if isinstance(v, dict) else v)
+
+    return num(raw[0], 0.0), num(raw[1], float("inf"))
+
+
 @dataclass(frozen=True)
 class NemotronHConfig:
     hidden_size: int
@@ -54,7 +65,8 @@ class NemotronHConfig:
     use_bias: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    time_step_min: float = 0.0
+    # dt is clamped to this (mamba_ssm's dt_limit); time_step_min/max only seed dt_bias at init.
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
     n_routed_experts: int = 0
     num_experts_per_tok: int = 1
     moe_intermediate_size: int = 0
@@ -101,7 +113,7 @@ class NemotronHConfig:
             use_bias=bool(d.get("use_bias", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            time_step_min=float(d.get("time_step_min", d.get("mamba_dt_min", 0.001))),
+            time_step_limit=_dt_limit(d.get("time_step_limit", d.get("mamba_dt_limit"))),
             n_routed_experts=int(d.get("n_routed_experts", 0)),
             num_experts_per_tok=int(d.get("num_experts_per_tok", 1)),
             moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
@@ -218,7 +230,7 @@ class Block(nn.Module):
             self.mixer = Mamba2Mixer(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
                                      cfg.n_groups, cfg.conv_kernel, cfg.layer_norm_epsilon,
                                      use_conv_bias=cfg.use_conv_bias, use_bias=cfg.use_bias,
-                                     dt_min=cfg.time_step_min)
+                                     dt_min=cfg.time_step_limit[0], dt_max=cfg.time_step_limit[1])
         elif self.kind == "full_attention":
             self.mixer = Attention(cfg)
         elif self.kind == "moe":

@@ -31,6 +31,18 @@ def test_fixture_exercises_every_part(pair):
     assert specs[1] is None and specs[5] is None
 
 
+@pytest.mark.parametrize("raw, want", [
+    (None, (0.0, float("inf"))),
+    ([0.0, float("inf")], (0.0, float("inf"))),
+    ([0.0, {"__float__": "Infinity"}], (0.0, float("inf"))),  # as transformers writes it
+    ([0.01, 0.5], (0.01, 0.5)),
+])
+def test_dt_limit_from_config(raw, want):
+    from loomserve.execution.models.nemotron_h import _dt_limit
+
+    assert _dt_limit(raw) == want
+
+
 def test_prefill_then_decode(pair):
     hybrid.scenario_prefill_then_decode(*pair)
 
