@@ -141,6 +141,30 @@ def test_portable_scalar_path(tmp_path, monkeypatch):
 
 
 @needs_kernel
+def test_vnni_build_equals_the_avx2_sequence(tmp_path, monkeypatch):
+    """Where the host has AVX-512 VNNI, vpdpbusd replaces maddubs + madd: the int32 sums, so every
+    output, must be bit for bit the AVX2 build's (-DQUANT_NO_VNNI); elsewhere both builds match."""
+    import ctypes
+    import os
+    import subprocess
+
+    from loomserve.execution import kernels
+
+    src = os.path.join(os.path.dirname(kernels.__file__), "quant.c")
+    out = str(tmp_path / "quant_avx2.so")
+    subprocess.run([kernels._compiler(), *kernels.CFLAGS, "-DQUANT_NO_VNNI", "-o", out, src, "-lm"],
+                   check=True, capture_output=True)
+    avx2 = ctypes.CDLL(out)
+    cases = [(_linear(37, 160, bits, mins, bias=True, seed=bits), torch.randn(rows, 160))
+             for bits, mins in ((4, True), (4, False), (8, False)) for rows in (1, 2, 33)]
+    native = [lin(x) for lin, x in cases]
+    monkeypatch.setattr(quant, "_lib_cache", [])
+    monkeypatch.setattr(kernels, "load", lambda name: avx2)
+    for (lin, x), want in zip(cases, native):
+        assert torch.equal(lin(x), want)
+
+
+@needs_kernel
 def test_bf16_activations_come_back_bf16():
     lin = _linear(8, 64, 4, mins=True, bias=False)
     x = torch.randn(2, 3, 64)

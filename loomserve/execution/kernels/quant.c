@@ -27,6 +27,15 @@
 #else
 #define QAVX2 0
 #endif
+/* AVX-512 VNNI (with VL, for 256-bit registers: Zen 4, Ice Lake and later Xeons): vpdpbusd does
+ * maddubs + madd (+ the int32 add) in one instruction and never saturates; the int32 sums, and
+ * so every output, are bit for bit those of the AVX2 sequence (whose int16 sums cannot
+ * saturate here, see tile_dot_pairs). -DQUANT_NO_VNNI builds the AVX2 sequence anyway (an A/B). */
+#if QAVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(QUANT_NO_VNNI)
+#define QVNNI 1
+#else
+#define QVNNI 0
+#endif
 
 #define QK 32
 #define NR 4
@@ -102,12 +111,26 @@ static inline __m256i load_w(int kind, const uint8_t *w, int64_t b) {
 /* 8 int32 partial sums of w . x as floats; int4 is unsigned (maddubs takes it directly),
  * int8 is signed: |w| times x with w's sign, as llama.cpp does (max 2*128*127 < 2^15). */
 static inline __m256 dot32(int kind, __m256i w, __m256i x) {
-    __m256i p;
-    if (kind == INT8)
-        p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    else
-        p = _mm256_maddubs_epi16(w, x);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    if (kind == INT8) {
+        x = _mm256_sign_epi8(x, w);
+        w = _mm256_sign_epi8(w, w);
+    }
+#if QVNNI
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* int32 lanes of u8 a . s8 x plus u8 b . s8 y, 4 bytes per lane (the caller keeps every int16
+ * pair sum of the AVX2 path within range). */
+static inline __m256i dot_two(__m256i a, __m256i x, __m256i b, __m256i y) {
+#if QVNNI
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x), b, y);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a, x), _mm256_maddubs_epi16(b, y)),
+                             _mm256_set1_epi16(1));
+#endif
 }
 
 static inline float hsum(__m256 v) {
@@ -222,6 +245,7 @@ static inline __attribute__((always_inline)) void tile_dot_pairs(
         int kind, const uint8_t *const *w, const int8_t *x2, const float *dxv, int64_t np,
         const float *sfv, __m256 *acc) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    (void)ones;  /* unused with VNNI */
     for (int64_t p = 0; p < np; p++) {
         __m256i xlo = _mm256_loadu_si256((const __m256i *)(x2 + p * 64));
         __m256i xhi = _mm256_loadu_si256((const __m256i *)(x2 + p * 64 + 32));
@@ -232,9 +256,14 @@ static inline __attribute__((always_inline)) void tile_dot_pairs(
                 const uint8_t *b = w[r] + p * 128;
                 __m256i slo = _mm256_sign_epi8(xlo, _mm256_loadu_si256((const __m256i *)(b + 64)));
                 __m256i shi = _mm256_sign_epi8(xhi, _mm256_loadu_si256((const __m256i *)(b + 96)));
+#if QVNNI
+                i32 = dot_two(_mm256_loadu_si256((const __m256i *)b), slo,
+                              _mm256_loadu_si256((const __m256i *)(b + 32)), shi);
+#else
                 i32 = _mm256_add_epi32(
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)b), slo), ones),
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)), shi), ones));
+#endif
             } else {
                 if (kind == P_PACKED4) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(w[r] + p * 32));
@@ -245,8 +274,7 @@ static inline __attribute__((always_inline)) void tile_dot_pairs(
                     hi = _mm256_loadu_si256((const __m256i *)(w[r] + p * 64 + 32));
                 }
                 /* each maddubs pair sum <= 2 * 15 * 127, so two add in int16 without saturating */
-                i32 = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+                i32 = dot_two(lo, xlo, hi, xhi);
             }
             __m256 f = _mm256_cvtepi32_ps(i32);
             acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(_mm256_loadu_ps(sfv + (r * np + p) * 8), dv), acc[r]);
