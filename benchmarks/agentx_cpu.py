@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     format_table,
     free_port,
     host_info,
+    llama_repack_args,
     which_loomserve,
     write_json,
 )
@@ -97,7 +98,7 @@ def main() -> int:
                                       "--port", str(port), "-np", str(slots),
                                       "-c", str(slots * args.max_context), "--cont-batching",
                                       "-t", str(args.threads), "-tb", str(args.threads),
-                                      "--no-webui", "--no-repack"],
+                                      "--no-webui", *llama_repack_args()],
     }
     results: dict[str, dict[str, dict]] = {}
     for name, argv in servers.items():

@@ -213,8 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="extra argument for `loomserve serve` (repeatable)")
     ap.add_argument("--llama-arg", action="append", default=[],
                     help="extra argument for llama-server (repeatable)")
-    ap.add_argument("--llama-repack", action="store_true",
-                    help="let llama-server use repacked/AMX weight buffers (off: see llama_server_argv)")
+    ap.add_argument("--llama-repack", choices=["auto", "on", "off"], default="auto",
+                    help="llama-server's repacked weight buffers (auto: its default, off on AMX "
+                         "hosts; see llama_server_argv)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--cached-bandwidth", action="store_true",
                     help="reuse results/membw.json instead of measuring before and after the systems")
@@ -250,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif name == "llama-server":
             binary = common.ensure_llama_server()
             argv_fn = llama_server_argv(binary, gguf_path, max_c, ctx_slot, args.threads,
-                                        args.llama_arg, repack=args.llama_repack)
+                                        args.llama_arg,
+                                        repack={"auto": None, "on": True, "off": False}[args.llama_repack])
         else:
             continue
         servers.append((name, argv_fn))

@@ -8,7 +8,8 @@ an f32 GGUF made by llama.cpp's convert_hf_to_gguf.py. KV per token (fp32): 512 
 Systems (each server alone while measured, one after another; fp32 weights and KV, 2 threads):
   loomserve         `loomserve serve HF --dtype float32 --max-model-len 262144 ...`
   loomserve-torch   the same with `--attention-backend torch` (gather pages + SDPA)
-  llama-server      `llama-server -m GGUF -ctk f32 -ctv f32 -t 2 --no-repack -np 1 -c 135424` (132K + 256)
+  llama-server      `llama-server -m GGUF -ctk f32 -ctv f32 -t 2 -np 1 -c 135424` (132K + 256;
+                    `--no-repack` on AMX hosts only)
 
 Figures (benchmarks/longctx/systems.py has the method of each phase):
   decode@100K, decode@128K   ms per generated token at that context, one stream, prompt cached

@@ -41,6 +41,7 @@ from common import (  # noqa: E402
     format_table,
     free_port,
     host_info,
+    llama_repack_args,
     which_loomserve,
     write_json,
 )
@@ -120,7 +121,7 @@ def server_argv(name: str, port: int, args) -> list[str]:
         return [ensure_llama_server(), "-m", args.gguf or default_gguf_path(), "--host",
                 "127.0.0.1", "--port", str(port), "-np", str(slots),
                 "-c", str(slots * args.max_context), "--cont-batching", "-t", str(args.threads),
-                "-tb", str(args.threads), "--no-webui", "--no-repack"]
+                "-tb", str(args.threads), "--no-webui", *llama_repack_args()]
     argv = [*which_loomserve(), "serve"] + ([args.model] if args.model else []) + [
         "--port", str(port), "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
         "--max-model-len", str(args.max_context)]

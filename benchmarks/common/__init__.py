@@ -12,7 +12,7 @@ Only standard library + httpx + numpy at import time; gguf/torch/transformers ar
 lazily by the functions that need them. Every public name is importable from here.
 """
 
-from common.host import host_info, torch_threads
+from common.host import cpu_flags, host_info, llama_repack_args, torch_threads
 from common.model_facts import ModelFacts, gguf_model_facts, roofline
 from common.paths import (
     BENCH_DIR,
@@ -34,7 +34,8 @@ from common.streaming import (
 )
 
 __all__ = ["BENCH_DIR", "REPO_ROOT", "RESULTS_DIR", "PEERS_DIR", "LLAMA_SERVER_BIN",
-           "BUILD_LLAMA_SERVER", "default_gguf_path", "host_info", "torch_threads", "write_json",
+           "BUILD_LLAMA_SERVER", "default_gguf_path", "cpu_flags", "host_info", "llama_repack_args",
+           "torch_threads", "write_json",
            "median", "format_table", "ModelFacts", "gguf_model_facts", "roofline", "free_port",
            "ServerProcess", "ensure_llama_server", "which_loomserve", "StreamResult",
            "stream_completion", "run_concurrent_streams", "DecodeMeasurement", "decode_rate"]

@@ -1,7 +1,8 @@
 """The machine a benchmark runs on: its fingerprint and torch's thread count.
 
-`host_info` is stored beside every result (CPU model, cores, affinity, Python, load average at
-the start), so a figure can always be traced to the machine and its load.
+`host_info` is stored beside every result (CPU model, the vector extensions that matter here,
+cores, affinity, Python, load average at the start), so a figure can always be traced to the
+machine and its load. `llama_repack_args` runs llama-server's weight repacking as its users do.
 
 Invariant: `torch_threads` restores the previous thread count on exit, also on error.
 """
@@ -13,7 +14,26 @@ import os
 import platform
 from typing import Any, Iterator
 
-__all__ = ["host_info", "torch_threads"]
+__all__ = ["cpu_flags", "host_info", "llama_repack_args", "torch_threads"]
+
+# The instruction-set extensions that change the kernels' speed (AMD EPYC VMs here differ in them).
+_ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def llama_repack_args() -> list[str]:
+    """llama-server's repacked weight layouts stay on (its default, as its users run it) except
+    where the CPU reports AMX: ggml's AMX buffer type crashed in ldtilecfg on an Intel VM here."""
+    return ["--no-repack"] if "amx_tile" in cpu_flags() else []
 
 
 def host_info() -> dict[str, Any]:
@@ -29,7 +49,8 @@ def host_info() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    return {"cpu": cpu, "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+    flags = cpu_flags()
+    return {"cpu": cpu, "isa": [f for f in _ISA if f in flags], "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "hostname": platform.node(),
             "loadavg_at_start": [round(x, 2) for x in load]}
 

@@ -14,7 +14,13 @@ import asyncio
 import sys
 from typing import Any, Sequence
 
-from common import DecodeMeasurement, decode_rate, run_concurrent_streams, which_loomserve
+from common import (
+    DecodeMeasurement,
+    decode_rate,
+    llama_repack_args,
+    run_concurrent_streams,
+    which_loomserve,
+)
 
 __all__ = ["completion_body", "served_model_id", "ServedSystem", "loomserve_argv",
            "llama_server_argv"]
@@ -77,16 +83,17 @@ def loomserve_argv(model: str, dtype: str, max_num_seqs: int, extra: Sequence[st
 
 
 def llama_server_argv(binary: str, model: str, slots: int, ctx_per_slot: int, threads: int,
-                      extra: Sequence[str], repack: bool = False):
+                      extra: Sequence[str], repack: bool | None = None):
     """llama-server argv. ``-c`` is the total context, split evenly over the ``-np`` slots
-    (the KV cache is not unified when -np is given). ``--no-repack`` by default: with
-    -march=native on a CPU that reports AMX, ggml's AMX buffer type (an "extra buffer", like
-    the repacked layouts) crashed with a fault in ldtilecfg on the VM this was written on;
-    the benchmark's model is Q4_1, which the CPU repack does not cover anyway."""
+    (the KV cache is not unified when -np is given). ``repack`` None: llama.cpp's default
+    (repacked weight layouts on) unless the CPU reports AMX, whose buffer type crashed with a
+    fault in ldtilecfg on an Intel VM here (common.llama_repack_args); True/False force it.
+    On the AMD EPYC (Zen 4) VM the repack lifted llama-server's Q4_1 decode ~20%."""
     def argv(port: int) -> list[str]:
         return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
                 "-t", str(threads), "-tb", str(threads), "--no-webui",
                 "-cram", "0",  # no host-RAM prompt cache: saves memory, can't help fresh prompts
-                *([] if repack else ["--no-repack"]), *extra]
+                *(llama_repack_args() if repack is None else [] if repack else ["--no-repack"]),
+                *extra]
     return argv

@@ -2,7 +2,8 @@
 
 Systems: `loomserve` (default attention backend: in-place paged kernels where present),
 `loomserve-torch` (`--attention-backend torch`: gather the pages, then SDPA) and `llama-server`
-(the same weights as an f32 GGUF, f32 KV cache, 2 threads, `--no-repack`, prompt cache on).
+(the same weights as an f32 GGUF, f32 KV cache, 2 threads, prompt cache on; weight repacking as
+its default, off only on AMX hosts: common.llama_repack_args).
 
 Phases, each resumable on its own (a fresh server recomputes what it needs first):
   decode@N     prompt = base[:N]; the first request's TTFT is a (partly cached) prefill, then
@@ -19,6 +20,8 @@ import asyncio
 import sys
 from dataclasses import asdict
 from typing import Any
+
+from common import llama_repack_args
 
 from longctx.measure import Timed, concurrent_decode, random_prompt, timed_request
 
@@ -43,7 +46,7 @@ def llama_argv(binary: str, gguf: str, slots: int, ctx_total: int, threads: int)
     def argv(port: int) -> list[str]:
         return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), "-c", str(ctx_total), "-t", str(threads),
-                "-tb", str(threads), "-ctk", "f32", "-ctv", "f32", "--no-repack",
+                "-tb", str(threads), "-ctk", "f32", "-ctv", "f32", *llama_repack_args(),
                 "--no-webui", "--cache-prompt", "-cram", "0"]
     return argv
 
