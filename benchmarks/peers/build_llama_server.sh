@@ -19,7 +19,8 @@
 # -c is the total context, split over the slots unless -kvu), -cb continuous batching (on by
 # default), -t/-tb threads, --no-webui, -cram 0 (no host-RAM prompt cache), and --no-repack:
 # with GGML_NATIVE on a CPU that reports AMX, ggml's AMX weight buffer crashed (fault in
-# ldtilecfg) on the VM this was written on; --no-repack turns the extra buffer types off.
+# ldtilecfg) on an Intel VM; --no-repack turns the extra buffer types off. The benchmarks pass
+# it on AMX hosts only (common.llama_repack_args): elsewhere the repack is llama.cpp's default.
 # Took ~16 min on 2 shared cores (206 compile steps).
 set -euo pipefail
 
