@@ -112,7 +112,13 @@ def summarize(result: dict, warm_share: float) -> dict:
             "tpgs": m["tpgs"], "hit_served": m["hit_rate"]["served"],
             "hit_theoretical": m["hit_rate"]["theoretical"],
             "prompt_tokens_sent": m["tokens"]["intended_prompt"],
-            "requests_ok": m["requests"]["ok"], "errors": m["requests"]["errors"]}
+            "requests_ok": m["requests"]["ok"], "errors": m["requests"]["errors"],
+            # what failed, kept so a failed request can be traced after the run
+            "error_records": [{k: r.get(k) for k in ("error", "error_detail", "session", "agent",
+                                                      "turn", "send_time", "first_token_time",
+                                                      "max_tokens", "intended_prompt_tokens")}
+                              | {"chunks": len(r.get("chunk_times") or [])}
+                              for r in result.get("records", []) if r["error"] is not None]}
 
 
 def server_argv(name: str, port: int, args) -> list[str]:
