@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 from typing import AsyncIterator, Protocol
 
 __all__ = ["TransportError", "Transport", "HttpxTransport"]
@@ -74,7 +75,7 @@ class HttpxTransport:
                     text = (await resp.aread()).decode(errors="replace")
                     raise TransportError(f"http_{resp.status_code}", text[:300])
                 data: list[str] = []
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp.aiter_text()):
                     if line:
                         if line.startswith("data:"):
                             data.append(line[5:][1:] if line[5:6] == " " else line[5:])
@@ -103,6 +104,25 @@ class HttpxTransport:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Lines as SSE ends them (CR, LF or CRLF only). Not httpx's aiter_lines: it also breaks at
+    U+0085, U+2028, U+2029 and other str.splitlines() separators, which a server may leave raw
+    inside a JSON string (llama.cpp's JSON does), cutting one `data:` line in two."""
+    buf = ""
+    async for text in chunks:
+        buf += text
+        parts = _EOL.split(buf[:-1] if buf.endswith("\r") else buf)  # a CR may start a CRLF
+        keep = "\r" if buf.endswith("\r") else ""
+        buf = parts.pop() + keep
+        for line in parts:
+            yield line
+    if buf.rstrip("\r"):  # an unterminated last line (no EOL left in buf but a kept CR)
+        yield buf.rstrip("\r")
 
 
 def _parse(payload: str) -> dict:

@@ -261,16 +261,30 @@ def session_of(request: Request, body_session: str | None = None) -> str | None:
     return None
 
 
+# Line breaks to Python's str.splitlines() (so httpx's aiter_lines and the clients built on it)
+# beyond SSE's CR/LF. JSON escapes those below 0x20 already; pydantic leaves these three raw in
+# strings, so a generated token holding one splits its `data:` line in two for such a client
+# (a "bad SSE payload"). Escaped, the JSON decodes to the same text.
+_LINE_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
+def _line_safe(data: str) -> str:
+    for ch, escaped in _LINE_BREAKS:
+        if ch in data:
+            data = data.replace(ch, escaped)
+    return data
+
+
 def sse(payload) -> str:
     if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+        return f"data: {_line_safe(payload.model_dump_json(exclude_none=False))}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
 
 
 def sse_event(event: str, payload) -> str:
     """A named SSE event (Anthropic Messages, OpenAI Responses): `event:` then `data:`."""
     data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"event: {event}\ndata: {data}\n\n"
+    return f"event: {event}\ndata: {_line_safe(data)}\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -95,3 +95,33 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     whole.finish()
     assert [c.function.name for c in assistant_message(whole.result(), False).tool_calls] == \
         ["get_weather"]
+
+
+def test_sse_lines_hold_text_with_unicode_line_separators():
+    """Generated text may hold U+0085, U+2028, U+2029: str.splitlines() (httpx's aiter_lines)
+    breaks lines there, so the server escapes them in every SSE payload, and the JSON decodes to
+    the same text; the replay's client splits lines only where SSE does."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from loomserve.bench.replay.transport import sse_lines
+    from loomserve.entrypoints.server.handler import sse, sse_event
+    from loomserve.entrypoints.server.openai_protocol import Completion, CompletionChoice
+
+    text = "a\x85b\u2028c\u2029d"
+    chunk = Completion(id="cmpl-1", model="m", choices=[CompletionChoice(text=text)])
+    for wire in (sse(chunk), sse_event("delta", chunk)):
+        lines = httpx._decoders.LineDecoder().decode(wire)  # what aiter_lines yields
+        data = [x[len("data: "):] for x in lines if x.startswith("data: ")]
+        assert len(data) == 1 and json.loads(data[0])["choices"][0]["text"] == text
+
+    async def lines(raw: str) -> list[str]:
+        async def chunks():
+            yield raw[:9]
+            yield raw[9:]
+        return [x async for x in sse_lines(chunks())]
+
+    raw = f'data: {{"t": "{text}"}}\r\n\r\ndata: [DONE]\n\n'
+    assert asyncio.run(lines(raw)) == [f'data: {{"t": "{text}"}}', "", "data: [DONE]", ""]
