@@ -40,6 +40,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
+from loomserve.bench.replay.transport import sse_lines  # noqa: E402
+
 CONFIGS = {
     "today": ["--target-step-ms", "0", "--scheduling-policy", "fcfs"],
     "new": ["--target-step-ms", "auto"],
@@ -68,7 +70,7 @@ async def timed_stream(client, body) -> list[float]:
     times: list[float] = []
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp.aiter_text()):  # CR/LF only, as SSE
             if line.startswith("data:") and '"text"' in line and line[5:].strip() != "[DONE]":
                 times.append(time.perf_counter())
     return times

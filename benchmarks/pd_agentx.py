@@ -49,6 +49,8 @@ from common.agent_cluster import (  # noqa: E402
     stop_all,
 )
 
+from loomserve.bench.replay.transport import sse_lines  # noqa: E402
+
 VOCAB_LO = 100  # past the special tokens
 VOCAB_HI = [40000]  # below the vocabulary size (--vocab-hi; SmolLM2 has 49K)
 
@@ -76,7 +78,7 @@ async def stream(client, url: str, prompt: list[int], max_tokens: int, headers: 
                                  headers=headers) as resp:
             if resp.status_code != 200:
                 return {"error": f"http_{resp.status_code}", "t0": t0}
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):  # CR/LF only, as SSE
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 payload = json.loads(line[6:])

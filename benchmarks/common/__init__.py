@@ -8,7 +8,8 @@ on sys.path).
     servers.py      a free port, a server subprocess, llama-server, the loomserve CLI
     streaming.py    a timing client for streaming completions, decode tokens/s
 
-Only standard library + httpx + numpy at import time; gguf/torch/transformers are imported
+Only standard library + httpx + numpy (and loomserve.bench.replay.transport's SSE line
+splitter) at import time; gguf/torch/transformers are imported
 lazily by the functions that need them. Every public name is importable from here.
 """
 

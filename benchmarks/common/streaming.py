@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from loomserve.bench.replay.transport import sse_lines
+
 __all__ = ["StreamResult", "stream_completion", "run_concurrent_streams", "DecodeMeasurement",
            "decode_rate"]
 
@@ -46,7 +48,7 @@ async def stream_completion(client: Any, url: str, body: dict[str, Any]) -> Stre
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):  # CR/LF only, as SSE
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

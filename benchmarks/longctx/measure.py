@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from loomserve.bench.replay.transport import sse_lines
+
 __all__ = ["Timed", "timed_request", "concurrent_decode", "random_prompt"]
 
 
@@ -65,7 +67,7 @@ async def _stream(client: Any, prompt: Sequence[int], max_tokens: int,
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):  # CR/LF only, as SSE
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 now = time.perf_counter()
