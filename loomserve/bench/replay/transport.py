@@ -9,6 +9,7 @@ Invariants:
   surfaces as `TransportError(kind)`, kind one of http_<status> | timeout | connection |
   protocol | stream_error, never as an httpx exception.
 - the endpoint may be given with or without a trailing /v1: paths are rooted at the server.
+- SSE lines end at CR, LF or CRLF only (`sse_lines`; the benchmarks' clients use it too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import re
 from typing import AsyncIterator, Protocol
 
-__all__ = ["TransportError", "Transport", "HttpxTransport"]
+__all__ = ["TransportError", "Transport", "HttpxTransport", "sse_lines"]
 
 
 class TransportError(Exception):
