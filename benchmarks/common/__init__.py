@@ -8,12 +8,12 @@ on sys.path).
     servers.py      a free port, a server subprocess, llama-server, the loomserve CLI
     streaming.py    a timing client for streaming completions, decode tokens/s
 
-Only standard library + httpx + numpy (and loomserve.bench.replay.transport's SSE line
-splitter) at import time; gguf/torch/transformers are imported
+Only standard library + httpx + numpy (and two torch-free loomserve modules: the replay's SSE
+line splitter, the kernels' CPU flags) at import time; gguf/torch/transformers are imported
 lazily by the functions that need them. Every public name is importable from here.
 """
 
-from common.host import cpu_flags, host_info, llama_repack_args, torch_threads
+from common.host import host_info, llama_repack_args, torch_threads
 from common.model_facts import ModelFacts, gguf_model_facts, roofline
 from common.paths import (
     BENCH_DIR,
@@ -35,7 +35,7 @@ from common.streaming import (
 )
 
 __all__ = ["BENCH_DIR", "REPO_ROOT", "RESULTS_DIR", "PEERS_DIR", "LLAMA_SERVER_BIN",
-           "BUILD_LLAMA_SERVER", "default_gguf_path", "cpu_flags", "host_info", "llama_repack_args",
+           "BUILD_LLAMA_SERVER", "default_gguf_path", "host_info", "llama_repack_args",
            "torch_threads", "write_json",
            "median", "format_table", "ModelFacts", "gguf_model_facts", "roofline", "free_port",
            "ServerProcess", "ensure_llama_server", "which_loomserve", "StreamResult",

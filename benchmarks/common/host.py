@@ -14,26 +14,21 @@ import os
 import platform
 from typing import Any, Iterator
 
-__all__ = ["cpu_flags", "host_info", "llama_repack_args", "torch_threads"]
+from loomserve.execution.kernels import cpu_flags
+
+__all__ = ["host_info", "llama_repack_args", "torch_threads"]
 
 # The instruction-set extensions that change the kernels' speed (AMD EPYC VMs here differ in them).
 _ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def llama_repack_args() -> list[str]:
-    """llama-server's repacked weight layouts stay on (its default, as its users run it) except
-    where the CPU reports AMX: ggml's AMX buffer type crashed in ldtilecfg on an Intel VM here."""
-    return ["--no-repack"] if "amx_tile" in cpu_flags() else []
+def llama_repack_args(repack: bool | None = None) -> list[str]:
+    """llama-server's repacked weight layouts: with None on (its default, as its users run it)
+    except where the CPU reports AMX, whose buffer type crashed in ldtilecfg on an Intel VM
+    here; True / False force them on / off."""
+    if repack is None:
+        repack = "amx_tile" not in cpu_flags().split()
+    return [] if repack else ["--no-repack"]
 
 
 def host_info() -> dict[str, Any]:
@@ -49,8 +44,9 @@ def host_info() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    flags = cpu_flags()
-    return {"cpu": cpu, "isa": [f for f in _ISA if f in flags], "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+    flags = cpu_flags().split()
+    return {"cpu": cpu, "isa": [f for f in _ISA if f in flags], "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "hostname": platform.node(),
             "loadavg_at_start": [round(x, 2) for x in load]}
 

@@ -94,6 +94,5 @@ def llama_server_argv(binary: str, model: str, slots: int, ctx_per_slot: int, th
                 "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
                 "-t", str(threads), "-tb", str(threads), "--no-webui",
                 "-cram", "0",  # no host-RAM prompt cache: saves memory, can't help fresh prompts
-                *(llama_repack_args() if repack is None else [] if repack else ["--no-repack"]),
-                *extra]
+                *llama_repack_args(repack), *extra]
     return argv

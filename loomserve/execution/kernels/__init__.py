@@ -54,7 +54,9 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (part of every build's cache key;
+    benchmarks record them beside their results)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -71,7 +73,7 @@ def _key(source: bytes, cc: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = ""
     h = hashlib.sha256()
-    for part in (source, " ".join(CFLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    for part in (source, " ".join(CFLAGS).encode(), version.encode(), cpu_flags().encode(),
                  platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
