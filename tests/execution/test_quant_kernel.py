@@ -52,7 +52,7 @@ def _linear(n: int, k: int, bits: int, mins: bool, bias: bool, seed: int = 0) ->
 @pytest.mark.parametrize("rows", [1, 3, 32, 70])
 @pytest.mark.parametrize("k", [128, 160])
 def test_kernel_matches_float_reference(bits, mins, rows, k):
-    n = 37  # odd N: a short last tile of 4 rows; k=160: an odd group count (int4's pair tail)
+    n = 37  # a short last tile (37 = 4 x 8 + 5 rows); k=160: an odd group count
     lin = _linear(n, k, bits, mins, bias=rows == 3)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     w = lin.dequantized()
@@ -71,6 +71,31 @@ def test_torch_fallback_is_the_dequantized_product(monkeypatch):
     x = torch.randn(5, 64)
     monkeypatch.setattr(quant, "_lib", lambda: None)
     assert torch.allclose(lin(x), F.linear(x, lin.dequantized(), lin.bias), atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("mins", [False, True])
+def test_tiled_layout_roundtrips(bits, mins):
+    """tile_weight / untile_weight are inverse for any row count (padding included), and the
+    tiled block holds the 8 rows' chunks interleaved as the kernel reads them."""
+    gen = torch.Generator().manual_seed(bits)
+    for n, k in ((1, 32), (8, 64), (13, 96), (37, 160)):
+        q, s, m = quantize_weight(torch.randn(n, k, generator=gen), bits)
+        m = (torch.randn(n, k // 32, generator=gen) * 0.1).half() if mins else None
+        t = quant.tile_weight(q, s, m, bits)
+        assert t.shape[:2] == (-(-n // 8), k // 32)
+        q2, s2, m2 = quant.untile_weight(t, n, bits, mins)
+        assert torch.equal(q2, q) and torch.equal(s2, s) and (m2 is None) == (m is None)
+        assert m is None or torch.equal(m2, m)
+    # row 1's bytes 4..7 of group 0 sit in chunk 1, second slot of the tile
+    assert torch.equal(t[0, 0, 36:40], q.view(torch.uint8)[1, 4:8])
+
+
+@needs_kernel
+def test_module_keeps_only_the_tiled_copy():
+    lin = _linear(37, 160, 4, mins=True, bias=False)
+    assert lin.tiled is not None and lin.q is None and lin.scales is None and lin.mins is None
+    assert lin.weight_bytes() == lin.tiled.numel()
 
 
 def test_pack_roundtrip_and_nibble_order():
@@ -137,7 +162,7 @@ def test_portable_scalar_path(tmp_path, monkeypatch):
             emu, _ = _emulated(x, lin.dequantized())
             assert torch.allclose(lin(x).double(), emu + lin.bias.double(), rtol=1e-5, atol=1e-4)
     ids = torch.tensor([0, 12, 5])
-    assert torch.allclose(QuantEmbedding(lin.q, lin.scales, lin.mins, 8)(ids), lin.dequantized()[ids])
+    assert torch.allclose(QuantEmbedding(*lin.parts(), 8)(ids), lin.dequantized()[ids])
 
 
 @needs_kernel

@@ -86,7 +86,7 @@ def test_default_gguf_model_keeps_its_blocks(smol):
     dense, q = smol
     layer = q.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.bits == 4
-    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.down_proj.mins is not None
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.down_proj.has_mins
     assert isinstance(q.model.model.embed_tokens, QuantEmbedding)  # Q8_0, tied LM head
     assert q.weight_bytes < dense.weight_bytes / 4  # Q4_1 + Q8_0 bytes, not fp32's
     assert q.num_params == dense.num_params

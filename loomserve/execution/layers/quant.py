@@ -13,8 +13,10 @@ Row slicing and concatenation keep the format (groups run along K), so fused q|k
 projections are the parts' rows stacked, and llama.cpp's Q/K row permutation is a row gather.
 
 On CPU the product runs in kernels/quant.c (x quantized per 32-block to int8, integer dot
-products, never a float copy of W); elsewhere, or with the kernels off, a torch fallback
-dequantizes W per call.
+products, never a float copy of W), which reads the weights tiled (tile_weight: 8 rows
+interleaved per group, the file's docstring has the layout); a module built where the kernel
+loads keeps only that tiled copy (`parts()` recovers q, s, m). Elsewhere, or with the kernels
+off, a torch fallback dequantizes W per call.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def _lib():
         lib = kernels.load("quant")
         if lib is not None:
             p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            lib.quant_matmul.argtypes = [p, i64, i64, p, p, p, i64, i32, p, p, i32]
+            lib.quant_matmul.argtypes = [p, i64, i64, p, i32, i64, i32, p, p, i32]
             lib.quant_matmul.restype = None
-            lib.quant_gather.argtypes = [p, p, p, i32, i64, p, i64, p, i32]
+            lib.quant_gather.argtypes = [p, i32, i32, i64, p, i64, p, i32]
             lib.quant_gather.restype = None
         _lib_cache.append(lib)
     return _lib_cache[0]
@@ -70,6 +72,56 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     if mins is not None:
         w = w + mins.to(torch.float32).unsqueeze(-1)
     return w.reshape(n, k).to(dtype)
+
+
+TILE_ROWS = 8  # weight rows per kernel tile (kernels/quant.c: R)
+
+
+def _rows_to_tiles(v: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[T*8, nb] of 2-byte values -> uint8 [T, nb, 16]: each group's 8 rows side by side."""
+    nb = v.shape[1]
+    return v.contiguous().view(tiles, TILE_ROWS, nb).permute(0, 2, 1).contiguous() \
+        .view(torch.uint8).view(tiles, nb, 16)
+
+
+def tile_weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                bits: int) -> torch.Tensor:
+    """(q, s, m) -> the kernel's layout, uint8 [ceil(N/8), K/32, block]: per tile of 8 rows and
+    group, q as 4-byte chunks of the 8 rows interleaved, s, [int8: sum of q], [m]. Rows past N
+    are zeros (they add nothing; their outputs are never stored)."""
+    n, nb = scales.shape
+    tiles = -(-n // TILE_ROWS)
+    pad = tiles * TILE_ROWS - n
+    qu = q.contiguous().view(torch.uint8)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+    chunks = 4 if bits == 4 else 8
+    parts = [padded(qu).view(tiles, TILE_ROWS, nb, chunks, 4).permute(0, 2, 3, 1, 4)
+             .reshape(tiles, nb, chunks * 32),
+             _rows_to_tiles(padded(scales.to(torch.float16)), tiles)]
+    if bits == 8:  # the VNNI path feeds x in as xq + 128 and takes 128 * sum(q) back off
+        wsum = qu.view(torch.int8).view(n, nb, GROUP).sum(-1, dtype=torch.int32)
+        parts.append(_rows_to_tiles(padded(wsum.to(torch.int16)), tiles))
+    if mins is not None:
+        parts.append(_rows_to_tiles(padded(mins.to(torch.float16)), tiles))
+    return torch.cat(parts, -1).contiguous()
+
+
+def untile_weight(tiled: torch.Tensor, n: int, bits: int, has_mins: bool):
+    """Inverse of tile_weight: (q, scales, mins) of the first n rows."""
+    tiles, nb, _ = tiled.shape
+    qb = 128 if bits == 4 else 256
+
+    def rows(off: int, dtype: torch.dtype) -> torch.Tensor:
+        v = tiled[..., off:off + 16].contiguous().view(dtype).view(tiles, nb, TILE_ROWS)
+        return v.permute(0, 2, 1).reshape(tiles * TILE_ROWS, nb)[:n].contiguous()
+
+    q = tiled[..., :qb].reshape(tiles, nb, qb // 32, TILE_ROWS, 4).permute(0, 3, 1, 2, 4) \
+        .reshape(tiles * TILE_ROWS, nb * qb // TILE_ROWS)[:n].contiguous()
+    mins = rows(qb + (32 if bits == 8 else 16), torch.float16) if has_mins else None
+    return (q.view(torch.int8) if bits == 8 else q), rows(qb, torch.float16), mins
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group: int = GROUP):
@@ -113,11 +165,26 @@ class QuantLinear(nn.Module):
         want = (self.out_features, self.in_features // 2 if bits == 4 else self.in_features)
         if tuple(q.shape) != want:
             raise ValueError(f"q shape {tuple(q.shape)} != {want} for {bits}-bit scales {tuple(scales.shape)}")
-        self.register_buffer("q", q.contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+        self.has_mins = mins is not None
+        bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.register_buffer("bias", bias)
+        scales = scales.to(torch.float16)
+        mins = None if mins is None else mins.to(torch.float16)
+        if q.device.type == "cpu" and _lib() is not None:  # the kernel's layout, the only copy kept
+            self.register_buffer("tiled", tile_weight(q, scales, mins, bits))
+            q = scales = mins = None
+        else:
+            self.register_buffer("tiled", None)
+        self.register_buffer("q", None if q is None else q.contiguous())
+        self.register_buffer("scales", None if scales is None else scales.contiguous())
+        self.register_buffer("mins", None if mins is None else mins.contiguous())
         self._ptrs: tuple | None = None
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scales, mins) in the rows format, whichever copy the module keeps."""
+        if self.tiled is None:
+            return self.q, self.scales, self.mins
+        return untile_weight(self.tiled, self.out_features, self.bits, self.has_mins)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
@@ -125,13 +192,13 @@ class QuantLinear(nn.Module):
         return cls(q, s, m, bits, linear.bias, linear.weight.dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.q, self.scales, self.mins, self.bits, dtype)
+        return dequantize(*self.parts(), self.bits, dtype)
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = _lib() if x.device.type == "cpu" else None
+        lib = _lib() if x.device.type == "cpu" and self.tiled is not None else None
         if lib is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
             return self._kernel(lib, x)  # the decode path: no reshapes or casts to pay for
         lead, k = x.shape[:-1], x.shape[-1]
@@ -148,11 +215,10 @@ class QuantLinear(nn.Module):
         if xf.shape[0] == 0:
             return y
         if self._ptrs is None:  # ints: ctypes passes them fastest (~100 such calls per step)
-            self._ptrs = tuple(None if t is None else t.data_ptr()
-                               for t in (self.q, self.scales, self.mins, self.bias))
-        q, s, m, b = self._ptrs
-        lib.quant_matmul(xf.data_ptr(), xf.shape[0], self.in_features, q, s, m, self.out_features,
-                         self.bits, b, y.data_ptr(), torch.get_num_threads())
+            self._ptrs = (self.tiled.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+        w, b = self._ptrs
+        lib.quant_matmul(xf.data_ptr(), xf.shape[0], self.in_features, w, self.has_mins,
+                         self.out_features, self.bits, b, y.data_ptr(), torch.get_num_threads())
         return y
 
     def _apply(self, fn, *args, **kwargs):
@@ -179,16 +245,15 @@ class QuantEmbedding(QuantLinear):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        lib = _lib() if self.q.device.type == "cpu" else None
+        lib = _lib() if self.tiled is not None and self.tiled.device.type == "cpu" else None
         if lib is None:
-            rows = dequantize(self.q[flat], self.scales[flat],
-                              None if self.mins is None else self.mins[flat], self.bits)
+            q, s, m = self.parts()
+            rows = dequantize(q[flat], s[flat], None if m is None else m[flat], self.bits)
         else:
             rows = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
             ptr = kernels.ptr
-            lib.quant_gather(ptr(self.q), ptr(self.scales), None if self.mins is None else ptr(self.mins),
-                             self.bits, self.in_features, ptr(flat), flat.numel(), ptr(rows),
-                             torch.get_num_threads())
+            lib.quant_gather(ptr(self.tiled), self.has_mins, self.bits, self.in_features, ptr(flat),
+                             flat.numel(), ptr(rows), torch.get_num_threads())
         return rows.to(self.dtype).view(*ids.shape, self.in_features)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
