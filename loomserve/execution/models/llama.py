@@ -22,6 +22,7 @@ from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import ArchConfig
+from loomserve.execution.models.llama_decode import DecodeStack
 from loomserve.execution.models.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
@@ -141,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         # families built on this class (gpt-oss) keep x = layer(x).
         self.carries_residual = all(hasattr(layer, "forward_residual") for layer in self.model.layers)
         self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
+        self.decode_stack = None  # llama_decode.DecodeStack, built on the first forward; False: n/a
 
     def _build_model(self, cfg: ArchConfig) -> nn.Module:
         return LlamaModel(cfg)
@@ -173,6 +175,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         rope = (cos, sin, self.rotary.half)
         x = self.model.embed_tokens(input_ids)
+        if self.decode_stack is None:
+            self.decode_stack = DecodeStack.build(self) or False
+        if self.decode_stack:
+            got = self.decode_stack.run(x, rope, self.layer_metadata(attn_meta))
+            if got is not None:
+                return self.model.norm.fused(*got)[0]
         if not self.carries_residual:
             for layer, meta in zip(self.model.layers, self.layer_metadata(attn_meta)):
                 x = layer(x, rope, meta)

