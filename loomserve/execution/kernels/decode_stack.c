@@ -2,7 +2,7 @@
  * q|k|v product, RoPE, the new K/V rows into their slots, paged attention, o product, residual
  * add + RMSNorm, gate|up product, SiLU * up, down product.
  *
- * It runs the same kernels the Python layer calls (quant.c, fused.c, paged_attention.c, passed
+ * It runs the same kernels the Python layer calls (quant.c or dense.c, fused.c, paged_attention.c, passed
  * in as function pointers from their own libraries), in the same order on the same buffers, so
  * its outputs equal the Python path's bit for bit; what it removes is ~150 us of Python per
  * layer around those calls (models/llama_decode.py says when it applies).
@@ -32,16 +32,20 @@ typedef int (*decode_fn)(const float *q, const void *k_base, const void *v_base,
                          float *out, float *scratch, int max_splits, int split_tokens, int dtype,
                          int nthreads);
 
-typedef struct {  /* one quantized product (layers/quant.py's tiled weight) */
-    const uint8_t *w;
+typedef void (*dense_matmul_fn)(const float *x, int64_t M, int64_t K, const void *w, int dtype,
+                                const float *bias, float *out, int64_t N, int nthreads);
+
+typedef struct {  /* one product: quantized (layers/quant.py's tiled weight) or dense (layers/dense.py) */
+    const void *w;
     const float *bias;
     int64_t n, k;
-    int32_t bits, has_mins;
-} QLin;
+    int32_t bits, has_mins;      /* quantized */
+    int32_t dense, dtype, threads;  /* dense: 1, its weight dtype code and thread count */
+} Lin;
 
 typedef struct {
     const float *norm1, *norm2;  /* input and post-attention RMSNorm weights */
-    QLin qkv, o, gate_up, down;
+    Lin qkv, o, gate_up, down;
     const float *q_norm, *k_norm;  /* per-head RMSNorm weights before RoPE (Qwen3), or NULL */
     float *k_cache, *v_cache;    /* [blocks, block_size, kv_heads, head_dim] views, same strides */
     int64_t block_stride;        /* floats between blocks */
@@ -59,6 +63,7 @@ typedef struct {  /* a KV group's decode plan (attention/cpu_backend.py: _plan) 
 
 typedef struct {
     quant_matmul_fn matmul;
+    dense_matmul_fn dense;
     rms_norm_fn norm;
     rope_fn rope;
     silu_fn silu;
@@ -71,7 +76,15 @@ typedef struct {  /* the step's buffers, fp32, M rows each (sizes in the Python 
     float *h, *qkv, *q, *attn, *gate_up, *act, *scratch;
 } Work;
 
-int decode_stack_abi(void) { return 1; }
+int decode_stack_abi(void) { return 2; }
+
+/* y[M, n] = x[M, k] @ W^T (+ bias), with the kernel and threads the Python layer would use. */
+static void product(const Model *m, const Lin *p, const float *x, int M, float *y, int nthreads) {
+    if (p->dense)
+        m->dense(x, M, p->k, p->w, p->dtype, p->bias, y, p->n, p->threads);
+    else
+        m->matmul(x, M, p->k, p->w, p->has_mins, p->n, p->bits, p->bias, y, nthreads);
+}
 
 /* x: [M, hidden] embeddings in, last down product out; res: [M, hidden] residual out.
  * cos, sin: [M, head_dim]. Returns 0, or the paged kernel's error (-1: sizes past its limits,
@@ -89,7 +102,7 @@ int decode_stack(const Model *m, const Layer *layers, int nlayers, const Plan *p
         } else {
             m->norm(x, H, res, res, L->norm1, w->h, M, H, m->eps, 0, L->norm_flags, nthreads);
         }
-        m->matmul(w->h, M, H, L->qkv.w, L->qkv.has_mins, L->qkv.n, L->qkv.bits, L->qkv.bias, w->qkv, nthreads);
+        product(m, &L->qkv, w->h, M, w->qkv, nthreads);
         m->rope(w->qkv, row, M, m->heads + m->kv_heads, hd, cos, sin, L->q_norm, L->k_norm,
                 L->q_norm ? m->heads : 0, L->qk_eps, L->qk_flags, 0, nthreads);
         for (int i = 0; i < M; i++) {
@@ -103,13 +116,11 @@ int decode_stack(const Model *m, const Layer *layers, int nlayers, const Plan *p
                            m->head_dim, m->heads, M, p->tables, p->lens, p->window, NULL, m->scale,
                            w->attn, w->scratch, p->max_splits, p->split, 0, p->threads);
         if (rc != 0) return rc;
-        m->matmul(w->attn, M, qs, L->o.w, L->o.has_mins, L->o.n, L->o.bits, L->o.bias, x, nthreads);
+        product(m, &L->o, w->attn, M, x, nthreads);
         m->norm(x, H, res, res, L->norm2, w->h, M, H, m->eps, 0, L->norm_flags, nthreads);
-        m->matmul(w->h, M, H, L->gate_up.w, L->gate_up.has_mins, L->gate_up.n, L->gate_up.bits,
-                  L->gate_up.bias, w->gate_up, nthreads);
+        product(m, &L->gate_up, w->h, M, w->gate_up, nthreads);
         m->silu(w->gate_up, 2 * (int64_t)m->inter, w->act, M, m->inter, 0, nthreads);
-        m->matmul(w->act, M, m->inter, L->down.w, L->down.has_mins, L->down.n, L->down.bits,
-                  L->down.bias, x, nthreads);
+        product(m, &L->down, w->act, M, x, nthreads);
     }
     return 0;
 }

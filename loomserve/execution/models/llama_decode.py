@@ -1,15 +1,15 @@
 """The Llama family's decode steps in one C call (kernels/decode_stack.c) instead of ~10 Python-
 wrapped kernel calls per layer.
 
-A decode step of a small quantized model spends as long in Python around the kernels as in the
-kernels (~150 us a layer on the default model). When a step is decode rows only, the stack
+A decode step of a small model spends as long in Python around the kernels as in the kernels
+(~150 us a layer on the default model, quantized). When a step is decode rows only, the stack
 runs every layer in C with the same kernels, in the same order, on the same values, so its
 logits equal the Python path's bit for bit; any other step runs the Python layers.
 
 It applies (DecodeStack.build, once per model) to plain Llama-family layers (Llama, SmolLM2,
-Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms) whose four products are quantized
-(layers/quant.py's tiled CPU weights), with fp32 activations and an fp32 KV cache read by the
-CPU paged backend, without attention sinks or tensor parallelism; and per step (run) when
+Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms) whose four products run in a C kernel
+(quantized: layers/quant.py's tiled CPU weights; fp32: layers/dense.py's few-row kernel, up to
+its max_rows), with fp32 activations and an fp32 KV cache read by the CPU paged backend, without attention sinks or tensor parallelism; and per step (run) when
 every KV group's metadata is decode rows only, written in full (no decode context
 parallelism). LOOMSERVE_DECODE_STACK=0 turns it off.
 """
@@ -22,19 +22,20 @@ import os
 import torch
 
 from loomserve.execution import kernels
-from loomserve.execution.layers import fused, quant
+from loomserve.execution.layers import dense, fused, quant
 from loomserve.execution.layers.norm import RMSNorm
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
-class _QLin(ctypes.Structure):
-    _fields_ = [("w", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("bits", _I32), ("has_mins", _I32)]
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("bits", _I32), ("has_mins", _I32),
+                ("dense", _I32), ("dtype", _I32), ("threads", _I32)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", _QLin), ("o", _QLin), ("gate_up", _QLin),
-                ("down", _QLin), ("q_norm", _P), ("k_norm", _P), ("k_cache", _P), ("v_cache", _P),
+    _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin),
+                ("down", _Lin), ("q_norm", _P), ("k_norm", _P), ("k_cache", _P), ("v_cache", _P),
                 ("block_stride", _I64), ("group", _I32), ("norm_flags", _I32), ("qk_flags", _I32),
                 ("qk_eps", _F)]
 
@@ -45,7 +46,7 @@ class _Plan(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("matmul", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attend", _P),
+    _fields_ = [("matmul", _P), ("dense", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attend", _P),
                 ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32), ("hidden", _I32),
                 ("inter", _I32), ("block_size", _I32), ("eps", _F), ("scale", _F)]
 
@@ -62,11 +63,27 @@ def _fn(lib, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def _qlin(mod) -> _QLin | None:
-    if not isinstance(mod, quant.QuantLinear) or mod.tiled is None or mod.dtype != torch.float32:
-        return None
-    bias = None if mod.bias is None else mod.bias.data_ptr()
-    return _QLin(mod.tiled.data_ptr(), bias, mod.out_features, mod.in_features, mod.bits, mod.has_mins)
+def _lin(mod, keep: list) -> _Lin | None:
+    """The product's struct: a quantized module's tiled weight, or an fp32 dense kernel layer
+    (with the thread count and fp32 bias its forward uses; `keep` holds that bias alive)."""
+    if isinstance(mod, quant.QuantLinear):
+        if mod.tiled is None or mod.dtype != torch.float32:
+            return None
+        bias = None if mod.bias is None else mod.bias.data_ptr()
+        return _Lin(mod.tiled.data_ptr(), bias, mod.out_features, mod.in_features, mod.bits,
+                    mod.has_mins, 0, 0, 0)
+    if (isinstance(mod, dense.DenseLinear) and dense.available() and dense.kernel_fits(mod.weight)
+            and mod.weight.dtype == torch.float32 and mod.max_rows > 0):
+        bias = None if mod.bias is None else mod.bias.detach().float().contiguous()
+        keep.append(bias)
+        return _Lin(mod.weight.data_ptr(), None if bias is None else bias.data_ptr(), mod.out_features,
+                    mod.in_features, 0, 0, 1, 0, dense._threads(mod.weight))
+    return None
+
+
+def _products(layer) -> tuple:
+    a, mlp = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _norm_ok(norm) -> bool:
@@ -108,14 +125,14 @@ class DecodeStack:
             if (type(layer) is not DecoderLayer or type(a) is not Attention or type(layer.mlp) is not SwiGLU
                     or a.sinks is not None or not _norm_ok(layer.input_layernorm)
                     or not _norm_ok(layer.post_attention_layernorm)
-                    or any(_qlin(m) is None for m in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj,
-                                                      layer.mlp.down_proj))
+                    or any(_lin(m, []) is None for m in _products(layer))
                     or (a.q_norm is not None and not (_norm_ok(a.q_norm) and fused._head_norms_fit(
                         a.q_norm, a.k_norm, torch.float32, cfg.head_dim)))):
                 return None
         first = layers[0]
         st, q, f, pa = libs
-        ms = _Model(_fn(q, "quant_matmul"), _fn(f, "rms_norm"), _fn(f, "rope_inplace"),
+        ms = _Model(_fn(q, "quant_matmul"), _fn(dense._lib(), "dense_matmul") if dense.available() else None,
+                    _fn(f, "rms_norm"), _fn(f, "rope_inplace"),
                     _fn(f, "silu_and_mul"), _fn(pa, "paged_decode"), cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, cfg.hidden_size, first.mlp.intermediate, 0,
                     first.input_layernorm.eps, first.self_attn.scale)
@@ -133,7 +150,7 @@ class DecodeStack:
         key = (a0.k_cache.data_ptr(), tuple(groups))
         if self.cache_ptr == key:
             return True
-        structs = (_Layer * len(self.layers))()
+        structs, keep = (_Layer * len(self.layers))(), []
         for i, (layer, a) in enumerate(zip(self.layers, self.attn_mods)):
             k, v = a.k_cache, a.v_cache
             kvs = k.shape[2] * k.shape[3]
@@ -143,14 +160,17 @@ class DecodeStack:
             qn = a.q_norm
             structs[i] = _Layer(
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                _qlin(a.qkv_proj), _qlin(a.o_proj), _qlin(layer.mlp.gate_up_proj), _qlin(layer.mlp.down_proj),
+                *(_lin(m, keep) for m in _products(layer)),
                 None if qn is None else qn.weight.data_ptr(), None if qn is None else a.k_norm.weight.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k.stride(0), groups[i], layer.input_layernorm._kernel_flags,
                 0 if qn is None else qn._kernel_flags, 0.0 if qn is None else qn.eps)
             if layer.post_attention_layernorm._kernel_flags != structs[i].norm_flags:
                 return False
         self.model_struct.block_size = self.attn_mods[0].k_cache.shape[1]
-        self.structs, self.cache_ptr = structs, key
+        self.structs, self.cache_ptr, self.keep = structs, key, keep
+        # dense layers run their kernel up to max_rows rows and torch's GEMM past it: so must we
+        self.max_rows = min((m.max_rows for la in self.layers for m in _products(la)
+                             if isinstance(m, dense.DenseLinear)), default=1 << 30)
         return True
 
     def run(self, x: torch.Tensor, rope: tuple, metas: list) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -168,7 +188,8 @@ class DecodeStack:
                     return None
                 uniq.append(meta)
         groups = [next(j for j, u in enumerate(uniq) if u is meta) for meta in metas]
-        if x.dtype != torch.float32 or not x.is_contiguous() or not self._bind_caches(groups):
+        if (x.dtype != torch.float32 or not x.is_contiguous() or not self._bind_caches(groups)
+                or n > self.max_rows):
             return None
         ms = self.model_struct
         plans, need = (_Plan * len(uniq))(), 0
