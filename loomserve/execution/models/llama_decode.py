@@ -177,6 +177,8 @@ class DecodeStack:
         """(last down product, residual) of a decode-only step, or None (run the Python layers).
         x: [M, hidden] fp32 embeddings (overwritten); metas: each layer's AttentionMetadata."""
         from loomserve.execution.attention.cpu_backend import CpuPagedBackend
+        if fused.library() is None or quant._lib() is None or not dense.available():
+            return None  # a kernel switched off since build (LOOMSERVE_FUSED, tests): Python layers
         n = x.shape[0]
         uniq: list = []
         for meta in metas:
@@ -216,4 +218,6 @@ class DecodeStack:
         if rc != 0:
             raise RuntimeError(f"decode stack failed ({rc}) after writing this step's K/V")
         self.steps += 1
+        layers = len(self.layers)  # the fused ops ran, from C: count them as layers/fused.py does
+        fused.calls.update(rms_norm=2 * layers, rope=layers, silu_and_mul=layers)
         return x, res
