@@ -223,7 +223,11 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._ptrs = None  # .to() / .share_memory_() may move the buffers
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        if self.tiled is not None and self.tiled.device.type != "cpu":  # off the kernel's device:
+            self.q, self.scales, self.mins = self.parts()  # rows, for the fallback's dequantize
+            self.tiled = None
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
