@@ -77,6 +77,21 @@ int64_t quant_block_bytes(int bits, int has_mins) {
     return qbytes(bits) + 16 + (bits == 8 ? 16 : 0) + (has_mins ? 16 : 0);
 }
 
+/* Element j of row r (of 8) in a (tile, group) block, and the fp16 at slot r of the 8 after `p`. */
+static inline int tiled_q(int bits, const uint8_t *blk, int r, int j) {
+    if (bits == 4) {
+        int j4 = j & 15, byte = blk[(j4 / 4) * 32 + r * 4 + j4 % 4];
+        return j < 16 ? (byte & 0x0f) : (byte >> 4);
+    }
+    return ((const int8_t *)blk)[(j / 4) * 32 + r * 4 + j % 4];
+}
+
+static inline float tiled_half(const uint8_t *p, int r) {
+    uint16_t h;
+    memcpy(&h, p + 2 * r, 2);
+    return fp16_to_fp32(h);
+}
+
 /* x row -> int8 per 32-block; dx[b] the block scale, dxs[b] = dx[b] * sum(xq) (mins term). */
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float *dxs) {
     for (int64_t b = 0; b < K / QK; b++) {
@@ -200,23 +215,9 @@ static void tile_block(int bits, int has_mins, int mr, const uint8_t *tile, int6
                 const uint8_t *blk = tile + g * bb, *tail = blk + qbytes(bits);
                 const int8_t *xr = xq + i * K + g * QK;
                 int32_t d = 0;
-                for (int j = 0; j < QK; j++) {
-                    int q;
-                    if (bits == 4) {
-                        int j4 = j & 15, byte = blk[(j4 / 4) * 32 + r * 4 + j4 % 4];
-                        q = j < 16 ? (byte & 0x0f) : (byte >> 4);
-                    } else {
-                        q = ((const int8_t *)blk)[(j / 4) * 32 + r * 4 + j % 4];
-                    }
-                    d += q * xr[j];
-                }
-                uint16_t h;
-                memcpy(&h, tail + 2 * r, 2);
-                acc += fp16_to_fp32(h) * dx[i * nb + g] * (float)d;
-                if (has_mins) {
-                    memcpy(&h, tail + (bits == 8 ? 32 : 16) + 2 * r, 2);
-                    acc += fp16_to_fp32(h) * dxs[i * nb + g];
-                }
+                for (int j = 0; j < QK; j++) d += tiled_q(bits, blk, r, j) * xr[j];
+                acc += tiled_half(tail, r) * dx[i * nb + g] * (float)d;
+                if (has_mins) acc += tiled_half(tail + (bits == 8 ? 32 : 16), r) * dxs[i * nb + g];
             }
             out[i * R + r] = acc;
         }
@@ -273,23 +274,9 @@ void quant_gather(const uint8_t *w, int has_mins, int bits, int64_t K, const int
         const uint8_t *tile = w + (n / R) * nb * bb;
         for (int64_t g = 0; g < nb; g++) {
             const uint8_t *blk = tile + g * bb, *tail = blk + qbytes(bits);
-            uint16_t h;
-            memcpy(&h, tail + 2 * r, 2);
-            float sc = fp16_to_fp32(h), mn = 0.f;
-            if (has_mins) {
-                memcpy(&h, tail + (bits == 8 ? 32 : 16) + 2 * r, 2);
-                mn = fp16_to_fp32(h);
-            }
-            for (int j = 0; j < QK; j++) {
-                int v;
-                if (bits == 4) {
-                    int j4 = j & 15, byte = blk[(j4 / 4) * 32 + r * 4 + j4 % 4];
-                    v = j < 16 ? (byte & 0x0f) : (byte >> 4);
-                } else {
-                    v = ((const int8_t *)blk)[(j / 4) * 32 + r * 4 + j % 4];
-                }
-                out[i * K + g * QK + j] = sc * (float)v + mn;
-            }
+            const float sc = tiled_half(tail, (int)r),
+                        mn = has_mins ? tiled_half(tail + (bits == 8 ? 32 : 16), (int)r) : 0.f;
+            for (int j = 0; j < QK; j++) out[i * K + g * QK + j] = sc * (float)tiled_q(bits, blk, (int)r, j) + mn;
         }
     }
 }
