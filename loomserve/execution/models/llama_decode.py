@@ -99,6 +99,9 @@ class DecodeStack:
         self.structs = None
         self.cache_ptr = None
         self.steps = 0  # steps the stack ran (tests check it really did)
+        # dense layers run their kernel up to max_rows rows and torch's GEMM past it: so must we
+        self.max_rows = min((m.max_rows for la in layers for m in _products(la)
+                             if isinstance(m, dense.DenseLinear)), default=1 << 30)
 
     @classmethod
     def build(cls, model) -> "DecodeStack | None":
@@ -130,16 +133,16 @@ class DecodeStack:
                         a.q_norm, a.k_norm, torch.float32, cfg.head_dim)))):
                 return None
         first = layers[0]
+        eps = first.input_layernorm.eps
+        if any(la.input_layernorm.eps != eps or la.post_attention_layernorm.eps != eps
+               or la.self_attn.scale != first.self_attn.scale for la in layers):
+            return None
         st, q, f, pa = libs
         ms = _Model(_fn(q, "quant_matmul"), _fn(dense._lib(), "dense_matmul") if dense.available() else None,
                     _fn(f, "rms_norm"), _fn(f, "rope_inplace"),
                     _fn(f, "silu_and_mul"), _fn(pa, "paged_decode"), cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, cfg.hidden_size, first.mlp.intermediate, 0,
-                    first.input_layernorm.eps, first.self_attn.scale)
-        eps = first.input_layernorm.eps
-        if any(la.input_layernorm.eps != eps or la.post_attention_layernorm.eps != eps
-               or la.self_attn.scale != first.self_attn.scale for la in layers):
-            return None
+                    eps, first.self_attn.scale)
         return cls(st, ms, layers, [la.self_attn for la in layers])
 
     def _bind_caches(self, groups: list[int]) -> bool:
@@ -168,9 +171,6 @@ class DecodeStack:
                 return False
         self.model_struct.block_size = self.attn_mods[0].k_cache.shape[1]
         self.structs, self.cache_ptr, self.keep = structs, key, keep
-        # dense layers run their kernel up to max_rows rows and torch's GEMM past it: so must we
-        self.max_rows = min((m.max_rows for la in self.layers for m in _products(la)
-                             if isinstance(m, dense.DenseLinear)), default=1 << 30)
         return True
 
     def run(self, x: torch.Tensor, rope: tuple, metas: list) -> tuple[torch.Tensor, torch.Tensor] | None:
