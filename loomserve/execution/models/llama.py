@@ -175,18 +175,19 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         rope = (cos, sin, self.rotary.half)
         x = self.model.embed_tokens(input_ids)
+        metas = self.layer_metadata(attn_meta)
         if self.decode_stack is None:
             self.decode_stack = DecodeStack.build(self) or False
         if self.decode_stack:
-            got = self.decode_stack.run(x, rope, self.layer_metadata(attn_meta))
+            got = self.decode_stack.run(x, rope, metas)
             if got is not None:
                 return self.model.norm.fused(*got)[0]
         if not self.carries_residual:
-            for layer, meta in zip(self.model.layers, self.layer_metadata(attn_meta)):
+            for layer, meta in zip(self.model.layers, metas):
                 x = layer(x, rope, meta)
             return self.model.norm(x)
         residual = None
-        for layer, meta in zip(self.model.layers, self.layer_metadata(attn_meta)):
+        for layer, meta in zip(self.model.layers, metas):
             x, residual = layer.forward_residual(x, residual, rope, meta)
         return self.model.norm.fused(x, residual)[0]
 

@@ -22,6 +22,7 @@ import os
 import torch
 
 from loomserve.execution import kernels
+from loomserve.execution.attention.cpu_backend import CpuPagedBackend, load_library
 from loomserve.execution.layers import dense, fused, quant
 from loomserve.execution.layers.norm import RMSNorm
 
@@ -94,8 +95,9 @@ def _norm_ok(norm) -> bool:
 class DecodeStack:
     """The C stack bound to one model's weights and KV views (see the module docstring)."""
 
-    def __init__(self, lib, model_struct: _Model, layers: list, attn_mods: list) -> None:
-        self.lib, self.model_struct, self.layers, self.attn_mods = lib, model_struct, layers, attn_mods
+    def __init__(self, lib, model_struct: _Model, layers: list) -> None:
+        self.lib, self.model_struct, self.layers = lib, model_struct, layers
+        self.attn_mods = [la.self_attn for la in layers]
         self.structs = None
         self.cache_ptr = None
         self.steps = 0  # steps the stack ran (tests check it really did)
@@ -106,7 +108,6 @@ class DecodeStack:
     @classmethod
     def build(cls, model) -> "DecodeStack | None":
         """The stack for `model` (a LlamaForCausalLM), or None where it does not apply."""
-        from loomserve.execution.attention.cpu_backend import load_library
         from loomserve.execution.layers.mlp import SwiGLU
         from loomserve.execution.models.llama import Attention, DecoderLayer
         if not enabled() or model.tp is not None or not model.carries_residual:
@@ -143,7 +144,7 @@ class DecodeStack:
                     _fn(f, "silu_and_mul"), _fn(pa, "paged_decode"), cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, cfg.hidden_size, first.mlp.intermediate, 0,
                     eps, first.self_attn.scale)
-        return cls(st, ms, layers, [la.self_attn for la in layers])
+        return cls(st, ms, layers)
 
     def _bind_caches(self, groups: list[int]) -> bool:
         """Layer structs over the current KV views (rebuilt if the runner re-allocates them)."""
@@ -176,7 +177,6 @@ class DecodeStack:
     def run(self, x: torch.Tensor, rope: tuple, metas: list) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last down product, residual) of a decode-only step, or None (run the Python layers).
         x: [M, hidden] fp32 embeddings (overwritten); metas: each layer's AttentionMetadata."""
-        from loomserve.execution.attention.cpu_backend import CpuPagedBackend
         if fused.library() is None or quant._lib() is None or not dense.available():
             return None  # a kernel switched off since build (LOOMSERVE_FUSED, tests): Python layers
         n = x.shape[0]
