@@ -62,7 +62,7 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
         log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
                     "(%s)", ", ".join(kinds))
         return None
-    store = build_tiered_store(config.tier, runner.tier_pages.shape[1])
+    store = build_tiered_store(config.tier, runner.tier_page_bytes)
     log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
     return TierConnector(kv, store, runner.tier_pages, tier_model_id(config, runner),
                          config.tier.tier_max_inflight)

@@ -5,10 +5,11 @@ then prefill chunks), logits only for the rows that end a seq due a token, then 
 
 KV groups. The model declares one KVCacheSpec per layer; layers with equal specs form a group,
 ordered full attention first, then sliding window, then linear state (within a kind, by first
-layer). All groups share ONE uint8 buffer of [num_blocks, page_bytes], page_bytes the largest
-group's bytes per block; a block id belongs to one group at a time, and group g's page holds
-all of g's layers from byte 0: attention [layers, 2, block_size, kv_heads, head_dim], linear
-state the concatenated state tensors of each layer in turn. Each layer gets views of its region.
+layer). All groups share ONE pool of num_blocks pages of page_bytes, the largest group's bytes
+per block (kv_pool.py; layer-major where every group has the same shape); a block id belongs to
+one group at a time, and group g's page holds all of g's layers from byte 0: attention
+[layers, 2, block_size, kv_heads, head_dim], linear state the concatenated state tensors of
+each layer in turn. Each layer gets views of its region.
 Per step: attention metadata per attention group (from ScheduledSeq.block_ids[g]); for state
 groups the StateDirectives are applied to whole pages before the forward pass, then a
 StateBatch per group is handed to the linear layers (the contract: loomserve.execution.models.registry).
@@ -25,7 +26,6 @@ import logging
 import math
 import os
 
-import numpy as np
 import torch
 
 from loomserve.config import EngineConfig
@@ -36,6 +36,7 @@ from loomserve.execution.attention import (
     select_backend,
 )
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
+from loomserve.execution.kv_pool import KVPool
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loader import load_model
 from loomserve.execution.parallel import prefill_context_parallel as pcp
@@ -124,8 +125,8 @@ class ModelRunner:
         return view
 
     def _allocate_kv(self) -> torch.Tensor:
-        """One backing buffer of packed pages; every layer gets strided views into its group's
-        region of each page (see the module docstring for the layout)."""
+        """The pool of pages (kv_pool.py: layer-major where it fits); every layer gets views of
+        its region of each page. Returns the page tensor (pages[b]: block b's page)."""
         kc = self.kv_layout
         n, page = kc.num_blocks, kc.page_bytes
         fd = self.config.parallel.shared_kv_fd
@@ -134,34 +135,35 @@ class ModelRunner:
             from loomserve.execution.parallel.state import get_group
             group = get_group()
             self.tier_pages, buf = map_pool(fd, n, page, group.rank, group.size)
-        elif self.device.type == "cpu":
-            # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
-            # with the pages actually used instead of the whole budget at start.
-            buf = torch.from_numpy(np.zeros((n, page), dtype=np.uint8))
+            self.pool = KVPool.of_pages(buf)
         else:
-            buf = torch.zeros(n, page, dtype=torch.uint8, device=self.device)
-        if fd is None:
-            self.tier_pages = buf  # what KV tiers and transfers move: the whole logical pages
+            self.pool = KVPool.allocate(kc, self.device)
+            self.tier_pages = self.pool.pages  # what KV tiers and transfers move: whole pages
         layer_group: list[int | None] = [None] * len(self.layer_specs)
         modules = _cache_modules(self.model, len(self.layer_specs))
         for g, grp in enumerate(kc.groups):
             spec, per_layer = grp.spec, grp.spec.bytes_per_block_per_layer()
             for slot, layer in enumerate(grp.layer_ids):
                 layer_group[layer] = g
-                base = slot * per_layer
                 if isinstance(spec, FullAttentionSpec):
-                    kv = _view(buf, base, spec.dtype, (2, spec.block_size, spec.num_kv_heads, spec.head_dim))
+                    kv = self.pool.layer_view(slot, per_layer, 0, spec.dtype,
+                                              (2, spec.block_size, spec.num_kv_heads, spec.head_dim))
                     modules[layer].k_cache, modules[layer].v_cache = kv[:, 0], kv[:, 1]
                 elif isinstance(spec, LinearStateSpec):
-                    views, off = [], base
+                    views, off = [], 0
                     for shape in spec.state_shapes:
-                        views.append(_view(buf, off, spec.dtype, shape))
+                        views.append(self.pool.layer_view(slot, per_layer, off, spec.dtype, shape))
                         off += math.prod(shape) * spec.dtype.itemsize
                     modules[layer].state_cache = tuple(views)
                 else:
                     raise NotImplementedError(f"no page layout for layer kind {spec.kind!r}")
         self.model.set_layer_groups(layer_group)
-        return buf
+        return self.pool.pages
+
+    @property
+    def tier_page_bytes(self) -> int:
+        """Bytes of one page as the KV tiers see it (every rank's shard under a shared pool)."""
+        return math.prod(self.tier_pages.shape[1:])
 
     # --- step ---------------------------------------------------------------------------------
 
@@ -209,7 +211,7 @@ class ModelRunner:
             if self.zero_new_blocks:
                 fresh = meta.slot_blocks[meta.slot_offsets == 0]
                 if fresh.numel():
-                    self.kv_buffer[fresh, :self.group_bytes[g]] = 0
+                    self.pool.zero(fresh, self.group_bytes[g])
             attn_meta[g] = meta
         split = self._pcp_localize(attn_meta, len(decodes)) if self.pcp is not None else None
         if positions is None:
@@ -269,7 +271,8 @@ class ModelRunner:
             s_ids = torch.tensor(src, dtype=torch.long, device=self.device)
             buf[torch.tensor(dst, dtype=torch.long, device=self.device)] = buf[s_ids]
         for g, blocks in zero.items():
-            buf[torch.tensor(blocks, dtype=torch.long, device=self.device), :self.group_bytes[g]] = 0
+            self.pool.zero(torch.tensor(blocks, dtype=torch.long, device=self.device),
+                           self.group_bytes[g])
 
     def _state_batch(self, seqs: list[ScheduledSeq], g: int) -> StateBatch:
         out, row = [], 0
@@ -281,12 +284,6 @@ class ModelRunner:
             out.append(StateSeq(row, row + n, s.start_pos, d.running_block, list(d.saves)))
             row += n
         return StateBatch(out)
-
-
-def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """[num_blocks, *shape] of `dtype` starting `offset` bytes into every page."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    return buf[:, offset:offset + nbytes].view(dtype).view(buf.shape[0], *shape)
 
 
 def _cache_modules(model, num_layers: int) -> list:

@@ -169,25 +169,37 @@ class Tier(ABC):
         pass
 
     def _check_page(self, t: torch.Tensor) -> None:
-        if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != self.page_bytes:
-            raise ValueError(f"{self.name}: pages must be uint8 [n, {self.page_bytes}], "
-                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.dtype != torch.uint8 or t.dim() < 2 or page_bytes_of(t) != self.page_bytes:
+            raise ValueError(f"{self.name}: pages must be uint8 [n, {self.page_bytes}] (or a "
+                             f"layer-major pool's [n, slots, slot_bytes]), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
+def page_bytes_of(pages: torch.Tensor) -> int:
+    """Bytes of one page of a page tensor: [n, page_bytes], or a layer-major pool's
+    [n, slots, slot_bytes] (execution/kv_pool.py), whose pages are strided."""
+    return int(np.prod(pages.shape[1:]))
 
 
 def copy_page(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    """dst.copy_(src) for one page. Host-to-host copies go through numpy: torch's copy_ splits
-    a 1 MB copy across its intra-op threads, which on a busy few-core host (the engine loop and
-    tier threads share it) runs 10-20x slower than one plain memcpy."""
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous()
-            and src.is_contiguous()):
+    """dst.copy_(src) for one page; either may be a layer-major page ([slots, slot_bytes],
+    strided), the other then flat and contiguous. Host-to-host copies go through numpy: torch's
+    copy_ splits a 1 MB copy across its intra-op threads, which on a busy few-core host (the
+    engine loop and tier threads share it) runs 10-20x slower than one plain memcpy."""
+    if dst.shape != src.shape:
+        if src.is_contiguous():
+            src = src.view(dst.shape)
+        else:
+            dst = dst.view(src.shape)
+    if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
     else:
         dst.copy_(src, non_blocking=non_blocking)
 
 
 def cpu_row(t: torch.Tensor, r: int) -> torch.Tensor:
-    """Row r of a page tensor, on the CPU and contiguous (copies only when it must)."""
+    """Row r of a page tensor, on the CPU, flat and contiguous (copies only when it must)."""
     row = t[r]
     if row.device.type != "cpu":
         row = row.cpu()
-    return row if row.is_contiguous() else row.contiguous()
+    return (row if row.is_contiguous() else row.contiguous()).view(-1)

@@ -122,7 +122,7 @@ class DiskTier(Tier):
             try:
                 with open(self.path_of(k), "rb", buffering=0) as f:
                     header = f.read(codec.HEADER_BYTES)
-                    payload = dst_buf.numpy()
+                    payload = dst_buf.numpy().reshape(-1)
                     n = f.readinto(payload)
                     extra = f.read(1)
                 if n != pb or extra:

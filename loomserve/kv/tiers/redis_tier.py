@@ -89,10 +89,10 @@ class RedisTier(Tier):
                 bad.append(keys[i])
                 continue
             row = out[rows[i]]
-            if row.device.type == "cpu" and row.is_contiguous():
-                row.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            if row.device.type == "cpu":
+                np.copyto(row.numpy(), np.frombuffer(payload, dtype=np.uint8).reshape(row.shape))
             else:
-                row.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                row.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(row.shape))
             ok[i] = True
         if bad:
             try:

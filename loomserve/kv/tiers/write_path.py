@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from loomserve.kv.tiers.base import Tier, copy_page
+from loomserve.kv.tiers.base import Tier, copy_page, page_bytes_of
 from loomserve.kv.tiers.guard import TierGuard
 from loomserve.kv.tiers.handles import StoreResult
 from loomserve.kv.tiers.host import HostTier
@@ -124,12 +124,12 @@ class WritePath:
             return
         try:
             if src.device.type == "cpu":
-                pages = torch.empty((len(rows), src.shape[1]), dtype=src.dtype)
+                pages = torch.empty((len(rows), page_bytes_of(src)), dtype=src.dtype)
                 for j, r in enumerate(rows):
                     copy_page(pages[j], src[r])
             else:
                 idx = torch.tensor(rows, dtype=torch.long, device=src.device)
-                pages = src.index_select(0, idx).cpu()
+                pages = src.index_select(0, idx).cpu().view(len(rows), -1)
         except Exception as e:
             fut.set_exception(e)
             return

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from loomserve.kv.tiers.base import copy_page
 from loomserve.kv.transfer.backend import make_transfer
 from loomserve.kv.transfer.params import is_prefill_leg, parse
 from loomserve.kv.transfer.peer_tier import PeerTier
@@ -136,7 +137,7 @@ class KVTransferConnector:
         t = tail.start // self.kv.block_size
         rows = self.kv.coordinator.block_ids(req.request_id)
         for g, page in enumerate(pages):
-            self.kv_buffer[rows[g][t]].copy_(page)
+            copy_page(self.kv_buffer[rows[g][t]], page)
         self.counters["tails_applied"] += 1
 
     def _ensure_peer(self) -> bool:

@@ -116,7 +116,7 @@ class TransferSource:
             return None
         src = self.kv_buffer[torch.tensor(rows, dtype=torch.long, device=self.kv_buffer.device)]
         arena = self.arena.buffer
-        arena[torch.tensor(slots, dtype=torch.long)] = src.cpu()
+        arena[torch.tensor(slots, dtype=torch.long)] = src.cpu().view(len(rows), -1)
         sums = [codec.checksum(arena[s].numpy()) for s in slots]
         groups, i = [], 0
         for g, r in enumerate(ranges):

@@ -64,10 +64,12 @@ def test_pool_holds_one_latent_row_per_token(pair):
     assert per_token <= mha / 4  # (32 + 8) / (4 heads x (24 + 16)): a quarter here, ~1/71 in DeepSeek-V3
     attn = runner.model.model.layers[0].self_attn
     assert attn.latent_cache.shape == (kc.num_blocks, kc.block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    # Layers write disjoint bytes of a page: layer 1's region starts where layer 0's ends.
+    # Layers write disjoint bytes: in the layer-major pool layer 1's region starts where
+    # layer 0's latent rows of every block end.
     a0 = runner.model.model.layers[0].self_attn.latent_cache
     a1 = runner.model.model.layers[1].self_attn.latent_cache
-    assert a1.data_ptr() - a0.data_ptr() == kc.block_size * a0.shape[-1] * 4
+    assert runner.pool.layer_major
+    assert a1.data_ptr() - a0.data_ptr() == kc.num_blocks * kc.block_size * a0.shape[-1] * 4
 
 
 def test_prefill_then_decode(pair):

@@ -1,4 +1,4 @@
-"""ModelRunner set-up: KV sizing and the packed page layout, length limits, and a Qwen2 (q/k/v
+"""ModelRunner set-up: KV sizing and the layer-major page layout, length limits, and a Qwen2 (q/k/v
 bias) checkpoint built on the fly against transformers."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from loomserve.kv.spec import FullAttentionSpec
 from tests.execution.models.conftest import FIXTURES, Blocks, logits_of, ref_logits, seq
 
 
-def test_kv_cache_config_and_packed_views():
+def test_kv_cache_config_and_layer_major_views():
     r = ModelRunner(EngineConfig.from_kwargs(model=str(FIXTURES / "tiny-llama"), device="cpu", block_size=8,
                                  kv_cache_memory="1MiB"))
     kc = r.kv_cache_config
@@ -25,10 +25,19 @@ def test_kv_cache_config_and_packed_views():
     assert group.spec == FullAttentionSpec(8, 2, 16, torch.float32) and group.layer_ids == (0, 1)
     assert kc.page_bytes == 2 * 2 * 8 * 2 * 16 * 4
     assert kc.num_blocks == (1 << 20) // kc.page_bytes
-    assert r.kv_buffer.shape == (kc.num_blocks, kc.page_bytes) and r.kv_buffer.dtype == torch.uint8
-    # Layer 1's K of block 3 lies inside block 3's page, after layer 0's K and V.
-    k1 = r.model.model.layers[1].self_attn.k_cache
-    assert k1[3].data_ptr() - r.kv_buffer.data_ptr() == 3 * kc.page_bytes + kc.page_bytes // 2
+    slot = kc.page_bytes // 2  # one layer's K and V of a block
+    assert r.pool.layer_major and r.kv_buffer.dtype == torch.uint8
+    assert r.kv_buffer.shape == (kc.num_blocks, 2, slot) and r.tier_page_bytes == kc.page_bytes
+    # Layer 1's K of block 3 lies in layer 1's region, right after its blocks 0-2; V follows K.
+    attn1 = r.model.model.layers[1].self_attn
+    base = r.pool.storage.data_ptr()
+    assert attn1.k_cache[3].data_ptr() - base == kc.num_blocks * slot + 3 * slot
+    assert attn1.v_cache[3].data_ptr() - attn1.k_cache[3].data_ptr() == slot // 2
+    # Block 3's page, flattened as the tiers see it: layer 0 (K, V), then layer 1 (K, V).
+    attn1.k_cache[3].fill_(1.5)
+    page = r.kv_buffer[3].reshape(-1)
+    assert torch.equal(page[slot:slot + slot // 2].view(torch.float32), torch.full((8 * 2 * 16,), 1.5))
+    assert not page[:slot].any() and not page[slot + slot // 2:].any()
     assert r.model_name == "tiny-llama" and r.max_model_len == 256 and r.vocab_size == 512
     assert r.num_params > 0
 
