@@ -12,7 +12,7 @@ A block id names one logical page of `page_bytes` (what the KV tiers and transfe
   wasted). Why: with the pages packed block-major, a layer reads its part of every page and
   skips the rest; the hardware prefetchers then fetch the skipped bytes too, and each page
   restarts their streams. Measured on a 2-core Zen 4 (tiny 2-layer model, 128K context, 2
-  threads): decode attention 3.8-4.7 ms block-major -> 1.9-2.5 ms layer-major.
+  threads): decode attention 3.9-4.7 ms block-major -> 1.8-2.8 ms layer-major.
 - block-major: [num_blocks, page_bytes], group g's layers packed from byte 0 of each page. Used
   for linear-state groups (whole-page state copies), groups of unequal shape, and the shared
   tensor-parallel pool (parallel/shared_pool.py: every rank's page side by side).

@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void chunk_values(
  * region, and in the layer-major pool (execution/kv_pool.py) consecutive blocks' runs follow
  * each other, so a chunk of one block (16 keys and up) reads memory strictly in order, which the
  * hardware prefetchers stream; chunks of several blocks (K of each, then V of each) interleave
- * streams and ran 1.5-2x slower at 128K context (2-core Zen 4, 2 threads: 3.9 vs 1.9-2.5 ms for
+ * streams and ran 1.5-2x slower at 128K context (2-core Zen 4, 2 threads: 3.5-3.9 vs 1.8-2.8 ms for
  * two layers). Software prefetch of the next chunk was measured and dropped (no gain). */
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
