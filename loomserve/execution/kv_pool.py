@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig
+from loomserve.kv.tiers.base import page_bytes_of
 
 
 def layer_major_fits(kc: KVCacheConfig) -> bool:
@@ -75,7 +76,7 @@ class KVPool:
 
     @property
     def page_bytes(self) -> int:
-        return math.prod(self.pages.shape[1:])
+        return page_bytes_of(self.pages)
 
     def layer_view(self, slot: int, slot_bytes: int, offset: int, dtype: torch.dtype,
                    shape: tuple[int, ...]) -> torch.Tensor:
@@ -86,8 +87,8 @@ class KVPool:
 
     def zero(self, blocks: torch.Tensor, nbytes: int) -> None:
         """Zero the first `nbytes` of the given pages (a group's region)."""
-        if self.layer_major or nbytes == self.page_bytes:
-            self.pages[blocks] = 0  # layer-major: every group fills the whole page
+        if nbytes == self.page_bytes:  # always so layer-major: every group fills the page
+            self.pages[blocks] = 0
         else:
             self.pages[blocks, :nbytes] = 0
 

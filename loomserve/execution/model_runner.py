@@ -50,6 +50,7 @@ from loomserve.kv.spec import (
     LinearStateSpec,
     SlidingWindowSpec,
 )
+from loomserve.kv.tiers.base import page_bytes_of
 
 log = logging.getLogger("loomserve.execution")
 
@@ -163,7 +164,7 @@ class ModelRunner:
     @property
     def tier_page_bytes(self) -> int:
         """Bytes of one page as the KV tiers see it (every rank's shard under a shared pool)."""
-        return math.prod(self.tier_pages.shape[1:])
+        return page_bytes_of(self.tier_pages)
 
     # --- step ---------------------------------------------------------------------------------
 
