@@ -13,6 +13,8 @@ default model (SmolLM2-135M-Instruct):
   limits      beside them: decode tok/s <= streams * HBM bandwidth / weight bytes (bandwidth of
               a measured device-to-device copy), prefill tok/s <= matmul rate / (2 * params)
               (a measured bf16 torch.mm rate); KV reads are left out, so these are ceilings
+  fp8         --fp8-models (the default model) with --quantization fp8: whether fp8 tensor-core
+              products run (sm_89+), greedy agreement with the unquantized model, speed
 
 Exit status: 0 when every model ran and every CUDA/CPU pair agreed, 1 when something failed or
 disagreed, 3 (with one line on stderr, no traceback, no JSON written) when no CUDA device is
@@ -119,13 +121,14 @@ def timed(llm, prompts: list[list[int]], n: int, sync) -> float:
     return dt
 
 
-def speed(name: str, device: str, dtype: str, args, hw: dict[str, float]) -> dict[str, Any]:
+def speed(name: str, device: str, dtype: str, args, hw: dict[str, float],
+          quantization: str = "none") -> dict[str, Any]:
     """Prefill and decode rates on ``device`` in ``dtype``, beside their limits."""
     import torch
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     llm = make_llm(name, device, dtype, args.kv_memory, enable_prefix_caching=False,
-                   max_num_seqs=max(args.streams, args.prefill_streams))
+                   max_num_seqs=max(args.streams, args.prefill_streams), quantization=quantization)
     ready = llm.core.ready()
     plen = min(args.prompt_len, ready.max_model_len // 2)
     gen = min(args.decode_tokens, ready.max_model_len - plen - 1)
@@ -151,6 +154,36 @@ def speed(name: str, device: str, dtype: str, args, hw: dict[str, float]) -> dic
     finally:
         release(llm, device)
     return out
+
+
+def fp8_check(name: str, args, hw) -> dict[str, Any]:
+    """--quantization fp8 on the device: which product runs (w8a8: fp8 tensor cores via
+    torch._scaled_mm; else weight-only), greedy agreement with the same model unquantized in
+    the same dtype (reported, not required: fp8 rounding may flip a near-tie), and its speed."""
+    import torch
+
+    from loomserve.execution.layers.fp8 import scaled_mm_ok
+
+    dtype = args.dtype if args.dtype != "auto" else (
+        "bfloat16" if args.device.startswith("cuda") else "float32")
+    entry: dict[str, Any] = {"model": name, "quantization": "fp8", "dtype": dtype}
+    try:
+        entry["w8a8"] = scaled_mm_ok(torch.device(args.device), getattr(torch, dtype))
+        outs = {}
+        for q in ("none", "fp8"):
+            llm = make_llm(name, args.device, dtype, args.kv_memory, quantization=q)
+            outs[q] = greedy(llm, AGREE_PROMPTS, args.agree_tokens)
+            release(llm, args.device)
+        same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                for a, b in zip(outs["none"], outs["fp8"])]
+        entry["agreement"] = {"prompts": len(same), "tokens": args.agree_tokens,
+                              "equal": sum(n == args.agree_tokens for n in same),
+                              "mean_common_prefix": round(sum(same) / len(same), 1)}
+        entry["speed"] = speed(name, args.device, dtype, args, hw, quantization="fp8")
+    except Exception as e:  # noqa: BLE001 - reported; the other checks stand
+        entry["errors"] = [f"{type(e).__name__}: {e}"]
+    print(f"[gpu_check] fp8 {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    return entry
 
 
 def measure_hardware(device: str, dtype: str) -> dict[str, Any]:
@@ -210,6 +243,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="dry run: the CPU stands in for the GPU (fp32, small sizes)")
     ap.add_argument("--models", nargs="+", default=None,
                     help="fixture names and/or 'default' (all; tiny-llama with --cpu-only)")
+    ap.add_argument("--fp8-models", nargs="*", default=None,
+                    help="models also run with --quantization fp8 (default: the default model; "
+                         "tiny-llama with --cpu-only)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="speed dtype (auto: bf16 on CUDA)")
     ap.add_argument("--streams", type=int, default=None, help="decode streams (64; 4 on CPU)")
@@ -231,6 +267,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, cpu_v if cpu else gpu_v)
     args.models = args.models or (["tiny-llama"] if cpu else model_names())
+    if args.fp8_models is None:
+        args.fp8_models = ["tiny-llama"] if cpu else ["default"]
     if cpu:
         args.device = "cpu"
     return args
@@ -253,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append({"model": name, "errors": ["skipped: past --budget-s"]})
             continue
         results.append(check_model(name, args, args.device, "cpu", hw))
-    ok = all(not r.get("errors") and r["agreement"]["agree_rate"] == 1.0 for r in results)
+    fp8 = [fp8_check(name, args, hw) for name in args.fp8_models]
+    ok = all(not r.get("errors") and r["agreement"]["agree_rate"] == 1.0 for r in results) \
+        and not any(r.get("errors") for r in fp8)
     payload = {"description": "loomserve on a GPU: CUDA vs CPU greedy agreement, bf16 speed "
                               "(benchmarks/gpu_check.py)",
                "cpu_only_dry_run": args.cpu_only, "device": args.device, "hardware": hw,
@@ -263,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "settings": {k: getattr(args, k) for k in ("streams", "prefill_streams",
                                                            "prompt_len", "decode_tokens",
                                                            "agree_tokens", "dtype")},
-               "models": results}
+               "models": results, "fp8": fp8}
     print("wrote", write_json(args.out, payload), file=sys.stderr)
     return 0 if ok else 1
 

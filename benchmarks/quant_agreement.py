@@ -2,7 +2,8 @@
 
 For the default model (SmolLM2-135M-Instruct Q4_1 GGUF) or --model, the reference is the GGUF
 dequantized to fp32 (``--quantization none``); each mode (gguf: the file's own blocks; int8 /
-int4: the dequantized weights re-quantized at load) runs the same chat prompts:
+int4 / fp8: the dequantized weights re-quantized at load; fp8 runs torch's reference fp8
+products on a CPU, the CUDA path's numerics, slowly) runs the same chat prompts:
 
   teacher-forced agreement  the reference's greedy continuation (--new-tokens) is fed to both
                             models; the share of positions whose argmax agrees
@@ -11,7 +12,7 @@ int4: the dequantized weights re-quantized at load) runs the same chat prompts:
   free-run match            the mean length of the common prefix of both models' own greedy
                             continuations (a near-tie flipped once parts them for good)
 
-Run:  python benchmarks/quant_agreement.py [--modes gguf int8 int4] [--new-tokens 32] [--prompts 8]
+Run:  python benchmarks/quant_agreement.py [--modes gguf int8 int4 fp8] [--new-tokens 32] [--prompts 8]
 Output: a table, and benchmarks/results/quant_agreement.json.
 """
 
@@ -89,7 +90,7 @@ def compare(q, prompts: list[list[int]], refs: list[tuple[list[int], torch.Tenso
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a .gguf file (default: the built-in model)")
-    ap.add_argument("--modes", nargs="+", default=["gguf", "int8", "int4"])
+    ap.add_argument("--modes", nargs="+", default=["gguf", "int8", "int4", "fp8"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1,

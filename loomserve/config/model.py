@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 # Names, not torch dtypes: the front end reads the config without importing torch.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-# none: the checkpoint's weights as they are (a GGUF dequantized once at load); gguf: keep a GGUF
-# file's own quantized blocks; int8 / int4: quantize a 16/32-bit checkpoint at load (weight-only,
-# groups of 32). See loomserve/execution/layers/quant.py.
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+# none: the checkpoint's weights as they are (a GGUF or FP8 checkpoint dequantized once at load);
+# gguf: keep a GGUF file's own quantized blocks; int8 / int4: quantize a 16/32-bit checkpoint at
+# load (weight-only, groups of 32; loomserve/execution/layers/quant.py); fp8: e4m3 weights with
+# per-row scales, fp8 x fp8 products on GPUs that have them (layers/fp8.py).
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8")
 # auto: the in-place paged kernels where the device has them (CPU: the C kernel), else torch.
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch")
 

@@ -84,7 +84,8 @@ def _add_serve(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=_DEFAULTS["quantization"],
                    help="weight quantization: none, gguf (keep a .gguf file's own blocks), int8 or "
-                        "int4 (weight-only, quantized at load) (default: %(default)s)")
+                        "int4 (weight-only, quantized at load), fp8 (e4m3 weights, fp8 matmuls on "
+                        "CUDA sm_89+) (default: %(default)s)")
     p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
                    default=_DEFAULTS["attention_backend"],
                    help="auto: in-place paged kernels where the device has them, else torch "

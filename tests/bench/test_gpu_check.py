@@ -41,3 +41,8 @@ def test_cpu_only_dry_run_on_one_fixture(tmp_path):
         assert 0 < row["tok_per_s"] and 0 < row["bandwidth_limit_tok_per_s"]
     assert 0 < speed["prefill"]["tok_per_s"] and speed["weight_bytes"] > 0
     assert data["hardware"]["bandwidth_gbs"] > 0 and data["hardware"]["matmul_tflops"] > 0
+    (f8,) = data["fp8"]  # --quantization fp8 ran too: the product, agreement and speed
+    assert f8["model"] == "tiny-llama" and "errors" not in f8 and f8["w8a8"] is True
+    assert f8["agreement"]["prompts"] == len(gpu_check.AGREE_PROMPTS)
+    assert f8["speed"]["weight_bytes"] < speed["weight_bytes"]
+    assert all(row["tok_per_s"] > 0 for row in f8["speed"]["decode"].values())

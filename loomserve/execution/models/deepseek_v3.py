@@ -86,8 +86,6 @@ class DeepseekV3Config:
     def from_hf(cls, d: dict[str, Any]) -> "DeepseekV3Config":
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
-        if (d.get("quantization_config") or {}).get("quant_method") == "fp8":
-            raise ValueError("FP8 block-scaled DeepSeek checkpoints are not supported; dequantize to bf16 first")
         if d.get("topk_method", "noaux_tc") not in ("noaux_tc",) or d.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError("only DeepSeek-V3 routing (sigmoid scores, noaux_tc group-limited top-k) is supported")
         theta, scaling = _rope(d.get("rope_parameters"), d.get("rope_scaling"), d.get("rope_theta"))

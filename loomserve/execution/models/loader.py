@@ -5,17 +5,17 @@ The tokenizer is the front end's (loomserve.entrypoints.tokenizer), read from th
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from loomserve.execution.layers.fp8 import Fp8Linear, quantize_fp8_linears
 from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, quantize_linears
+from loomserve.execution.models.checkpoint import check_quantization_config, iter_safetensors
 from loomserve.execution.models.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.execution.models.gguf_loader import cached_conversion
 from loomserve.execution.models.gguf_quant import quantize_from_gguf
@@ -37,7 +37,7 @@ class LoadedModel:
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
     layout: str = "default"  # the CPU weight layout chosen (loomserve.execution.models.weight_layout)
-    quantization: str = "none"  # none | gguf | int8 | int4 (layers/quant.py)
+    quantization: str = "none"  # none | gguf | int8 | int4 (layers/quant.py) | fp8 (layers/fp8.py)
     num_params: int = 0  # counted as loaded, before the layout; see count_weights
     weight_bytes: int = 0
 
@@ -58,11 +58,12 @@ def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                cache_dir: str, quantization: str = "none") -> LoadedModel:
-    """quantization: "none" (weights in `dtype`), "gguf" (a .gguf file's quantized blocks kept
-    as they are), "int8" / "int4" (linears quantized at load; see layers/quant.py)."""
+    """quantization: "none" (weights in `dtype`; an FP8 checkpoint dequantized), "gguf" (a .gguf
+    file's quantized blocks kept as they are), "int8" / "int4" (linears quantized at load; see
+    layers/quant.py), "fp8" (e4m3 with per-row scales; layers/fp8.py)."""
     device = torch.device(device)
-    if quantization not in ("none", "gguf", "int8", "int4"):
-        raise ValueError(f"quantization must be none, gguf, int8 or int4, not {quantization!r}")
+    if quantization not in ("none", "gguf", "int8", "int4", "fp8"):
+        raise ValueError(f"quantization must be none, gguf, int8, int4 or fp8, not {quantization!r}")
     gguf_path = os.path.expanduser(path) if path is not None else None
     if quantization == "gguf":
         gguf_path = gguf_path or default_model_path()
@@ -71,8 +72,10 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                              "use int8 or int4 for an HF folder")
     folder, name = resolve_model(path, cache_dir)
     with open(os.path.join(folder, "config.json")) as f:
-        model_cls, cfg = resolve(json.load(f))
-    weights = _iter_safetensors(folder)
+        hf_config = json.load(f)
+    fp8_block = check_quantization_config(hf_config)
+    model_cls, cfg = resolve(hf_config)
+    weights = iter_safetensors(folder, *([fp8_block] if fp8_block else []))
     tp = get_tp()
     # Build on the meta device with the init functions off: no time spent initializing weights
     # that are overwritten next (and torch.nn.init under the meta device mode would import
@@ -91,6 +94,8 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         quantize_from_gguf(model, gguf_path)
     elif quantization in ("int8", "int4"):
         quantize_linears(model, 8 if quantization == "int8" else 4)
+    elif quantization == "fp8":
+        quantize_fp8_linears(model)
     if quantization != "none":
         model.to(device)
     num_params, weight_bytes = count_weights(model)
@@ -134,7 +139,7 @@ def count_weights(model: nn.Module) -> tuple[int, int]:
     num_params = sum(p.numel() for p in params)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     for m in model.modules():  # quantized modules hold buffers: their packed bytes are the weights
-        if isinstance(m, QuantLinear):
+        if isinstance(m, (QuantLinear, Fp8Linear)):
             num_params += m.out_features * m.in_features + (0 if m.bias is None else m.bias.numel())
             weight_bytes += m.weight_bytes()
     get = getattr(model, "get_input_embeddings", None)
@@ -151,13 +156,3 @@ def _tied_embedding(model: nn.Module) -> nn.Module | None:
         return None
     get = getattr(model, "get_input_embeddings", None)
     return get() if get is not None else None
-
-
-def _iter_safetensors(folder: str):
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)

@@ -235,8 +235,6 @@ def test_config_refuses_what_the_model_cannot_run():
     from loomserve.execution.models.deepseek_v3 import DeepseekV3Config
 
     d = json.loads((FIXTURES / NAMES[0] / "config.json").read_text())
-    with pytest.raises(ValueError, match="FP8"):
-        DeepseekV3Config.from_hf({**d, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="routing"):
         DeepseekV3Config.from_hf({**d, "scoring_func": "softmax"})
 

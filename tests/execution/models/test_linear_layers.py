@@ -28,14 +28,14 @@ from tests.execution.models.conftest import FIXTURES
 # --- harness ---------------------------------------------------------------------------------------
 
 def load_fixture(name: str, model_cls, config_cls):
-    from loomserve.execution.models.loader import _iter_safetensors
+    from loomserve.execution.models.checkpoint import iter_safetensors
 
     with open(FIXTURES / name / "config.json") as f:
         cfg = config_cls.from_hf(json.load(f))
     with torch.device("meta"):
         model = model_cls(cfg)
     model = model.to_empty(device="cpu")
-    model.load_weights(_iter_safetensors(str(FIXTURES / name)))
+    model.load_weights(iter_safetensors(str(FIXTURES / name)))
     model.init_rotary(cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
     return model.eval().requires_grad_(False)
 
