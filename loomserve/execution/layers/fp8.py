@@ -25,7 +25,7 @@ log = logging.getLogger("loomserve.execution")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 ALIGN = 16  # _scaled_mm wants K and N multiples of 16 (cuBLASLt / CUTLASS fp8 alignment)
-_probe: dict[str, bool] = {}
+_probe: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +55,7 @@ def scaled_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm runs row-wise scaled fp8 here: probed once per device (a
     16x32x16 product checked against its float value), so an unsupported GPU or torch build
     takes the weight-only path instead of failing mid-serve."""
-    key = f"{device}:{dtype}"
+    key = (device, dtype)  # a tuple, not a formatted string: this runs on every product
     if key not in _probe:
         _probe[key] = _probe_scaled_mm(device, dtype)
     return _probe[key]

@@ -48,9 +48,11 @@ def check_quantization_config(hf_config: dict[str, Any]) -> tuple[int, int] | No
     return (int(block[0]), int(block[1])) if block else DEFAULT_BLOCK
 
 
-def iter_safetensors(folder: str, block: tuple[int, int] = DEFAULT_BLOCK
+def iter_safetensors(folder: str, block: tuple[int, int] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's *.safetensors, FP8 weights dequantized (module docstring)."""
+    """Every tensor of the folder's *.safetensors, FP8 weights dequantized (module docstring);
+    block: check_quantization_config's answer (None: DEFAULT_BLOCK)."""
+    block = block or DEFAULT_BLOCK
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")

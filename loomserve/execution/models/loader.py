@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loomserve.config.model import QUANTIZATIONS
 from loomserve.execution.layers.fp8 import Fp8Linear, quantize_fp8_linears
 from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, quantize_linears
 from loomserve.execution.models.checkpoint import check_quantization_config, iter_safetensors
@@ -62,8 +63,8 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
     file's quantized blocks kept as they are), "int8" / "int4" (linears quantized at load; see
     layers/quant.py), "fp8" (e4m3 with per-row scales; layers/fp8.py)."""
     device = torch.device(device)
-    if quantization not in ("none", "gguf", "int8", "int4", "fp8"):
-        raise ValueError(f"quantization must be none, gguf, int8, int4 or fp8, not {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, not {quantization!r}")
     gguf_path = os.path.expanduser(path) if path is not None else None
     if quantization == "gguf":
         gguf_path = gguf_path or default_model_path()
@@ -75,7 +76,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
         hf_config = json.load(f)
     fp8_block = check_quantization_config(hf_config)
     model_cls, cfg = resolve(hf_config)
-    weights = iter_safetensors(folder, *([fp8_block] if fp8_block else []))
+    weights = iter_safetensors(folder, fp8_block)
     tp = get_tp()
     # Build on the meta device with the init functions off: no time spent initializing weights
     # that are overwritten next (and torch.nn.init under the meta device mode would import
