@@ -92,9 +92,9 @@ class HarmonyToolParser(ToolParser):
         channels = _CHANNEL.findall(header)
         self._channel = channels[-1] if channels else "final"
         recipient = _RECIPIENT.findall(header)
-        if recipient:
-            name = recipient[-1]
-            name = name[len("functions."):] if name.startswith("functions.") else name
+        name = recipient[-1] if recipient else ""
+        name = name[len("functions."):] if name.startswith("functions.") else name
+        if name:  # "to=functions." with no name is no call: its body stays text
             self._stream, self._state = ArgsStream(name), "call"
         else:
             self._state = "body"
