@@ -26,6 +26,16 @@ class SamplerOutput:
     logprobs: dict[int, tuple[float, list[int], list[float]]]
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row (the first index on ties, as torch's). On a CPU, numpy's SIMD
+    argmax: torch's CPU argmax is scalar, 48 us for one 49K-vocab row and 0.8 ms for 32 rows
+    against numpy's 5 us and 0.13 ms (2-core Zen 4), which is a decode step's tenth at 1K context.
+    Elsewhere torch's, on the device."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _needs_processing(s: ScheduledSeq) -> bool:
     return (s.bitmask_row is not None or bool(s.suppress) or bool(s.sampling.logit_bias)
             or s.history is not None)
@@ -70,12 +80,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  num_output_tokens: list[int]) -> list[int]:
         """logits: [seqs, vocab], one row per request due a token."""
-        greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            return greedy.tolist()
+            return greedy_ids(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
-        out = greedy.tolist()
+        out = greedy_ids(logits)
         unseeded = [j for j, i in enumerate(rows) if params[i].seed is None]
         if unseeded:
             drawn = torch.multinomial(probs[unseeded], 1, generator=self.generator).view(-1).tolist()

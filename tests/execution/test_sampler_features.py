@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loomserve.execution.batch import ScheduledSeq
-from loomserve.execution.sampler import Sampler
+from loomserve.execution.sampler import Sampler, greedy_ids
 from loomserve.sampling_params import SamplingParams
 from tests.execution.conftest import TINY_LLAMA, make_llm
 
@@ -33,6 +33,19 @@ def _sample(logits, seqs):
 
 
 # -- unit: the sampler on hand-made logits ------------------------------------------------------
+
+def test_greedy_ids_equal_torch_argmax_ties_and_views_included():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 5, (7, 301), generator=g).float()  # many ties per row
+    logits[3, 10] = float("inf")
+    logits[4] = float("-inf")
+    logits[4, 200] = 0.0
+    for x in (logits, logits[::2], logits[:, 1:], logits.t().contiguous().t()):
+        assert greedy_ids(x) == x.argmax(dim=-1).tolist()
+    half = logits.to(torch.bfloat16)  # not numpy's: torch's path
+    assert greedy_ids(half) == half.argmax(dim=-1).tolist()
+    assert greedy_ids(logits[:0]) == []
+
 
 def test_penalties_follow_openai_and_hf_semantics():
     vocab = 8
