@@ -29,6 +29,12 @@ class SchedulerConfig:
     # New prefill work (admitting a waiting request) only on steps whose number is a multiple
     # of this; decodes and running prefill chunks continue every step (see Scheduler).
     prefill_schedule_interval: int = 1
+    # Streaming granularity (SGLang's and vLLM's --stream-interval): a request's tokens go to
+    # the front end once N have gathered; its first token, its last and any output while a
+    # stats snapshot goes out (every few tens of ms) go at once. 1 = every token. Larger
+    # values save the per-token hops (core -> API process -> client), which a small host pays
+    # out of the decode (BENCHMARKS.md, issue 12 "Session 20").
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -45,3 +51,5 @@ class SchedulerConfig:
             raise ValueError("max_postpone_ms must be >= 0")
         if self.prefill_schedule_interval < 1:
             raise ValueError("prefill_schedule_interval must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")

@@ -79,6 +79,11 @@ def _add_serve(sub) -> None:
                    help="admit new prefill work only every N steps (decodes and running prefill "
                         "chunks continue every step), so data-parallel ranks prefill on the same "
                         "steps (default: %(default)s = every step)")
+    p.add_argument("--stream-interval", type=int, metavar="N",
+                   default=_DEFAULTS["stream_interval"],
+                   help="send a request's tokens to the client N at a time (its first and last at "
+                        "once): fewer wake-ups per token for the API process and the client, "
+                        "chunkier streams (default: %(default)s = every token)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
                    help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU "
                         "(default: %(default)s)")

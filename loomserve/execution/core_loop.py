@@ -1,7 +1,10 @@
 """The core loop: one thread drives one EngineCore, whatever carries its messages.
 
 Each turn: take the front end's inputs (waiting for them only when there is no work), run one
-step or the idle housekeeping, send the outputs. A transport hands inputs in and events out: a
+step or the idle housekeeping, send the outputs. Under `--stream-interval N` a request's
+outputs are held until N tokens gathered; its first and its finishing output go at once, and
+every send of a stats snapshot (at most STATS_INTERVAL_S apart while busy) takes all that is
+held, so no token waits longer than that. An aborted request's held outputs are dropped. A transport hands inputs in and events out: a
 ZMQ pair when the core has its own process (core_proc.py), a queue and a callback when it runs
 in a thread of the front end's process.
 
@@ -50,7 +53,13 @@ class CoreLoop:
     def __init__(self, core, transport: CoreTransport) -> None:
         self.core = core
         self.transport = transport
-        self._outputs: list = []
+        self._outputs: list = []  # due to go with the next send
+        # --stream-interval: outputs held back per request, their token count, and the
+        # requests that already had an output sent (a first token is never held).
+        self._interval = core.config.scheduler.stream_interval
+        self._held: dict[str, list] = {}
+        self._held_tokens: dict[str, int] = {}
+        self._started: set[str] = set()
         self._dirty = True  # something changed since the last stats snapshot
         self._stats_at = 0.0
         self._last_stats: EngineStats | None = None
@@ -77,7 +86,7 @@ class CoreLoop:
                     return
                 self._handle(msg)
             if core.has_work():
-                self._outputs += core.step()
+                self._collect(core.step())
                 self._dirty = True
             else:
                 core.idle()
@@ -93,10 +102,38 @@ class CoreLoop:
             status = _STATUS[msg.status]
             for rid in msg.request_ids:
                 self.core.abort(rid, status)
+                self._forget(rid)  # the front end has ended it: its held tokens go nowhere
         elif isinstance(msg, EndSession):
             self.core.end_session(msg.session_id)
         else:
             raise TypeError(f"unknown core input {type(msg).__name__}")
+
+    def _collect(self, outputs: list) -> None:
+        """Queue a step's outputs; under a stream interval > 1 hold each request's back until
+        it has gathered that many tokens, unless it is the request's first or last."""
+        if self._interval == 1:
+            self._outputs += outputs
+            return
+        for out in outputs:
+            rid = out.request_id
+            self._held.setdefault(rid, []).append(out)
+            count = self._held_tokens.get(rid, 0) + len(out.new_token_ids)
+            self._held_tokens[rid] = count
+            if out.finished or rid not in self._started or count >= self._interval:
+                self._release(rid)
+                if out.finished:
+                    self._started.discard(rid)
+                else:
+                    self._started.add(rid)
+
+    def _release(self, rid: str) -> None:
+        self._outputs += self._held.pop(rid, ())
+        self._held_tokens.pop(rid, None)
+
+    def _forget(self, rid: str) -> None:
+        self._held.pop(rid, None)
+        self._held_tokens.pop(rid, None)
+        self._started.discard(rid)
 
     def _flush(self) -> None:
         """Send the outputs gathered so far, with a stats snapshot when one is due: after a
@@ -114,6 +151,8 @@ class CoreLoop:
             self._stats_at = now
         if stats is not None:
             self._dirty, self._stats_at, self._last_stats = False, now, stats
+            for rid in list(self._held):  # a held token waits at most one stats interval
+                self._release(rid)
         if self._outputs or stats is not None:
             outputs, self._outputs = self._outputs, []
             self.transport.send(CoreOutputs(outputs, stats))
