@@ -8,6 +8,7 @@ an f32 GGUF made by llama.cpp's convert_hf_to_gguf.py. KV per token (fp32): 512 
 Systems (each server alone while measured, one after another; fp32 weights and KV, 2 threads):
   loomserve         `loomserve serve HF --dtype float32 --max-model-len 262144 ...`
   loomserve-torch   the same with `--attention-backend torch` (gather pages + SDPA)
+  loomserve-si8     the same with `--stream-interval 8` (tokens reach the client 8 at a time)
   llama-server      `llama-server -m GGUF -ctk f32 -ctv f32 -t 2 -np 1 -c 135424` (132K + 256;
                     `--no-repack` on AMX hosts only)
 
@@ -44,7 +45,7 @@ import common  # noqa: E402
 from longctx import limits, model, report, systems  # noqa: E402
 
 RESULT_NAME = "long_context.json"
-SYSTEMS = ("loomserve", "loomserve-torch", "llama-server")
+SYSTEMS = ("loomserve", "loomserve-torch", "loomserve-si8", "llama-server")
 K = 1024
 
 
@@ -76,7 +77,8 @@ def server_for(name: str, phase: str, args, folder: str, gguf: str):
                                   slots * ctx_slot, args.threads)
     kv = args.kv_memory_c64 if many else args.kv_memory
     backend = "torch" if name == "loomserve-torch" else args.backend
-    return systems.loomserve_argv(sys.executable, folder, backend, kv, max(slots, 4))
+    extra = ["--stream-interval", "8"] if name == "loomserve-si8" else []
+    return systems.loomserve_argv(sys.executable, folder, backend, kv, max(slots, 4), extra)
 
 
 def run_phase(name: str, phase: str, url: str, vocab: int, args) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -32,13 +33,13 @@ PREFIX, NEW = 104 * K, 24 * K
 
 
 def loomserve_argv(python: str, folder: str, backend: str | None, kv_memory: str,
-                   max_seqs: int):
+                   max_seqs: int, extra: Sequence[str] = ()):
     def argv(port: int) -> list[str]:
         return [python, "-m", "loomserve", "serve", folder, "--host", "127.0.0.1",
                 "--port", str(port), "--dtype", "float32", "--max-model-len", "262144",
                 "--kv-cache-memory", kv_memory, "--max-num-seqs", str(max_seqs),
                 "--max-num-batched-tokens", "2048", "--long-prefill-threshold", "0",
-                *(["--attention-backend", backend] if backend else [])]
+                *(["--attention-backend", backend] if backend else []), *extra]
     return argv
 
 

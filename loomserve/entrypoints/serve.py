@@ -66,7 +66,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                                                timeout_graceful_shutdown=5))
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(startup_line(engine, config, f"http://{host}:{args.port}"), flush=True)
-        asyncio.run(_run(server, engine))
+        _run_loop(_run(server, engine))
     finally:
         engine.shutdown()
     if engine.dead is not None:
@@ -117,6 +117,19 @@ def _response_store(args: argparse.Namespace):
         return ResponseStore(max_size=size, ttl_s=ttl)
     except ValueError as e:
         raise ValueError(f"--responses-store-size / --responses-store-ttl: {e}") from None
+
+
+def _run_loop(main) -> None:
+    """Run the server on uvloop where it is installed (a dependency on Linux and macOS), as
+    vLLM and SGLang do, else on asyncio's own loop. With uvicorn's httptools parser (picked
+    when installed) it cuts the API process's CPU per streamed token, which on a small host
+    competes with the decode (BENCHMARKS.md, issue 12 "Session 20")."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 async def _run(server, engine) -> None:
