@@ -4,8 +4,9 @@ Each turn: take the front end's inputs (waiting for them only when there is no w
 step or the idle housekeeping, send the outputs. Under `--stream-interval N` a request's
 outputs are held until N tokens gathered; its first and its finishing output go at once, and
 every send of a stats snapshot (at most STATS_INTERVAL_S apart while busy) takes all that is
-held, so no token waits longer than that. An aborted request's held outputs are dropped. A transport hands inputs in and events out: a
-ZMQ pair when the core has its own process (core_proc.py), a queue and a callback when it runs
+held, so no token waits longer than that; an aborted request's held outputs are dropped.
+
+A transport hands inputs in and events out: a ZMQ pair when the core has its own process (core_proc.py), a queue and a callback when it runs
 in a thread of the front end's process.
 
 Supervision: any exception on any path (an add, an abort, a step, the tier poll, the idle

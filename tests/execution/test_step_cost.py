@@ -65,6 +65,30 @@ def test_converges_on_a_linear_law_with_noise_from_a_wrong_prior():
     assert errors[0] > 0.3 and np.median(errors[-100:]) < 0.06
 
 
+def test_predict_sees_every_sample_though_the_fit_is_solved_lazily():
+    """observe() alone solves every SOLVE_EVERY samples; predict() first solves what observe()
+    folded in since. A model asked after every sample agrees up to the fit age its samples
+    were weighted by."""
+    rng = np.random.default_rng(3)
+    prior = TRUE * np.array([3.0, 0.3, 5.0, 1.0, 1.0, 0.2]) + 1e-9
+    eager, lazy = StepCostModel(prior), StepCostModel(prior)
+    probe = synthetic_steps(rng, 1)[0]
+    steps = synthetic_steps(rng, 37)
+    for i, v in enumerate(steps):
+        t = float(TRUE @ v) * (1 + rng.normal(0, 0.03))
+        eager.observe(v, t)
+        eager.predict(probe)
+        lazy.observe(v, t)
+        if i == len(steps) - 2:
+            stale = float(lazy._weights @ probe)  # the fit as observe() left it
+    assert lazy._unsolved > 0
+    fresh = lazy.predict(probe)
+    assert lazy._unsolved == 0 and fresh != stale
+    lazy._solve()
+    assert lazy.predict(probe) == fresh  # nothing was left unsolved
+    assert fresh == pytest.approx(eager.predict(probe), rel=1e-3)
+
+
 def test_before_any_sample_the_prior_rules():
     prior = np.array([1e-3, 1e-4, 1e-8, 0, 0, 1e-5])
     model = StepCostModel(prior)
