@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +18,7 @@ import pytest
 from loomserve.control.kv_events import KVEventSubscriber, endpoints_from_info
 from loomserve.kv.event_wire import MEDIUM_GPU, BlockStored
 from tests.entrypoints.server.conftest import TINY_LLAMA
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,17 +16,14 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tests.ports import free_port
+
 TINY_LLAMA = os.path.abspath(os.path.join(os.path.dirname(__file__), "../fixtures/tiny-llama"))
 START_TIMEOUT_S = 300  # engines start slowly on a shared 2-core host
 SYSTEM = ("You are the archivist of a weaving museum. Answer every question about looms, "
           "shuttles, warps and wefts with care, citing the catalogue number of each object "
           "you mention, and keep a calm and friendly tone throughout the conversation.")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

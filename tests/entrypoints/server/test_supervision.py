@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.server.conftest import TINY_LLAMA, running_server
+from tests.ports import free_port
 
 ANSWER_S = 5.0
 
@@ -122,11 +122,6 @@ def test_a_fault_in_idle_work_makes_the_server_unavailable():
         wait_for(lambda: not srv.engine.is_healthy, ANSWER_S)
         check_dead(srv.url, srv.model)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_serve(port: int, env: dict, *extra: str) -> subprocess.Popen:
