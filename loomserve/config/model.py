@@ -12,8 +12,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # load (weight-only, groups of 32; loomserve/execution/layers/quant.py); fp8: e4m3 weights with
 # per-row scales, fp8 x fp8 products on GPUs that have them (layers/fp8.py).
 QUANTIZATIONS = ("none", "gguf", "int8", "int4", "fp8")
-# auto: the in-place paged kernels where the device has them (CPU: the C kernel), else torch.
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch")
+# auto: the in-place paged kernels where the device has them (CPU: the C kernel; CUDA: Triton),
+# else torch.
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "triton", "torch")
 
 
 @dataclass

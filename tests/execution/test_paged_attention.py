@@ -41,9 +41,10 @@ def reference(q, keys, values, positions, window, scale, sinks):
     return out
 
 
-def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed):
+def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed,
+             device=CPU):
     """seqs: (context_before, new_tokens) per seq; new_tokens == 1 with context > 0 is a decode.
-    Returns (ours, reference) outputs for every new token."""
+    Returns (ours, reference) outputs for every new token; ours computed on `device`."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     need = sum((c + n + block_size - 1) // block_size for c, n in seqs)
@@ -69,13 +70,15 @@ def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks
     pre_t = tables_from_lists([t for _, _, t in prefills])
     meta, _ = build_metadata([(p, t) for (p, _), t in zip(decodes, dec_t)],
                              [(s, n, t) for (s, n, _), t in zip(prefills, pre_t)],
-                             block_size, CPU, dtype, backend, window)
+                             block_size, device, dtype, backend, window)
     rows = [(i, seqs[i][0] + j) for i in order_idx for j in range(seqs[i][1])]
     q = torch.randn(len(rows), heads, head_dim, generator=g).to(dtype)
     k = torch.stack([keys[i][p] for i, p in rows])
     v = torch.stack([values[i][p] for i, p in rows])
-    ours = paged_attention(q, k, v, pages[:, 0], pages[:, 1], meta, head_dim ** -0.5, sinks)
-    return ours, reference(q, keys, values, rows, window, head_dim ** -0.5, sinks)
+    on = [t.to(device) for t in (q, k, v, pages)] + [None if sinks is None else sinks.to(device)]
+    ours = paged_attention(on[0], on[1], on[2], on[3][:, 0], on[3][:, 1], meta, head_dim ** -0.5,
+                           on[4])
+    return ours.cpu(), reference(q, keys, values, rows, window, head_dim ** -0.5, sinks)
 
 
 seq_st = st.tuples(st.integers(0, 90), st.integers(1, 12))

@@ -4,8 +4,10 @@
 slots, then hands the rest to the backend the metadata names. Backends:
 - `cpu_paged` (cpu_backend.py): reads the pages in place with a C kernel for decodes and tiled
   flash attention for prefill chunks; the default on CPU.
-- `torch` (torch_backend.py): gather + SDPA with masks; any device (the CUDA path today; FlashInfer
-  or FlashAttention paged kernels would be a third backend behind the same interface).
+- `triton` (triton_backend.py): Triton kernels that read the pages in place, split over the
+  context for decodes; the default on CUDA (FlashInfer or FlashAttention paged kernels would be
+  further backends behind the same interface).
+- `torch` (torch_backend.py): gather + SDPA with masks; any device, the reference and fallback.
 Metadata (metadata.py) is built once per step per KV group from incrementally grown block
 tables (block_tables.py).
 """
@@ -20,9 +22,18 @@ from loomserve.execution.attention.torch_backend import GatherWorkspace, TorchBa
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype):
-    """The backend for `name` (auto | cpu_paged | torch) on this device; auto takes the
-    in-place CPU kernel when the device is a CPU, the dtype one it has, and it builds."""
+    """The backend for `name` (auto | cpu_paged | triton | torch) on this device; auto takes
+    the in-place CPU kernel when the device is a CPU, the dtype one it has, and it builds, and
+    the Triton kernels on CUDA where Triton imports."""
     if name == "torch":
+        return TorchBackend()
+    if name == "triton" or (name == "auto" and device.type != "cpu"):
+        from loomserve.execution.attention import triton_backend
+        if triton_backend.available(device):
+            return triton_backend.TritonBackend(device)
+        if name == "triton":
+            raise ValueError("attention backend triton is unavailable: it needs the triton package "
+                             "and a CUDA device (or TRITON_INTERPRET=1, for tests)")
         return TorchBackend()
     if name not in ("auto", "cpu_paged"):
         raise ValueError(f"unknown attention backend {name!r}")

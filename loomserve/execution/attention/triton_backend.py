@@ -1,0 +1,148 @@
+"""The CUDA backend: Triton kernels that read the paged KV in place (triton_kernels.py).
+
+What `auto` picks on CUDA. FlashInfer and FlashAttention paged kernels would be further backends
+behind this interface; vLLM's triton_attn and SGLang's triton backend are this same design for
+devices without them. Per step and KV group, built on the first layer and kept in meta.derived:
+- decodes: key counts, the block tables padded to the longest as one [decodes, width] int32
+  tensor (one host-to-device copy a step, O(total blocks): ~2 MB for 64 decodes at 128K, as
+  vLLM copies its table), and the context split (flash-decoding): enough splits that
+  decodes x kv heads x splits fill the device, none shorter than MIN_SPLIT_KEYS. Each split
+  writes (acc, max, sum); a merge kernel combines them exactly, the sink joining there.
+- prefill chunks: tiles of BLOCK_M query rows (first row, rows, first position, chunk) and the
+  chunks' tables padded. A chunk's own K/V is read back from the pages (paged_attention wrote
+  it first), so fresh and continued chunks run the same kernel, causal and windowed per row.
+On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loomserve.execution.attention.metadata import AttentionMetadata
+
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 64
+
+
+def available(device: torch.device) -> bool:
+    """Triton importable, and a CUDA device (or the interpreter, on any device)."""
+    try:
+        import triton  # noqa: F401
+        from triton import knobs
+    except ImportError:
+        return False
+    return device.type == "cuda" or bool(knobs.runtime.interpret)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        from loomserve.execution.attention import triton_kernels
+
+        self.k = triton_kernels
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2
+        self.programs = 2 * sms  # programs a decode call aims for
+        from triton import knobs
+        self.interpreted = bool(knobs.runtime.interpret)
+
+    def _ieee(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32 or self.interpreted
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("triton attention needs the head dim innermost in the KV pages")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        group = q.shape[1] // k.shape[1]
+        sinks = None if sinks is None else sinks.to(device=q.device, dtype=torch.float32)
+        if meta.num_decode:
+            self._decode(q, k_cache, v_cache, meta, scale, group, sinks, out)
+        if meta.prefills:
+            self._prefill(q, k_cache, v_cache, meta, scale, group, sinks, out)
+        return out
+
+    # --- decode ---------------------------------------------------------------------------
+
+    def _decode_plan(self, meta: AttentionMetadata, kv_heads: int):
+        got = meta.derived.get("triton_decode")
+        if got is not None:
+            return got
+        lens = meta.decode_lens.astype(np.int64)
+        table = _padded([t[:n] for t, n in zip(meta.decode_tables, -(-lens // meta.block_size))])
+        w = meta.sliding_window
+        longest = max(1, int((lens if w is None else np.minimum(lens, w)).max()))
+        splits = min(MAX_SPLITS, -(-longest // MIN_SPLIT_KEYS),
+                     -(-self.programs // (len(lens) * kv_heads)))
+        per = -(-longest // max(1, splits))
+        per = -(-per // 64) * 64  # whole key tiles per split
+        got = (torch.from_numpy(table).to(meta.device),
+               torch.from_numpy(meta.decode_lens.astype(np.int32)).to(meta.device),
+               -(-longest // per), per)
+        meta.derived["triton_decode"] = got
+        return got
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
+        d, heads, hd = meta.num_decode, q.shape[1], q.shape[2]
+        kv_heads = heads // group
+        table, lens, splits, per = self._decode_plan(meta, kv_heads)
+        hd_pad = _pow2(hd)
+        acc = torch.empty((d, heads, splits, hd_pad), dtype=torch.float32, device=q.device)
+        ml = torch.empty((d, heads, splits, 2), dtype=torch.float32, device=q.device)
+        self.k.decode_split[(d, kv_heads, splits)](
+            q, k_cache, v_cache, table, lens, acc, ml,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            table.stride(0), scale, meta.sliding_window or 0, per, meta.block_size, splits,
+            GROUP=group, G_PAD=_pow2(group), HD=hd, HD_PAD=hd_pad, BLOCK_N=64,
+            HAS_WINDOW=meta.sliding_window is not None, IEEE=self._ieee(q.dtype))
+        self.k.decode_merge[(d, heads)](
+            acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1),
+            splits, heads, HD=hd, HD_PAD=hd_pad, HAS_SINK=sinks is not None)
+
+    # --- prefill --------------------------------------------------------------------------
+
+    def _prefill_plan(self, meta: AttentionMetadata, block_m: int):
+        got = meta.derived.get("triton_prefill")
+        if got is not None:
+            return got
+        bs, tiles, tabs = meta.block_size, [], []
+        for i, c in enumerate(meta.prefills):
+            n = c.end - c.start
+            tiles += [(c.start + r, min(block_m, n - r), c.start_pos + r, i)
+                      for r in range(0, n, block_m)]
+            tabs.append(c.table[:-(-(c.start_pos + n) // bs)])
+        got = (torch.tensor(tiles, dtype=torch.int32).to(meta.device),
+               torch.from_numpy(_padded(tabs)).to(meta.device))
+        meta.derived["triton_prefill"] = got
+        return got
+
+    def _prefill(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
+        hd = q.shape[2]
+        hd_pad = _pow2(hd)
+        block = 64 if hd_pad <= 128 else 32
+        tiles, table = self._prefill_plan(meta, block)
+        self.k.prefill_tile[(tiles.shape[0], q.shape[1])](
+            q, k_cache, v_cache, out, table, tiles, sinks if sinks is not None else q,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
+            scale, meta.sliding_window or 0, meta.block_size,
+            GROUP=group, HD=hd, HD_PAD=hd_pad, BLOCK_M=block, BLOCK_N=block,
+            HAS_WINDOW=meta.sliding_window is not None, HAS_SINK=sinks is not None,
+            IEEE=self._ieee(q.dtype))
+
+
+def _padded(rows: list[np.ndarray]) -> np.ndarray:
+    """int32 [len(rows), longest] with zeros after each row (never read: keys past a row's
+    count are masked before their block id is used)."""
+    out = np.zeros((len(rows), max(1, max(len(r) for r in rows))), dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out

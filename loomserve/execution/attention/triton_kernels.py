@@ -1,0 +1,176 @@
+"""Triton kernels over the paged KV: keys are addressed one by one through the block table.
+
+A key at position p of a sequence lies at page table[p // block_size], row p % block_size, so a
+tile of BLOCK_N keys may span blocks of any size and nothing is gathered or masked densely.
+All softmax state is fp32; products run in the cache dtype (IEEE fp32 products for fp32, so a
+float32 run on a GPU matches the CPU to rounding). Invariants the callers keep: the last stride
+of q and the caches is 1; table rows cover every position below each sequence's key count.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """IEEE: fp32 products (the operands upcast; exact for 16-bit ones). The backend asks for it
+    in fp32 runs and under the interpreter, whose 16-bit dot is wrong (triton 3.9)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
+             sk_b, sk_o, sk_h, sv_b, sv_o, sv_h):
+    """K and V rows [len(pos), HD_PAD] of key positions `pos`, found through a table row."""
+    blk = tl.load(row + pos // block_size, mask=valid, other=0).to(tl.int64)
+    off = pos % block_size
+    mask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + blk[:, None] * sk_b + off[:, None] * sk_o + kvh * sk_h + d[None, :],
+                mask=mask, other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_o + kvh * sv_h + d[None, :],
+                mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fold(q, k, v, allowed, m, l, acc, scale, IEEE: tl.constexpr):
+    """One tile of keys folded into each query row's running (max, sum, acc). A row that has
+    seen no key yet keeps max -inf and adds nothing (exp(-inf - 0) = 0, no NaN)."""
+    s = tl.where(allowed, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
+                 sq_t, sq_h, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, s_tab,
+                 scale, window, keys_per_split, block_size, n_split,
+                 GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+                 HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Program (decode, kv head, split): the group's query heads as rows over one split of the
+    visible keys. Writes the unnormalized acc and (max, sum) per row; an empty split writes
+    (-inf, 0)."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + seq)
+    if HAS_WINDOW:
+        lo = tl.maximum(length - window, 0)
+    else:
+        lo = length * 0
+    start = lo + split * keys_per_split
+    end = tl.minimum(start + keys_per_split, length)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, HD_PAD)
+    gmask = g < GROUP
+    dmask = d < HD
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    row = table_ptr + seq.to(tl.int64) * s_tab
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k, v = _load_kv(k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
+                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
+        m, l, acc = _fold(q, k, v, valid[None, :], m, l, acc, scale, IEEE)
+    base = (seq * (tl.num_programs(1) * GROUP) + heads) * n_split + split
+    tl.store(part_acc + base[:, None] * HD_PAD + d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_ml + base * 2, m, mask=gmask)
+    tl.store(part_ml + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def decode_merge(part_acc, part_ml, sink_ptr, o_ptr, so_t, so_h, n_split, heads_total,
+                 HD: tl.constexpr, HD_PAD: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Program (decode, head): merge the splits' partials exactly (log-sum-exp), the sink
+    (gpt-oss) joining the denominator only. A row that saw no key writes zeros."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HD_PAD)
+    if HAS_SINK:  # the sink as the initial state: max = sink, sum = 1
+        big = tl.load(sink_ptr + h).to(tl.float32)
+        total = big * 0.0 + 1.0
+    else:
+        big = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+    out = tl.zeros([HD_PAD], tl.float32)
+    base = (seq * heads_total + h) * n_split
+    for s in range(0, n_split):
+        m_s = tl.load(part_ml + (base + s) * 2)
+        l_s = tl.load(part_ml + (base + s) * 2 + 1)
+        acc_s = tl.load(part_acc + (base + s) * HD_PAD + d)
+        seen = l_s > 0  # an empty split (max -inf) changes nothing
+        new = tl.where(seen, tl.maximum(big, m_s), big)
+        a = tl.where(seen, tl.exp(big - new), 1.0)
+        b = tl.where(seen, tl.exp(m_s - new), 0.0)
+        out = out * a + acc_s * b
+        total = total * a + l_s * b
+        big = new
+    res = tl.where(total > 0, out / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(o_ptr + seq * so_t + h * so_h + d, res.to(o_ptr.dtype.element_ty), mask=d < HD)
+
+
+@triton.jit
+def prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr,
+                 sq_t, sq_h, so_t, so_h, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, s_tab,
+                 scale, window, block_size,
+                 GROUP: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SINK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (query tile, head): tile = (first row, rows, first position, chunk). Its keys
+    (the cached context and the chunk's own, already written to the pages) from the first one
+    any row sees to the tile's last position, causal and windowed per row."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    row0 = tl.load(tiles_ptr + t * 4)
+    rows = tl.load(tiles_ptr + t * 4 + 1)
+    pos0 = tl.load(tiles_ptr + t * 4 + 2)
+    chunk = tl.load(tiles_ptr + t * 4 + 3)
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HD_PAD)
+    rmask = r < rows
+    dmask = d < HD
+    qpos = pos0 + r
+    q_rows = (row0 + r).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * sq_t + h * sq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if HAS_SINK:  # the sink as the initial state: max = sink, sum = exp(sink - sink) = 1
+        m = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sink_ptr + h).to(tl.float32)
+        l = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD_PAD], tl.float32)
+    hi = pos0 + rows
+    if HAS_WINDOW:
+        lo = tl.maximum(pos0 - window + 1, 0)
+    else:
+        lo = pos0 * 0
+    row = table_ptr + chunk.to(tl.int64) * s_tab
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kvalid = kpos < hi
+        k, v = _load_kv(k_ptr, v_ptr, row, kpos, kvalid, block_size, kvh, d, dmask,
+                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
+        allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
+        m, l, acc = _fold(q, k, v, allowed, m, l, acc, scale, IEEE)
+    res = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * so_t + h * so_h + d[None, :],
+             res.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
