@@ -9,6 +9,7 @@ rate) and the largest difference from the torch backend's output. A case the tor
 cannot hold in memory is reported as such.
 
     python benchmarks/gpu_attention.py [--out gpu_attention.json]     (needs CUDA; ~1 minute)
+gpu_check.py runs the same cases as its `attention` part.
 """
 
 from __future__ import annotations
@@ -100,13 +101,8 @@ def run(shape: str, case: str, dev, hw: dict) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="gpu_attention.json")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_attention: no CUDA device; nothing measured", file=sys.stderr)
-        return 3
+def measure_all() -> dict:
+    """Every shape and case on the current CUDA device, beside the measured ceilings."""
     dev = torch.device("cuda")
     hw = ceilings(dev)
     print("[gpu_attention]", torch.cuda.get_device_name(dev), hw, file=sys.stderr, flush=True)
@@ -119,12 +115,22 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - reported; the other cases stand
                 cases.append({"shape": shape, "case": case, "error": f"{type(e).__name__}: {e}"})
                 print("[gpu_attention]", cases[-1], file=sys.stderr, flush=True)
-    payload = {"description": "attention alone on a GPU: triton vs torch backends (bf16, block 16)",
-               "device": torch.cuda.get_device_name(dev), "hardware": hw, "host": host_info(),
-               "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "wall_s": round(time.perf_counter() - t0, 1), "cases": cases}
+    return {"description": "attention alone on a GPU: triton vs torch backends (bf16, block 16)",
+            "device": torch.cuda.get_device_name(dev), "hardware": hw, "host": host_info(),
+            "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "wall_s": round(time.perf_counter() - t0, 1), "cases": cases}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="gpu_attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_attention: no CUDA device; nothing measured", file=sys.stderr)
+        return 3
+    payload = measure_all()
     print("wrote", write_json(args.out, payload), file=sys.stderr)
-    return 0 if not any("error" in c for c in cases) else 1
+    return 0 if not any("error" in c for c in payload["cases"]) else 1
 
 
 if __name__ == "__main__":

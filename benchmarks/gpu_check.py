@@ -1,7 +1,13 @@
 """One-shot check of loomserve on an NVIDIA GPU (under 10 minutes): correctness, then speed.
 
-For each model fixture in tests/fixtures/ (every folder with a config.json) and the built-in
-default model (SmolLM2-135M-Instruct):
+Parts (--parts, all by default), in this order:
+  tests       the CUDA-relevant test files (CUDA_TESTS) by pytest on the device: the Triton
+              attention backend against the dense reference, the host tier's pinned round trip
+  attention   attention alone, triton vs torch backends (benchmarks/gpu_attention.py)
+  models      per model, below
+  fp8         the fp8 check, below
+
+For each model, the built-in default model first (SmolLM2-135M-Instruct), then each fixture in tests/fixtures/ (every folder with a config.json) (every folder of tests/fixtures with a config.json):
   agreement   greedy outputs (same prompts, ignore_eos, fp32 on both sides) on CUDA vs CPU:
               the share of prompts whose token ids are all equal, and the first position
               where each differing pair parts (fp32 kernels differ in summation order, so a
@@ -45,10 +51,43 @@ AGREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a t
                  "1, 2, 3, 4,", "The quick brown fox", "In the beginning"]
 
 
+CUDA_TESTS = ["tests/execution/test_triton_attention.py",
+              "tests/kv/tiers/test_store.py::test_cuda_pool_round_trip"]
+PARTS = ("tests", "attention", "models", "fp8")
+
+
 def model_names() -> list[str]:
     found = sorted(d for d in os.listdir(FIXTURES_DIR)
                    if os.path.exists(os.path.join(FIXTURES_DIR, d, "config.json")))
-    return found + ["default"]
+    return ["default"] + found
+
+
+def cuda_tests(timeout_s: float) -> dict[str, Any]:
+    """pytest over CUDA_TESTS in a child process; its summary line and exit status."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *CUDA_TESTS], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=timeout_s)
+        lines = (p.stdout or p.stderr).strip().splitlines()
+        out = {"returncode": p.returncode, "summary": lines[-1] if lines else "",
+               "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:10]}
+    except subprocess.TimeoutExpired:
+        out = {"returncode": None, "summary": f"timed out after {timeout_s:.0f} s"}
+    out.update(files=CUDA_TESTS, wall_s=round(time.perf_counter() - t0, 1))
+    print(f"[gpu_check] tests: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return out
+
+
+def attention_part() -> dict[str, Any]:
+    import gpu_attention
+
+    try:
+        return gpu_attention.measure_all()
+    except Exception as e:  # noqa: BLE001 - reported; the other parts stand
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def model_path(name: str) -> str | None:
@@ -241,6 +280,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-only", action="store_true",
                     help="dry run: the CPU stands in for the GPU (fp32, small sizes)")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                    help="which parts run (default: all; --cpu-only runs models and fp8)")
     ap.add_argument("--models", nargs="+", default=None,
                     help="fixture names and/or 'default' (all; tiny-llama with --cpu-only)")
     ap.add_argument("--fp8-models", nargs="*", default=None,
@@ -271,6 +312,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.fp8_models = ["tiny-llama"] if cpu else ["default"]
     if cpu:
         args.device = "cpu"
+        args.parts = [p for p in args.parts if p in ("models", "fp8")]
     return args
 
 
@@ -285,15 +327,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return NO_CUDA_EXIT
     hw = measure_hardware(args.device, args.dtype)
     print(f"[gpu_check] {args.device} ({hw['device_name']}): {hw}", file=sys.stderr, flush=True)
-    t0, results = time.perf_counter(), []
-    for name in args.models:
+    t0, results, fp8 = time.perf_counter(), [], []
+    tests = cuda_tests(150) if "tests" in args.parts else None
+    attention = attention_part() if "attention" in args.parts else None
+    for name in args.models if "models" in args.parts else []:
         if time.perf_counter() - t0 > args.budget_s:
             results.append({"model": name, "errors": ["skipped: past --budget-s"]})
             continue
         results.append(check_model(name, args, args.device, "cpu", hw))
-    fp8 = [fp8_check(name, args, hw) for name in args.fp8_models]
+    if "fp8" in args.parts:
+        fp8 = [fp8_check(name, args, hw) for name in args.fp8_models]
     ok = all(not r.get("errors") and r["agreement"]["agree_rate"] == 1.0 for r in results) \
-        and not any(r.get("errors") for r in fp8)
+        and not any(r.get("errors") for r in fp8) \
+        and (tests is None or tests["returncode"] == 0) \
+        and (attention is None or not ("error" in attention
+                                       or any("error" in c for c in attention["cases"])))
     payload = {"description": "loomserve on a GPU: CUDA vs CPU greedy agreement, bf16 speed "
                               "(benchmarks/gpu_check.py)",
                "cpu_only_dry_run": args.cpu_only, "device": args.device, "hardware": hw,
@@ -303,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "settings": {k: getattr(args, k) for k in ("streams", "prefill_streams",
                                                            "prompt_len", "decode_tokens",
                                                            "agree_tokens", "dtype")},
-               "models": results, "fp8": fp8}
+               "tests": tests, "attention": attention, "models": results, "fp8": fp8}
     print("wrote", write_json(args.out, payload), file=sys.stderr)
     return 0 if ok else 1
 

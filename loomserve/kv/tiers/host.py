@@ -8,10 +8,16 @@ Like the other tiers, every page is checksummed (xxh3_64, codec.checksum): put r
 of the slot it wrote, get_into recomputes it before copying the slot out. A page that fails (a
 stray write, a bit flip in memory without ECC) is dropped: a miss and a PagesRemoved "corrupt"
 event, never data.
+
+Device pages move on a copy stream of the tier's own (one per device), not the compute stream,
+so a tier copy overlaps the next step's kernels instead of queueing behind them; a put first
+waits for the work already queued on the device's default stream (the step that wrote the
+pages), and both directions synchronize the copy stream before the lock is released.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +50,17 @@ class HostTier(Tier):
         self._sums = [0] * self.num_slots  # codec.checksum of the page in each used slot
         # Copies happen under the lock: a slot being read must not be evicted and rewritten.
         self._lock = threading.Lock()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _copy_stream(self, device: torch.device):
+        """The tier's copy stream on a CUDA device (None for a CPU tensor). Called under the
+        lock."""
+        if device.type != "cuda":
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -71,22 +88,25 @@ class HostTier(Tier):
             slots = self._slots
             buf = self.buffer
             sums = self._sums
-            for i, k in enumerate(keys):
-                s = slots.get(k)
-                if s is None:
-                    continue
-                if codec.checksum(buf[s].numpy()) != sums[s]:
-                    del slots[k]
-                    self._free.append(s)
-                    bad.append(k)
-                    continue
-                slots.move_to_end(k)
-                copy_page(out[rows[i]], buf[s], non_blocking)
-                ok[i] = True
-                hits += 1
-            if non_blocking:
-                # Before the lock is released: the slots may be rewritten right after.
-                torch.cuda.current_stream(out.device).synchronize()
+            stream = self._copy_stream(out.device)
+            with torch.cuda.stream(stream) if stream is not None else _nothing():
+                for i, k in enumerate(keys):
+                    s = slots.get(k)
+                    if s is None:
+                        continue
+                    if codec.checksum(buf[s].numpy()) != sums[s]:
+                        del slots[k]
+                        self._free.append(s)
+                        bad.append(k)
+                        continue
+                    slots.move_to_end(k)
+                    copy_page(out[rows[i]], buf[s], non_blocking)
+                    ok[i] = True
+                    hits += 1
+            if stream is not None:
+                # Before the lock is released (the slots may be rewritten right after) and
+                # before the step that reads these pages is queued.
+                stream.synchronize()
         self.stats.add(hits=hits, misses=len(keys) - hits, corrupt=len(bad),
                        bytes_read=hits * self.page_bytes)
         self.stats.observe("get", time.perf_counter() - t0)
@@ -103,21 +123,28 @@ class HostTier(Tier):
         with self._lock:
             slots = self._slots
             buf = self.buffer
-            for i, k in enumerate(keys):
-                if k in slots:
-                    slots.move_to_end(k)
-                    continue
-                if self._free:
-                    s = self._free.pop()
-                else:
-                    old, s = slots.popitem(last=False)
-                    evicted.append(old)
-                copy_page(buf[s], src[rows[i]])
+            written: list[int] = []
+            stream = self._copy_stream(src.device)
+            if stream is not None:  # the pages' writes, queued before this call, come first
+                stream.wait_stream(torch.cuda.default_stream(src.device))
+            with torch.cuda.stream(stream) if stream is not None else _nothing():
+                for i, k in enumerate(keys):
+                    if k in slots:
+                        slots.move_to_end(k)
+                        continue
+                    if self._free:
+                        s = self._free.pop()
+                    else:
+                        old, s = slots.popitem(last=False)
+                        evicted.append(old)
+                    copy_page(buf[s], src[rows[i]], self.pinned and stream is not None)
+                    slots[k] = s
+                    written.append(s)
+                    stored.append(k)
+            if stream is not None:
+                stream.synchronize()
+            for s in written:  # after the copies landed
                 self._sums[s] = codec.checksum(buf[s].numpy())
-                slots[k] = s
-                stored.append(k)
-            if src.device.type == "cuda":
-                torch.cuda.current_stream(src.device).synchronize()
         self.stats.add(stores=len(stored), evictions=len(evicted),
                        bytes_written=len(stored) * self.page_bytes)
         self.stats.observe("put", time.perf_counter() - t0)
@@ -155,3 +182,7 @@ class HostTier(Tier):
     def lru_keys(self) -> list[bytes]:
         with self._lock:
             return list(self._slots)
+
+
+def _nothing():
+    return contextlib.nullcontext()
