@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from loomserve.config import EngineConfig
+from loomserve.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
+from loomserve.execution import memory_profile
 from loomserve.execution.attention import (
     BlockTables,
     GatherWorkspace,
@@ -82,6 +83,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.dcp = layout_for(config, self.block_size)
         self.kv_cache_config = self._kv_cache_config()
+        fraction = self._profiled_fraction()
+        if fraction is not None:  # a probe pool for the profile step; the real one after it
+            self.kv_cache_config = self._kv_cache_config(
+                memory_profile.probe_pages(self) * self.kv_layout.page_bytes)
         self.kv_buffer = self._allocate_kv()
         groups = self.kv_cache_config.groups
         self.attn_groups = [g for g, grp in enumerate(groups) if isinstance(grp.spec, FullAttentionSpec)]
@@ -105,12 +110,35 @@ class ModelRunner:
             from loomserve.execution.layers.mamba2 import Mamba2Mixer
             pcp.wrap_state_layers(self.model, self.pcp, (GatedDeltaNet, Mamba2Mixer))
         self.block_tables = BlockTables()
+        if fraction is not None:
+            self._size_pool_by_profile(fraction)
 
     # --- KV cache -----------------------------------------------------------------------------
 
-    def _kv_cache_config(self) -> KVCacheConfig:
-        """The scheduler's view; sets self.kv_layout (this rank's pool) and self.layer_specs."""
-        budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
+    def _profiled_fraction(self) -> float | None:
+        """The fraction of the device's memory the engine may use, where the pool is sized by
+        profiling (memory_profile.py: one CUDA rank, a fractional budget); else None."""
+        budget = self.config.cache.kv_cache_memory
+        if self.device.type != "cuda" or (budget is not None and budget.bytes is not None) \
+                or any(g is not None for g in (self.dcp, get_pcp(), get_tp())):
+            return None
+        return DEFAULT_GPU_KV_FRACTION if budget is None else budget.fraction
+
+    def _size_pool_by_profile(self, fraction: float) -> None:
+        """Run the largest step on the probe pool, then replace it by the pool the measured
+        peak leaves room for."""
+        probe_bytes = self.kv_layout.num_blocks * self.kv_layout.page_bytes
+        peak = memory_profile.activation_peak_bytes(self)
+        self.kv_buffer = self.pool = self.tier_pages = None
+        budget = memory_profile.pool_budget(self, fraction, probe_bytes, peak)
+        self.kv_cache_config = self._kv_cache_config(budget)  # rebinds every layer's views
+        self.kv_buffer = self._allocate_kv()
+
+    def _kv_cache_config(self, budget: int | None = None) -> KVCacheConfig:
+        """The scheduler's view for `budget` bytes (None: the configured budget); sets
+        self.kv_layout (this rank's pool) and self.layer_specs."""
+        if budget is None:
+            budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
         if self.dcp is None:
             self.layer_specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
             self.kv_layout = plan_kv_cache(self.layer_specs, self.block_size, budget)
