@@ -36,6 +36,7 @@ from loomserve.execution.attention import (
     build_metadata,
     select_backend,
 )
+from loomserve.execution.attention.metadata import to_device
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.execution.kv_pool import KVPool
 from loomserve.execution.layers.state import StateBatch, StateSeq
@@ -238,9 +239,7 @@ class ModelRunner:
             if self.dcp is not None:
                 self.attention.localize(meta, positions)
             if self.zero_new_blocks:
-                fresh = meta.slot_blocks[meta.slot_offsets == 0]
-                if fresh.numel():
-                    self.pool.zero(fresh, self.group_bytes[g])
+                self._zero_new_blocks(meta, g)
             attn_meta[g] = meta
         split = self._pcp_localize(attn_meta, len(decodes)) if self.pcp is not None else None
         if positions is None:
@@ -266,6 +265,18 @@ class ModelRunner:
             return [], torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
+
+    def _zero_new_blocks(self, meta, g: int) -> None:
+        """Zero the pages whose first slot this step writes (from the host copy: no device
+        sync; DCP's localized metadata has none and derives them on the device)."""
+        if meta.new_blocks is None:
+            fresh = meta.slot_blocks[meta.slot_offsets == 0]
+        elif len(meta.new_blocks):
+            fresh = to_device(meta.new_blocks, self.device)
+        else:
+            return
+        if fresh.numel():
+            self.pool.zero(fresh, self.group_bytes[g])
 
     def _pcp_localize(self, attn_meta: list, num_decode: int) -> "pcp.PcpSplit":
         """PCP: this rank's rows of the step, and every attention group's metadata for them."""

@@ -45,6 +45,19 @@ class AttentionMetadata:
     # Decode context parallelism: the rows of the step's K/V this rank stores (slot_blocks and
     # slot_offsets are theirs); None: every row (parallel/context_parallel.py)
     write_rows: torch.Tensor | None = None
+    # Host copy of the blocks whose first slot this step writes (the runner zeroes them where
+    # pages may hold other groups' bytes, without a device sync); None: derive on the device.
+    new_blocks: np.ndarray | None = None
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`: on CUDA through pinned memory and a copy that
+    does not block the host (torch's caching host allocator keeps the staging buffer alive
+    until the copy is done); on a CPU the array's own memory."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[int, int, np.ndarray]],
@@ -65,15 +78,16 @@ def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[i
         row += n
     positions = np.concatenate(parts_pos) if len(parts_pos) > 1 else dec_pos
     blocks = np.concatenate(parts_blk) if len(parts_blk) > 1 else parts_blk[0]
-    pos_t = torch.from_numpy(positions)
+    offsets = positions % block_size
     meta = AttentionMetadata(
-        slot_blocks=torch.from_numpy(blocks).to(device),
-        slot_offsets=torch.from_numpy(positions % block_size).to(device),
+        slot_blocks=to_device(blocks, device),
+        slot_offsets=to_device(offsets, device),
         block_size=block_size, backend=backend, num_decode=d,
         decode_lens=(dec_pos + 1).astype(np.int32) if d else None,
         decode_tables=[t for _, t in decodes], prefills=chunks,
-        sliding_window=sliding_window, dtype=dtype, device=device, workspace=workspace)
-    return meta, pos_t.to(device)
+        sliding_window=sliding_window, dtype=dtype, device=device, workspace=workspace,
+        new_blocks=blocks[offsets == 0])
+    return meta, to_device(positions, device)
 
 
 def first_visible(pos: int, window: int | None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loomserve.execution.attention.metadata import AttentionMetadata
+from loomserve.execution.attention.metadata import AttentionMetadata, to_device
 
 MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 64
@@ -84,9 +84,8 @@ class TritonBackend:
                      -(-self.programs // (len(lens) * kv_heads)))
         per = -(-longest // max(1, splits))
         per = -(-per // 64) * 64  # whole key tiles per split
-        got = (torch.from_numpy(table).to(meta.device),
-               torch.from_numpy(meta.decode_lens.astype(np.int32)).to(meta.device),
-               -(-longest // per), per)
+        got = (to_device(table, meta.device),
+               to_device(meta.decode_lens.astype(np.int32), meta.device), -(-longest // per), per)
         meta.derived["triton_decode"] = got
         return got
 
@@ -119,8 +118,8 @@ class TritonBackend:
             tiles += [(c.start + r, min(block_m, n - r), c.start_pos + r, i)
                       for r in range(0, n, block_m)]
             tabs.append(c.table[:-(-(c.start_pos + n) // bs)])
-        got = (torch.tensor(tiles, dtype=torch.int32).to(meta.device),
-               torch.from_numpy(_padded(tabs)).to(meta.device))
+        got = (to_device(np.array(tiles, dtype=np.int32).reshape(-1, 4), meta.device),
+               to_device(_padded(tabs), meta.device))
         meta.derived["triton_prefill"] = got
         return got
 

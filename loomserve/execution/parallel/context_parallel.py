@@ -222,6 +222,7 @@ class DcpBackend:
         meta.slot_blocks = meta.slot_blocks[rows_t]
         meta.slot_offsets = torch.from_numpy(lay.local_slot(pos[rows])).to(rows_t.device)
         meta.write_rows = rows_t
+        meta.new_blocks = None  # local slots: the runner derives the fresh pages on the device
         meta.block_size = lay.local_block_size
         if meta.decode_lens is not None:
             meta.derived["dcp_decode_pos"] = meta.decode_lens.astype(np.int64) - 1
