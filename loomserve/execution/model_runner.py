@@ -26,6 +26,7 @@ import logging
 import math
 import os
 
+import numpy as np
 import torch
 
 from loomserve.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
@@ -251,7 +252,7 @@ class ModelRunner:
             for g in self.state_groups:
                 state_batch[g] = self._state_batch(ordered, g)
                 state_batch[g].pcp = split  # PCP: the layer gathers every row (PcpStateLayer)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(np.array(ids, dtype=np.int64), self.device)
         if split is not None:  # PCP: this rank's rows only, then every row's hidden state
             local = split.local_index.to(self.device)
             hidden = pcp.full_hidden(self.pcp, split, self.model(
@@ -263,7 +264,8 @@ class ModelRunner:
         if not due or (self.tp is None and
                        any(g is not None and g.rank != 0 for g in (self.dcp, self.pcp))):
             return [], torch.empty(0, self.vocab_size, device=self.device)
-        rows = torch.tensor([last_row[id(s)] for s in due], dtype=torch.long, device=self.device)
+        # pinned and non-blocking: a pageable copy here would wait for the queued forward
+        rows = to_device(np.array([last_row[id(s)] for s in due], dtype=np.int64), self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
 
     def _zero_new_blocks(self, meta, g: int) -> None:
