@@ -19,6 +19,8 @@ For each model, the built-in default model first (SmolLM2-135M-Instruct), then e
   limits      beside them: decode tok/s <= streams * HBM bandwidth / weight bytes (bandwidth of
               a measured device-to-device copy), prefill tok/s <= matmul rate / (2 * params)
               (a measured bf16 torch.mm rate); KV reads are left out, so these are ceilings
+  graphs      --graph-models (the default model) with --cuda-graphs: greedy outputs (bf16)
+              equal to the eager engine's, whether the graphs were captured, decode speed
   fp8         --fp8-models (the default model) with --quantization fp8: whether fp8 tensor-core
               products run (sm_89+), greedy agreement with the unquantized model, speed
 
@@ -53,7 +55,7 @@ AGREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a t
 
 CUDA_TESTS = ["tests/execution/test_triton_attention.py",
               "tests/kv/tiers/test_store.py::test_cuda_pool_round_trip"]
-PARTS = ("tests", "attention", "models", "fp8")
+PARTS = ("tests", "attention", "models", "graphs", "fp8")
 
 
 def model_names() -> list[str]:
@@ -161,13 +163,13 @@ def timed(llm, prompts: list[list[int]], n: int, sync) -> float:
 
 
 def speed(name: str, device: str, dtype: str, args, hw: dict[str, float],
-          quantization: str = "none") -> dict[str, Any]:
+          **extra) -> dict[str, Any]:
     """Prefill and decode rates on ``device`` in ``dtype``, beside their limits."""
     import torch
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     llm = make_llm(name, device, dtype, args.kv_memory, enable_prefix_caching=False,
-                   max_num_seqs=max(args.streams, args.prefill_streams), quantization=quantization)
+                   max_num_seqs=max(args.streams, args.prefill_streams), **extra)
     ready = llm.core.ready()
     plen = min(args.prompt_len, ready.max_model_len // 2)
     gen = min(args.decode_tokens, ready.max_model_len - plen - 1)
@@ -185,11 +187,12 @@ def speed(name: str, device: str, dtype: str, args, hw: dict[str, float],
         for c in sorted({1, args.streams}):
             t1 = timed(llm, random_prompts(c, plen, ready.vocab_size, next(seed)), 1, sync)
             tn = timed(llm, random_prompts(c, plen, ready.vocab_size, next(seed)), gen, sync)
-            rate = c * (gen - 1) / max(tn - t1, 1e-9)
+            # None: the difference drowned in noise (a run too short to measure)
+            rate = c * (gen - 1) / (tn - t1) if tn > t1 else None
             limit = c * hw["bandwidth_gbs"] * 1e9 / ready.weight_bytes
-            out["decode"][str(c)] = {"tok_per_s": round(rate, 1),
+            out["decode"][str(c)] = {"tok_per_s": rate and round(rate, 1),
                                      "bandwidth_limit_tok_per_s": round(limit, 1),
-                                     "pct_of_limit": round(100 * rate / limit, 1)}
+                                     "pct_of_limit": rate and round(100 * rate / limit, 1)}
     finally:
         release(llm, device)
     return out
@@ -222,6 +225,30 @@ def fp8_check(name: str, args, hw) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - reported; the other checks stand
         entry["errors"] = [f"{type(e).__name__}: {e}"]
     print(f"[gpu_check] fp8 {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    return entry
+
+
+def graphs_check(name: str, args, hw) -> dict[str, Any]:
+    """--cuda-graphs against the eager engine on the device, same dtype: greedy agreement
+    (required: the same kernels run, replayed), whether capture succeeded, and speed."""
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16"
+    entry: dict[str, Any] = {"model": name, "dtype": dtype}
+    try:
+        outs = {}
+        for graphs in (False, True):
+            llm = make_llm(name, args.device, dtype, args.kv_memory, cuda_graphs=graphs,
+                           max_num_seqs=len(AGREE_PROMPTS))
+            if graphs:
+                g = llm.core.runner.graphs
+                entry["captured_sizes"] = None if g is None else g.sizes
+            outs[graphs] = greedy(llm, AGREE_PROMPTS, args.agree_tokens)
+            release(llm, args.device)
+        entry["equal"] = sum(a == b for a, b in zip(outs[False], outs[True]))
+        entry["prompts"] = len(AGREE_PROMPTS)
+        entry["speed"] = speed(name, args.device, dtype, args, hw, cuda_graphs=True)
+    except Exception as e:  # noqa: BLE001 - reported; the other checks stand
+        entry["errors"] = [f"{type(e).__name__}: {e}"]
+    print(f"[gpu_check] graphs {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
     return entry
 
 
@@ -284,6 +311,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="which parts run (default: all; --cpu-only runs models and fp8)")
     ap.add_argument("--models", nargs="+", default=None,
                     help="fixture names and/or 'default' (all; tiny-llama with --cpu-only)")
+    ap.add_argument("--graph-models", nargs="*", default=["default"],
+                    help="models also run with --cuda-graphs (default: the default model)")
     ap.add_argument("--fp8-models", nargs="*", default=None,
                     help="models also run with --quantization fp8 (default: the default model; "
                          "tiny-llama with --cpu-only)")
@@ -312,7 +341,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.fp8_models = ["tiny-llama"] if cpu else ["default"]
     if cpu:
         args.device = "cpu"
-        args.parts = [p for p in args.parts if p in ("models", "fp8")]
+        args.parts = [p for p in args.parts if p in ("models", "fp8")]  # no graphs on a CPU
     return args
 
 
@@ -335,10 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append({"model": name, "errors": ["skipped: past --budget-s"]})
             continue
         results.append(check_model(name, args, args.device, "cpu", hw))
+    graphs = [graphs_check(name, args, hw) for name in args.graph_models] \
+        if "graphs" in args.parts else []
     if "fp8" in args.parts:
         fp8 = [fp8_check(name, args, hw) for name in args.fp8_models]
     ok = all(not r.get("errors") and r["agreement"]["agree_rate"] == 1.0 for r in results) \
         and not any(r.get("errors") for r in fp8) \
+        and all(not r.get("errors") and r["captured_sizes"] and r["equal"] == r["prompts"]
+                for r in graphs) \
         and (tests is None or tests["returncode"] == 0) \
         and (attention is None or not ("error" in attention
                                        or any("error" in c for c in attention["cases"])))
@@ -351,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "settings": {k: getattr(args, k) for k in ("streams", "prefill_streams",
                                                            "prompt_len", "decode_tokens",
                                                            "agree_tokens", "dtype")},
-               "tests": tests, "attention": attention, "models": results, "fp8": fp8}
+               "tests": tests, "attention": attention, "models": results, "graphs": graphs,
+               "fp8": fp8}
     print("wrote", write_json(args.out, payload), file=sys.stderr)
     return 0 if ok else 1
 

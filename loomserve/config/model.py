@@ -24,6 +24,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (AVX2 hosts run bf16 slowly)
     quantization: str = "none"
     attention_backend: str = "auto"
+    # Capture decode steps as CUDA graphs (execution/cuda_graphs.py). Off until measured on a GPU.
+    cuda_graphs: bool = False
     device: str = "auto"  # "auto" picks cuda when present
     seed: int = 0
     max_model_len: int | None = None  # None = the model's own limit

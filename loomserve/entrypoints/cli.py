@@ -95,6 +95,9 @@ def _add_serve(sub) -> None:
                    default=_DEFAULTS["attention_backend"],
                    help="auto: in-place paged kernels where the device has them, else torch "
                         "(default: %(default)s)")
+    p.add_argument("--cuda-graphs", action="store_true", default=_DEFAULTS["cuda_graphs"],
+                   help="capture decode steps as CUDA graphs (one CUDA rank, triton attention, "
+                        "no linear-state layers; off until measured on a GPU)")
     p.add_argument("--device", default=_DEFAULTS["device"],
                    help="auto, cpu, cuda, cuda:1, ... (default: %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],

@@ -22,6 +22,7 @@ tokens: its share of each block); without DCP they are the same. Prefill context
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from loomserve.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
-from loomserve.execution import memory_profile
+from loomserve.execution import cuda_graphs, memory_profile
 from loomserve.execution.attention import (
     BlockTables,
     GatherWorkspace,
@@ -84,6 +85,8 @@ class ModelRunner:
         self.num_params, self.weight_bytes = loaded.num_params, loaded.weight_bytes
         self.block_size = config.cache.block_size
         self.dcp = layout_for(config, self.block_size)
+        # --cuda-graphs: one page past the scheduler's blocks, where padded rows write
+        self.scratch_pages = 1 if mcfg.cuda_graphs else 0
         self.kv_cache_config = self._kv_cache_config()
         fraction = self._profiled_fraction()
         if fraction is not None:  # a probe pool for the profile step; the real one after it
@@ -114,6 +117,7 @@ class ModelRunner:
         self.block_tables = BlockTables()
         if fraction is not None:
             self._size_pool_by_profile(fraction)
+        self.graphs = cuda_graphs.build(self) if mcfg.cuda_graphs else None
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -168,7 +172,8 @@ class ModelRunner:
             self.tier_pages, buf = map_pool(fd, n, page, group.rank, group.size)
             self.pool = KVPool.of_pages(buf)
         else:
-            self.pool = KVPool.allocate(kc, self.device)
+            self.pool = KVPool.allocate(dataclasses.replace(kc, num_blocks=n + self.scratch_pages),
+                                        self.device)
             self.tier_pages = self.pool.pages  # what KV tiers and transfers move: whole pages
         layer_group: list[int | None] = [None] * len(self.layer_specs)
         modules = _cache_modules(self.model, len(self.layer_specs))
@@ -190,6 +195,12 @@ class ModelRunner:
                     raise NotImplementedError(f"no page layout for layer kind {spec.kind!r}")
         self.model.set_layer_groups(layer_group)
         return self.pool.pages
+
+    @property
+    def scratch_page(self) -> int:
+        """The page past the scheduler's blocks (--cuda-graphs' padded rows write there)."""
+        assert self.scratch_pages, "no scratch page: the pool was planned without --cuda-graphs"
+        return self.kv_layout.num_blocks
 
     @property
     def tier_page_bytes(self) -> int:
@@ -224,11 +235,15 @@ class ModelRunner:
         for s in ordered:
             ids.extend(s.token_ids)
             last_row[id(s)] = len(ids) - 1
+        self._forget(inp, seqs)
+        tables = self.block_tables
+        if self.graphs is not None and not prefills and self.graphs.fits(len(decodes)):
+            hidden = self.graphs.run(decodes, lambda s, g: tables.get(s.request_id, g,
+                                                                      s.block_ids[g]))
+            return self._sampled_logits(seqs, hidden, last_row)
         groups = self.kv_cache_config.groups
         attn_meta: list = [None] * len(groups)
         positions = None
-        self._forget(inp, seqs)
-        tables = self.block_tables
         for g in self.attn_groups:
             spec = groups[g].spec
             meta, positions = build_metadata(
@@ -259,6 +274,11 @@ class ModelRunner:
                 input_ids[local], positions[local], attn_meta, state_batch), len(ids))
         else:
             hidden = self.model(input_ids, positions, attn_meta, state_batch)
+        return self._sampled_logits(seqs, hidden, last_row)
+
+    def _sampled_logits(self, seqs: list[ScheduledSeq], hidden: torch.Tensor,
+                        last_row: dict[int, int]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """The seqs due a token and the fp32 logits of their last rows of `hidden`."""
         due = [s for s in seqs if s.sample]
         # rank 0 samples; under TP every rank takes part in the logits (vocab-parallel gather)
         if not due or (self.tp is None and

@@ -57,8 +57,9 @@ def test_triton_matches_reference(seqs, block_size, kv_heads, group, head_dim, w
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_long_contexts_split_and_merge(dtype, monkeypatch):
-    """Contexts over many splits (MIN_SPLIT_KEYS lowered so the interpreter stays quick), a
-    long chunk over many query tiles, head_dim 64 with GQA 4."""
+    """Contexts over many splits (MIN_SPLIT_KEYS lowered so the interpreter stays quick; each
+    decode divides its own keys: 1500 into many, 300 into fewer, 1 into one), a long chunk
+    over many query tiles, head_dim 64 with GQA 4."""
     monkeypatch.setattr(triton_backend, "MIN_SPLIT_KEYS", 64)
     backend = select_backend("triton", DEVICE, dtype)
     seqs = [(1500, 1), (300, 1), (1, 1), (700, 70)]
@@ -68,20 +69,24 @@ def test_triton_long_contexts_split_and_merge(dtype, monkeypatch):
 
 
 def test_triton_decode_plan_splits_to_fill_the_device():
-    """One decode at a long context splits its keys over many programs (whole 64-key tiles);
-    64 decodes x 8 kv heads fill the device without splitting; the table is padded once per
-    step and shared by the layers (meta.derived)."""
+    """One decode at a long context splits its keys over many programs; 64 decodes x 8 kv
+    heads fill the device without splitting; a short context is not split below
+    MIN_SPLIT_KEYS; the table is padded once per step and shared by the layers
+    (meta.derived)."""
     backend = triton_backend.TritonBackend(DEVICE)
     backend.programs = 264  # an H200's 132 multiprocessors x 2
     one, _ = build_metadata([(131_071, np.arange(8192, dtype=np.int32))], [], 16, DEVICE,
                             torch.bfloat16, backend)
-    table, lens, splits, per = backend._decode_plan(one, kv_heads=1)
-    assert splits == triton_backend.MAX_SPLITS and per % 64 == 0 and splits * per >= 131_072
+    table, lens, splits = backend._decode_plan(one, kv_heads=1)
+    assert splits == triton_backend.MAX_SPLITS
     assert backend._decode_plan(one, kv_heads=1)[0] is table
     many, _ = build_metadata([(32_000, np.arange(2001, dtype=np.int32))] * 64, [], 16, DEVICE,
                              torch.bfloat16, backend)
-    table, lens, splits, per = backend._decode_plan(many, kv_heads=8)
+    table, lens, splits = backend._decode_plan(many, kv_heads=8)
     assert splits == 1 and tuple(table.shape) == (64, 2001) and lens.tolist() == [32_001] * 64
+    short, _ = build_metadata([(300, np.arange(19, dtype=np.int32))], [], 16, DEVICE,
+                              torch.bfloat16, backend)
+    assert backend._decode_plan(short, kv_heads=1)[2] == 2
 
 
 def _session(name: str, backend: str) -> tuple[list[list[int]], list[int]]:
@@ -116,3 +121,44 @@ def test_engine_greedy_equals_the_torch_backend(name):
     ref, _ = _session(name, "torch")
     assert ours == ref
     assert min(cached) >= 40
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-gpt-oss"])
+def test_decode_graph_path_equals_the_plain_path(name):
+    """--cuda-graphs' static-buffer path (on a CPU its eager stand-in: the same buffers, the
+    padded batch sizes, the scratch page, the kernel's own splits): four streams that finish
+    at different lengths, so steps run 4, 3, 2, 1 decodes padded to captured sizes, and a turn
+    that comes back warm; the same greedy tokens as without it."""
+    from loomserve import LLM, SamplingParams
+    from tests.execution.models.conftest import FIXTURES
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (30, 9, 17, 44)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+              for n in (3, 5, 7, 9)]
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(str(FIXTURES / name), dtype="float32", device=str(DEVICE), block_size=4,
+                  kv_cache_memory="2MB", attention_backend="triton", cuda_graphs=graphs,
+                  max_num_seqs=6)
+        runner = llm.core.runner
+        assert (runner.graphs is not None) == graphs
+        if graphs:
+            assert runner.graphs.sizes == [1, 2, 4, 6]
+            assert runner.pool.pages.shape[0] == runner.kv_cache_config.num_blocks + 1
+        res = llm.generate(prompts, params)
+        first = [o.token_ids for o in res]
+        again = llm.generate([prompts[3] + first[3] + [5, 6]], params[1])[0]
+        # logprobs: a stray write moves them even where a tiny model's argmax does not flip
+        outs[graphs] = (first, again.token_ids, again.num_cached_tokens,
+                        [lp for o in res + [again] for lp in o.logprobs])
+        if graphs:  # 4 then 3 decodes replay size 4, 2 size 2, 1 (and the warm turn) size 1
+            used = runner.graphs.replayed
+            assert used[4] >= 2 and used[2] >= 1 and used[1] >= 2 and used[6] == 0
+        llm.close()
+    assert outs[True][:3] == outs[False][:3]
+    assert outs[True][2] >= 40
+    for (got, top), (want, want_top) in zip(outs[True][3], outs[False][3]):
+        assert got == pytest.approx(want, abs=1e-5)
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+        assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-5)

@@ -6,8 +6,9 @@ devices without them. Per step and KV group, built on the first layer and kept i
 - decodes: key counts, the block tables padded to the longest as one [decodes, width] int32
   tensor (one host-to-device copy a step, O(total blocks): ~2 MB for 64 decodes at 128K, as
   vLLM copies its table), and the context split (flash-decoding): enough splits that
-  decodes x kv heads x splits fill the device, none shorter than MIN_SPLIT_KEYS. Each split
-  writes (acc, max, sum); a merge kernel combines them exactly, the sink joining there.
+  decodes x kv heads x splits fill the device; each decode divides its own keys in the kernel,
+  none shorter than MIN_SPLIT_KEYS. Each split writes (acc, max, sum); a merge kernel combines
+  them exactly, the sink joining there.
 - prefill chunks: tiles of BLOCK_M query rows (first row, rows, first position, chunk) and the
   chunks' tables padded. A chunk's own K/V is read back from the pages (paged_attention wrote
   it first), so fresh and continued chunks run the same kernel, causal and windowed per row.
@@ -73,6 +74,8 @@ class TritonBackend:
     # --- decode ---------------------------------------------------------------------------
 
     def _decode_plan(self, meta: AttentionMetadata, kv_heads: int):
+        """(tables, key counts, splits): the splits a decode of the longest context would use;
+        each decode divides its own keys in the kernel."""
         got = meta.derived.get("triton_decode")
         if got is not None:
             return got
@@ -80,27 +83,29 @@ class TritonBackend:
         table = _padded([t[:n] for t, n in zip(meta.decode_tables, -(-lens // meta.block_size))])
         w = meta.sliding_window
         longest = max(1, int((lens if w is None else np.minimum(lens, w)).max()))
-        splits = min(MAX_SPLITS, -(-longest // MIN_SPLIT_KEYS),
-                     -(-self.programs // (len(lens) * kv_heads)))
-        per = -(-longest // max(1, splits))
-        per = -(-per // 64) * 64  # whole key tiles per split
         got = (to_device(table, meta.device),
-               to_device(meta.decode_lens.astype(np.int32), meta.device), -(-longest // per), per)
+               to_device(meta.decode_lens.astype(np.int32), meta.device),
+               min(-(-longest // MIN_SPLIT_KEYS), self.splits_for(len(lens), kv_heads)))
         meta.derived["triton_decode"] = got
         return got
+
+    def splits_for(self, decodes: int, kv_heads: int) -> int:
+        """Most splits per decode: enough that decodes x kv heads x splits fill the device."""
+        return max(1, min(MAX_SPLITS, -(-self.programs // (decodes * kv_heads))))
 
     def _decode(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
         d, heads, hd = meta.num_decode, q.shape[1], q.shape[2]
         kv_heads = heads // group
-        table, lens, splits, per = self._decode_plan(meta, kv_heads)
+        table, lens, splits = self._decode_plan(meta, kv_heads)
         hd_pad = _pow2(hd)
         acc = torch.empty((d, heads, splits, hd_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((d, heads, splits, 2), dtype=torch.float32, device=q.device)
         self.k.decode_split[(d, kv_heads, splits)](
             q, k_cache, v_cache, table, lens, acc, ml,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            table.stride(0), scale, meta.sliding_window or 0, per, meta.block_size, splits,
+            table.stride(0), scale, meta.sliding_window or 0, meta.block_size, splits,
             GROUP=group, G_PAD=_pow2(group), HD=hd, HD_PAD=hd_pad, BLOCK_N=64,
+            MIN_SPLIT=MIN_SPLIT_KEYS,
             HAS_WINDOW=meta.sliding_window is not None, IEEE=self._ieee(q.dtype))
         self.k.decode_merge[(d, heads)](
             acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1),

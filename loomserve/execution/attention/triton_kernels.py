@@ -53,13 +53,15 @@ def _fold(q, k, v, allowed, m, l, acc, scale, IEEE: tl.constexpr):
 @triton.jit
 def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
                  sq_t, sq_h, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, s_tab,
-                 scale, window, keys_per_split, block_size, n_split,
+                 scale, window, block_size, n_split,
                  GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
-                 HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """Program (decode, kv head, split): the group's query heads as rows over one split of the
-    visible keys. Writes the unnormalized acc and (max, sum) per row; an empty split writes
-    (-inf, 0)."""
+    visible keys. Each decode splits its own keys, from its key count on the device: into at
+    most n_split runs of whole BLOCK_N tiles, none under MIN_SPLIT keys (so no argument
+    depends on the context and a captured CUDA graph replays at any length). Writes the
+    unnormalized acc and (max, sum) per row; an empty split writes (-inf, 0)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,8 +70,11 @@ def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
         lo = tl.maximum(length - window, 0)
     else:
         lo = length * 0
-    start = lo + split * keys_per_split
-    end = tl.minimum(start + keys_per_split, length)
+    visible = length - lo
+    splits = tl.maximum(tl.minimum(n_split, tl.cdiv(visible, MIN_SPLIT)), 1)
+    per = tl.cdiv(tl.cdiv(visible, splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per
+    end = tl.minimum(start + per, length)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, HD_PAD)
     gmask = g < GROUP
