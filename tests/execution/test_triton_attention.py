@@ -68,6 +68,22 @@ def test_triton_long_contexts_split_and_merge(dtype, monkeypatch):
     torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window,with_sinks", [(None, True), (300, False), (None, False)])
+def test_triton_short_chunks_over_long_contexts_split(window, with_sinks, monkeypatch):
+    """A warm turn's short tail over a long cached prefix: few query tiles, so the context is
+    split over programs (the plan says how many) and the partials merged, the sink once."""
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_KEYS", 64)
+    backend = select_backend("triton", DEVICE, torch.float32)
+    backend.programs = 64
+    seqs = [(1200, 3), (500, 2), (900, 1)]
+    meta, _ = build_metadata([], [(1200, 3, np.arange(76, dtype=np.int32))], 16, DEVICE,
+                             torch.float32, backend, window)
+    assert backend._prefill_plan(meta, 16, 2)[2] > 1
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2)) if with_sinks else None
+    ours, ref = run_case(backend, seqs, 16, 2, 4, 32, window, sinks, torch.float32, 9, DEVICE)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+
+
 def test_triton_decode_plan_splits_to_fill_the_device():
     """One decode at a long context splits its keys over many programs; 64 decodes x 8 kv
     heads fill the device without splitting; a short context is not split below

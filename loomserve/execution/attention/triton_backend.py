@@ -9,9 +9,11 @@ devices without them. Per step and KV group, built on the first layer and kept i
   decodes x kv heads x splits fill the device; each decode divides its own keys in the kernel,
   none shorter than MIN_SPLIT_KEYS. Each split writes (acc, max, sum); a merge kernel combines
   them exactly, the sink joining there.
-- prefill chunks: tiles of BLOCK_M query rows (first row, rows, first position, chunk) and the
-  chunks' tables padded. A chunk's own K/V is read back from the pages (paged_attention wrote
-  it first), so fresh and continued chunks run the same kernel, causal and windowed per row.
+- prefill chunks: tiles of a few tokens whose rows are tokens x the GQA group's query heads
+  (each K/V tile loaded once per group), the chunks' tables padded, and a context split where
+  few tiles cover a long context (a warm turn's short tail over a cached prefix), merged by
+  the decode merge kernel. A chunk's own K/V is read back from the pages (paged_attention
+  wrote it first), so fresh and continued chunks run the same kernel, causal and windowed.
 On a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
@@ -113,34 +115,54 @@ class TritonBackend:
 
     # --- prefill --------------------------------------------------------------------------
 
-    def _prefill_plan(self, meta: AttentionMetadata, block_m: int):
+    def _prefill_plan(self, meta: AttentionMetadata, tokens_per_tile: int, kv_heads: int):
+        """(tiles, tables, splits): tiles of up to tokens_per_tile tokens (first row, tokens,
+        first position, chunk); the chunks' tables padded; the context split, so that tiles x
+        kv heads x splits fill the device where few tiles cover a long context (a warm turn's
+        tail over a cached prefix), none under MIN_SPLIT_KEYS keys."""
         got = meta.derived.get("triton_prefill")
         if got is not None:
             return got
-        bs, tiles, tabs = meta.block_size, [], []
+        bs, tiles, tabs, longest = meta.block_size, [], [], 1
         for i, c in enumerate(meta.prefills):
             n = c.end - c.start
-            tiles += [(c.start + r, min(block_m, n - r), c.start_pos + r, i)
-                      for r in range(0, n, block_m)]
+            tiles += [(c.start + r, min(tokens_per_tile, n - r), c.start_pos + r, i)
+                      for r in range(0, n, tokens_per_tile)]
             tabs.append(c.table[:-(-(c.start_pos + n) // bs)])
+            w = meta.sliding_window
+            longest = max(longest, c.start_pos + n if w is None else min(c.start_pos + n, w + n))
+        splits = min(-(-longest // MIN_SPLIT_KEYS), self.splits_for(len(tiles), kv_heads))
         got = (to_device(np.array(tiles, dtype=np.int32).reshape(-1, 4), meta.device),
-               to_device(_padded(tabs), meta.device))
+               to_device(_padded(tabs), meta.device), splits)
         meta.derived["triton_prefill"] = got
         return got
 
     def _prefill(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
-        hd = q.shape[2]
-        hd_pad = _pow2(hd)
-        block = 64 if hd_pad <= 128 else 32
-        tiles, table = self._prefill_plan(meta, block)
-        self.k.prefill_tile[(tiles.shape[0], q.shape[1])](
-            q, k_cache, v_cache, out, table, tiles, sinks if sinks is not None else q,
+        heads, hd = q.shape[1], q.shape[2]
+        hd_pad, g_pad = _pow2(hd), _pow2(group, 1)
+        rows = max(g_pad, 64 if hd_pad <= 128 else 32)  # query rows (tokens x heads) a program
+        kv_heads = heads // group
+        tiles, table, splits = self._prefill_plan(meta, rows // g_pad, kv_heads)
+        first = meta.prefills[0].start
+        n = out.shape[0] - first
+        part_acc = part_ml = out
+        if splits > 1:
+            part_acc = torch.empty((n, heads, splits, hd_pad), dtype=torch.float32,
+                                   device=q.device)
+            part_ml = torch.empty((n, heads, splits, 2), dtype=torch.float32, device=q.device)
+        sink_arg = sinks if sinks is not None else q
+        self.k.prefill_split[(tiles.shape[0], kv_heads, splits)](
+            q, k_cache, v_cache, out, table, tiles, sink_arg, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
-            scale, meta.sliding_window or 0, meta.block_size,
-            GROUP=group, HD=hd, HD_PAD=hd_pad, BLOCK_M=block, BLOCK_N=block,
+            scale, meta.sliding_window or 0, meta.block_size, first, splits, heads,
+            GROUP=group, G_PAD=g_pad, HD=hd, HD_PAD=hd_pad, BLOCK_M=rows, BLOCK_N=64,
             HAS_WINDOW=meta.sliding_window is not None, HAS_SINK=sinks is not None,
-            IEEE=self._ieee(q.dtype))
+            SPLIT=splits > 1, IEEE=self._ieee(q.dtype))
+        if splits > 1:
+            self.k.decode_merge[(n, heads)](
+                part_acc, part_ml, sink_arg, out[first:], out.stride(0), out.stride(1),
+                splits, heads, HD=hd, HD_PAD=hd_pad, HAS_SINK=sinks is not None)
 
 
 def _padded(rows: list[np.ndarray]) -> np.ndarray:

@@ -130,52 +130,69 @@ def decode_merge(part_acc, part_ml, sink_ptr, o_ptr, so_t, so_h, n_split, heads_
 
 
 @triton.jit
-def prefill_tile(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr,
-                 sq_t, sq_h, so_t, so_h, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, s_tab,
-                 scale, window, block_size,
-                 GROUP: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SINK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (query tile, head): tile = (first row, rows, first position, chunk). Its keys
-    (the cached context and the chunk's own, already written to the pages) from the first one
-    any row sees to the tile's last position, causal and windowed per row."""
+def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, part_acc, part_ml,
+                  sq_t, sq_h, so_t, so_h, sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, s_tab,
+                  scale, window, block_size, first_row, n_split, heads_total,
+                  GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+                  HD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Program (query tile, kv head, split): tile = (first row, tokens, first position,
+    chunk); its rows are the tile's tokens x the kv head's query heads (token r // G_PAD,
+    head r % G_PAD), so each K/V tile is loaded once for the whole GQA group. Keys (the cached
+    context and the chunk's own, already written to the pages) from the first any row sees to
+    the tile's last position, split n_split ways, causal and windowed per row. SPLIT: partials
+    (acc, max, sum) per (row - first_row, head, split) for decode_merge; else the normalized
+    output, the sink as the initial state."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     row0 = tl.load(tiles_ptr + t * 4)
-    rows = tl.load(tiles_ptr + t * 4 + 1)
+    tokens = tl.load(tiles_ptr + t * 4 + 1)
     pos0 = tl.load(tiles_ptr + t * 4 + 2)
     chunk = tl.load(tiles_ptr + t * 4 + 3)
     r = tl.arange(0, BLOCK_M)
+    tok = r // G_PAD
+    j = r % G_PAD
+    rmask = (tok < tokens) & (j < GROUP)
     d = tl.arange(0, HD_PAD)
-    rmask = r < rows
     dmask = d < HD
-    qpos = pos0 + r
-    q_rows = (row0 + r).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * sq_t + h * sq_h + d[None, :],
+    qpos = pos0 + tok
+    q_rows = (row0 + tok).to(tl.int64)
+    heads = kvh * GROUP + j
+    q = tl.load(q_ptr + q_rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if HAS_SINK:  # the sink as the initial state: max = sink, sum = exp(sink - sink) = 1
-        m = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sink_ptr + h).to(tl.float32)
+    if HAS_SINK and not SPLIT:  # the sink as the initial state: max = sink, sum = 1
+        m = tl.load(sink_ptr + heads, mask=rmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HD_PAD], tl.float32)
-    hi = pos0 + rows
+    hi = pos0 + tokens
     if HAS_WINDOW:
         lo = tl.maximum(pos0 - window + 1, 0)
     else:
         lo = pos0 * 0
+    per = tl.cdiv(tl.cdiv(hi - lo, n_split), BLOCK_N) * BLOCK_N
+    start = lo + split * per
+    end = tl.minimum(start + per, hi)
     row = table_ptr + chunk.to(tl.int64) * s_tab
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
-        kvalid = kpos < hi
+        kvalid = kpos < end
         k, v = _load_kv(k_ptr, v_ptr, row, kpos, kvalid, block_size, kvh, d, dmask,
                         sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
         allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
         m, l, acc = _fold(q, k, v, allowed, m, l, acc, scale, IEEE)
-    res = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(o_ptr + q_rows[:, None] * so_t + h * so_h + d[None, :],
-             res.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    if SPLIT:
+        base = ((q_rows - first_row) * heads_total + heads) * n_split + split
+        tl.store(part_acc + base[:, None] * HD_PAD + d[None, :], acc, mask=rmask[:, None])
+        tl.store(part_ml + base * 2, m, mask=rmask)
+        tl.store(part_ml + base * 2 + 1, l, mask=rmask)
+    else:
+        res = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + q_rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
+                 res.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
