@@ -99,19 +99,17 @@ class TritonBackend:
         d, heads, hd = meta.num_decode, q.shape[1], q.shape[2]
         kv_heads = heads // group
         table, lens, splits = self._decode_plan(meta, kv_heads)
-        hd_pad = _pow2(hd)
+        cfg = decode_config(group, hd, meta.sliding_window is not None, self._ieee(q.dtype))
+        hd_pad = cfg["HD_PAD"]
         acc = torch.empty((d, heads, splits, hd_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((d, heads, splits, 2), dtype=torch.float32, device=q.device)
         self.k.decode_split[(d, kv_heads, splits)](
             q, k_cache, v_cache, table, lens, acc, ml,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            table.stride(0), scale, meta.sliding_window or 0, meta.block_size, splits,
-            GROUP=group, G_PAD=_pow2(group), HD=hd, HD_PAD=hd_pad, BLOCK_N=64,
-            MIN_SPLIT=MIN_SPLIT_KEYS,
-            HAS_WINDOW=meta.sliding_window is not None, IEEE=self._ieee(q.dtype))
+            table.stride(0), scale, meta.sliding_window or 0, meta.block_size, splits, **cfg)
         self.k.decode_merge[(d, heads)](
             acc, ml, sinks if sinks is not None else acc, out, out.stride(0), out.stride(1),
-            splits, heads, HD=hd, HD_PAD=hd_pad, HAS_SINK=sinks is not None)
+            splits, heads, **merge_config(hd, sinks is not None))
 
     # --- prefill --------------------------------------------------------------------------
 
@@ -139,15 +137,17 @@ class TritonBackend:
 
     def _prefill(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
         heads, hd = q.shape[1], q.shape[2]
-        hd_pad, g_pad = _pow2(hd), _pow2(group, 1)
-        rows = max(g_pad, 64 if hd_pad <= 128 else 32)  # query rows (tokens x heads) a program
         kv_heads = heads // group
-        tiles, table, splits = self._prefill_plan(meta, rows // g_pad, kv_heads)
+        rows = prefill_config(group, hd, False, False, False, False)
+        tiles, table, splits = self._prefill_plan(meta, rows["BLOCK_M"] // rows["G_PAD"],
+                                                  kv_heads)
+        cfg = prefill_config(group, hd, meta.sliding_window is not None, sinks is not None,
+                             splits > 1, self._ieee(q.dtype))
         first = meta.prefills[0].start
         n = out.shape[0] - first
         part_acc = part_ml = out
         if splits > 1:
-            part_acc = torch.empty((n, heads, splits, hd_pad), dtype=torch.float32,
+            part_acc = torch.empty((n, heads, splits, cfg["HD_PAD"]), dtype=torch.float32,
                                    device=q.device)
             part_ml = torch.empty((n, heads, splits, 2), dtype=torch.float32, device=q.device)
         sink_arg = sinks if sinks is not None else q
@@ -155,14 +155,33 @@ class TritonBackend:
             q, k_cache, v_cache, out, table, tiles, sink_arg, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
-            scale, meta.sliding_window or 0, meta.block_size, first, splits, heads,
-            GROUP=group, G_PAD=g_pad, HD=hd, HD_PAD=hd_pad, BLOCK_M=rows, BLOCK_N=64,
-            HAS_WINDOW=meta.sliding_window is not None, HAS_SINK=sinks is not None,
-            SPLIT=splits > 1, IEEE=self._ieee(q.dtype))
+            scale, meta.sliding_window or 0, meta.block_size, first, splits, heads, **cfg)
         if splits > 1:
             self.k.decode_merge[(n, heads)](
                 part_acc, part_ml, sink_arg, out[first:], out.stride(0), out.stride(1),
-                splits, heads, HD=hd, HD_PAD=hd_pad, HAS_SINK=sinks is not None)
+                splits, heads, **merge_config(hd, sinks is not None))
+
+
+def decode_config(group: int, hd: int, window: bool, ieee: bool) -> dict:
+    """decode_split's compile-time parameters: the group's query heads padded to a tl.dot's
+    16 rows, the head dim to a power of two, 64-key tiles."""
+    return {"GROUP": group, "G_PAD": _pow2(group), "HD": hd, "HD_PAD": _pow2(hd),
+            "BLOCK_N": 64, "MIN_SPLIT": MIN_SPLIT_KEYS, "HAS_WINDOW": window, "IEEE": ieee}
+
+
+def prefill_config(group: int, hd: int, window: bool, sink: bool, split: bool,
+                   ieee: bool) -> dict:
+    """prefill_split's: 64 query rows (tokens x group heads; 32 for head dims over 128, at
+    least one token's group), 64-key tiles; the sink in the initial state unless split (then
+    the merge adds it)."""
+    hd_pad, g_pad = _pow2(hd), _pow2(group, 1)
+    return {"GROUP": group, "G_PAD": g_pad, "HD": hd, "HD_PAD": hd_pad,
+            "BLOCK_M": max(g_pad, 64 if hd_pad <= 128 else 32), "BLOCK_N": 64,
+            "HAS_WINDOW": window, "SINK_INIT": sink and not split, "SPLIT": split, "IEEE": ieee}
+
+
+def merge_config(hd: int, sink: bool) -> dict:
+    return {"HD": hd, "HD_PAD": _pow2(hd), "HAS_SINK": sink}
 
 
 def _padded(rows: list[np.ndarray]) -> np.ndarray:

@@ -71,8 +71,8 @@ def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
     else:
         lo = length * 0
     visible = length - lo
-    splits = tl.maximum(tl.minimum(n_split, tl.cdiv(visible, MIN_SPLIT)), 1)
-    per = tl.cdiv(tl.cdiv(visible, splits), BLOCK_N) * BLOCK_N
+    splits = tl.maximum(tl.minimum(n_split, (visible + MIN_SPLIT - 1) // MIN_SPLIT), 1)
+    per = ((visible + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = lo + split * per
     end = tl.minimum(start + per, length)
     g = tl.arange(0, G_PAD)
@@ -135,7 +135,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
                   scale, window, block_size, first_row, n_split, heads_total,
                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                   HD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, SINK_INIT: tl.constexpr, SPLIT: tl.constexpr,
                   IEEE: tl.constexpr):
     """Program (query tile, kv head, split): tile = (first row, tokens, first position,
     chunk); its rows are the tile's tokens x the kv head's query heads (token r // G_PAD,
@@ -143,7 +143,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
     context and the chunk's own, already written to the pages) from the first any row sees to
     the tile's last position, split n_split ways, causal and windowed per row. SPLIT: partials
     (acc, max, sum) per (row - first_row, head, split) for decode_merge; else the normalized
-    output, the sink as the initial state."""
+    output, the sink as the initial state (SINK_INIT; with SPLIT the merge adds it)."""
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,7 +162,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
     heads = kvh * GROUP + j
     q = tl.load(q_ptr + q_rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if HAS_SINK and not SPLIT:  # the sink as the initial state: max = sink, sum = 1
+    if SINK_INIT:  # the sink as the initial state: max = sink, sum = 1
         m = tl.load(sink_ptr + heads, mask=rmask, other=0.0).to(tl.float32)
         l = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
@@ -174,7 +174,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
         lo = tl.maximum(pos0 - window + 1, 0)
     else:
         lo = pos0 * 0
-    per = tl.cdiv(tl.cdiv(hi - lo, n_split), BLOCK_N) * BLOCK_N
+    per = ((hi - lo + n_split - 1) // n_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = lo + split * per
     end = tl.minimum(start + per, hi)
     row = table_ptr + chunk.to(tl.int64) * s_tab

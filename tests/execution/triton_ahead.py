@@ -1,0 +1,89 @@
+"""Compile every Triton attention kernel variant for NVIDIA targets ahead of time, on a machine
+without a GPU (Triton's own ptxas): what the interpreter cannot check (tl.dot shapes, types of
+loop-carried values, constexpr branches, register and shared-memory limits at compile time).
+Run by tests/execution/test_triton_compile.py in a process without TRITON_INTERPRET.
+
+    python -m tests.execution.triton_ahead [--quick]   # one JSON line per variant
+
+--quick (the test's): sm_90 only, three shapes and the split/sink corners (~20 s); the whole
+set (280 variants, sm_90 and sm_80) takes ~7 minutes on the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+TARGETS = (("sm_90", 90), ("sm_80", 80))
+
+
+QUICK = (("bf16", False, (4, 128)), ("fp32", True, (2, 12)), ("bf16", True, (16, 256)))
+
+
+def variants(quick: bool = False):
+    """(kernel, signature, constexprs) of every combination the backend launches, the
+    constexprs from the backend's own *_config functions; quick: a few shapes, each kernel's
+    corners."""
+    from loomserve.execution.attention import triton_kernels as k
+    from loomserve.execution.attention.triton_backend import (
+        decode_config,
+        merge_config,
+        prefill_config,
+    )
+
+    strides = dict.fromkeys(("sq_t", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h",
+                             "s_tab"), "i32")
+    combos = QUICK if quick else itertools.product(
+        ("bf16", "fp32"), (False, True), ((1, 64), (4, 128), (8, 64), (2, 12), (16, 256)))
+    for dt, window, (group, hd) in combos:
+        ieee = dt == "fp32"
+        sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i32",
+               "lens_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", **strides,
+               "scale": "fp32", "window": "i32", "block_size": "i32", "n_split": "i32"}
+        yield k.decode_split, sig, decode_config(group, hd, window, ieee)
+        corners = ((False, False), (True, True)) if quick else \
+            itertools.product((False, True), (False, True))
+        for split, sink in corners:
+            part = "*fp32" if split else f"*{dt}"
+            sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "o_ptr": f"*{dt}",
+                   "table_ptr": "*i32", "tiles_ptr": "*i32", "sink_ptr": "*fp32",
+                   "part_acc": part, "part_ml": part, "sq_t": "i32", "sq_h": "i32",
+                   "so_t": "i32", "so_h": "i32", **{n: "i32" for n in strides if n[1] in "kv"},
+                   "s_tab": "i32", "scale": "fp32", "window": "i32", "block_size": "i32",
+                   "first_row": "i32", "n_split": "i32", "heads_total": "i32"}
+            yield k.prefill_split, sig, prefill_config(group, hd, window, sink, split, ieee)
+        for sink in (True,) if quick else (False, True):
+            sig = {"part_acc": "*fp32", "part_ml": "*fp32", "sink_ptr": "*fp32",
+                   "o_ptr": f"*{dt}", "so_t": "i32", "so_h": "i32", "n_split": "i32",
+                   "heads_total": "i32"}
+            yield k.decode_merge, sig, merge_config(hd, sink)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("triton_ahead: unset TRITON_INTERPRET (it compiles, not interprets)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    quick = "--quick" in sys.argv[1:]
+    failed = 0
+    for fn, sig, const in variants(quick):
+        for name, cc in TARGETS[:1] if quick else TARGETS:
+            sig_all = {**sig, **{c: "constexpr" for c in const}}
+            try:
+                c = triton.compile(ASTSource(fn, sig_all, constexprs=const),
+                                   target=GPUTarget("cuda", cc, 32))
+                res = {"ok": True, "shared": c.metadata.shared}
+            except Exception as e:  # noqa: BLE001 - reported per variant
+                failed += 1
+                res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(json.dumps({"kernel": fn.__name__, "target": name, **const, **res}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
