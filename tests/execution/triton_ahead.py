@@ -3,7 +3,10 @@ without a GPU (Triton's own ptxas): what the interpreter cannot check (tl.dot sh
 loop-carried values, constexpr branches, register and shared-memory limits at compile time).
 Run by tests/execution/test_triton_compile.py in a process without TRITON_INTERPRET.
 
-    python -m tests.execution.triton_ahead [--quick]   # one JSON line per variant
+    python -m tests.execution.triton_ahead [--quick] [--resources]   # a JSON line a variant
+
+--resources adds each kernel's registers and spill stack (cuobjdump -res-usage, the one in
+Triton's wheel) and its dynamic shared memory.
 
 --quick (the test's): sm_90 only, three shapes and the split/sink corners (~20 s); the whole
 set (280 variants, sm_90 and sm_80) takes ~7 minutes on the 2-core CI machine.
@@ -61,27 +64,67 @@ def variants(quick: bool = False):
             yield k.decode_merge, sig, merge_config(hd, sink)
 
 
-def main() -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        print("triton_ahead: unset TRITON_INTERPRET (it compiles, not interprets)", file=sys.stderr)
-        return 2
+ALIGNED_STRIDES = {"sq_t", "sq_h", "so_t", "so_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h"}
+
+
+def attrs_for(fn, sig: dict, const: dict) -> dict:
+    """The divisibility hints Triton's launcher would give: pointers (torch allocations, 16-byte
+    aligned) and, with a head dim that is a multiple of 16, the row strides of q, out and the
+    pages (the runtime specializes any integer argument divisible by 16 the same way)."""
+    aligned = {n for n, t in sig.items() if t.startswith("*")}
+    if const.get("HD", 0) % 16 == 0:
+        aligned |= ALIGNED_STRIDES & set(sig)
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def compile_variant(fn, sig: dict, const: dict, cc: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig_all = {**sig, **{c: "constexpr" for c in const}}
+    return triton.compile(ASTSource(fn, sig_all, constexprs=const,
+                                    attrs=attrs_for(fn, sig, const)),
+                          target=GPUTarget("cuda", cc, 32))
+
+
+def resources(compiled) -> dict:
+    """Registers and stack (spills) per thread from the cubin, dynamic shared memory."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(p.split(":") for line in out.splitlines() if "REG:" in line
+                  for p in line.split() if ":" in p)
+    return {"registers": int(fields.get("REG", -1)), "stack": int(fields.get("STACK", -1)),
+            "shared": compiled.metadata.shared}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("triton_ahead: unset TRITON_INTERPRET (it compiles, not interprets)", file=sys.stderr)
+        return 2
     quick = "--quick" in sys.argv[1:]
     failed = 0
     for fn, sig, const in variants(quick):
         for name, cc in TARGETS[:1] if quick else TARGETS:
-            sig_all = {**sig, **{c: "constexpr" for c in const}}
             try:
-                c = triton.compile(ASTSource(fn, sig_all, constexprs=const),
-                                   target=GPUTarget("cuda", cc, 32))
-                res = {"ok": True, "shared": c.metadata.shared}
+                c = compile_variant(fn, sig, const, cc)
+                res = {"ok": True, **(resources(c) if "--resources" in sys.argv[1:]
+                                      else {"shared": c.metadata.shared})}
             except Exception as e:  # noqa: BLE001 - reported per variant
                 failed += 1
                 res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(json.dumps({"kernel": fn.__name__, "target": name, **const, **res}), flush=True)
+            dtype = sig.get("q_ptr", sig.get("o_ptr"))[1:]
+            print(json.dumps({"kernel": fn.__name__, "target": name, "dtype": dtype, **const,
+                              **res}), flush=True)
     return 1 if failed else 0
 
 

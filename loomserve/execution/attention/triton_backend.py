@@ -138,11 +138,12 @@ class TritonBackend:
     def _prefill(self, q, k_cache, v_cache, meta, scale, group, sinks, out) -> None:
         heads, hd = q.shape[1], q.shape[2]
         kv_heads = heads // group
-        rows = prefill_config(group, hd, False, False, False, False)
-        tiles, table, splits = self._prefill_plan(meta, rows["BLOCK_M"] // rows["G_PAD"],
+        ieee = self._ieee(q.dtype)
+        shape = prefill_config(group, hd, False, False, False, ieee)  # the tile's rows
+        tiles, table, splits = self._prefill_plan(meta, shape["BLOCK_M"] // shape["G_PAD"],
                                                   kv_heads)
         cfg = prefill_config(group, hd, meta.sliding_window is not None, sinks is not None,
-                             splits > 1, self._ieee(q.dtype))
+                             splits > 1, ieee)
         first = meta.prefills[0].start
         n = out.shape[0] - first
         part_acc = part_ml = out
@@ -164,19 +165,24 @@ class TritonBackend:
 
 def decode_config(group: int, hd: int, window: bool, ieee: bool) -> dict:
     """decode_split's compile-time parameters: the group's query heads padded to a tl.dot's
-    16 rows, the head dim to a power of two, 64-key tiles."""
+    16 rows, the head dim to a power of two, 64-key tiles (32 for fp32 products, whose FMA
+    lowering needs more registers). Compiled for sm_90 (tests/execution/triton_ahead.py):
+    bf16 59-119 registers, no spills."""
     return {"GROUP": group, "G_PAD": _pow2(group), "HD": hd, "HD_PAD": _pow2(hd),
-            "BLOCK_N": 64, "MIN_SPLIT": MIN_SPLIT_KEYS, "HAS_WINDOW": window, "IEEE": ieee}
+            "BLOCK_N": 32 if ieee else 64, "MIN_SPLIT": MIN_SPLIT_KEYS, "HAS_WINDOW": window,
+            "IEEE": ieee}
 
 
 def prefill_config(group: int, hd: int, window: bool, sink: bool, split: bool,
                    ieee: bool) -> dict:
     """prefill_split's: 64 query rows (tokens x group heads; 32 for head dims over 128, at
-    least one token's group), 64-key tiles; the sink in the initial state unless split (then
-    the merge adds it)."""
+    least one token's group), 64-key tiles; fp32 products 16 rows x 32 keys (their FMA
+    lowering spills at 64 x 64); the sink in the initial state unless split (then the merge
+    adds it). sm_90, bf16: 126-237 registers, no spills."""
     hd_pad, g_pad = _pow2(hd), _pow2(group, 1)
+    rows = 16 if ieee else 64 if hd_pad <= 128 else 32
     return {"GROUP": group, "G_PAD": g_pad, "HD": hd, "HD_PAD": hd_pad,
-            "BLOCK_M": max(g_pad, 64 if hd_pad <= 128 else 32), "BLOCK_N": 64,
+            "BLOCK_M": max(g_pad, rows), "BLOCK_N": 32 if ieee else 64,
             "HAS_WINDOW": window, "SINK_INIT": sink and not split, "SPLIT": split, "IEEE": ieee}
 
 
