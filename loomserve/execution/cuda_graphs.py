@@ -38,8 +38,8 @@ def ineligible(runner) -> str | None:
     """Why the runner's decode steps cannot be captured, or None."""
     if getattr(runner.attention, "name", None) != "triton":
         return "it needs --attention-backend triton (auto on CUDA)"
-    if runner.state_groups:
-        return "the model has linear-state layers"
+    if runner.state_groups or runner.zero_new_blocks:
+        return "the model has linear-state layers (or pages that must be zeroed when started)"
     if any(g is not None for g in (runner.dcp, runner.pcp, runner.tp)):
         return "it runs on one rank only"
     if runner.pool.pages.shape[0] <= runner.kv_layout.num_blocks:

@@ -174,3 +174,19 @@ def test_decode_graph_path_equals_the_plain_path(name):
         assert got == pytest.approx(want, abs=1e-5)
         assert [t for t, _ in top] == [t for t, _ in want_top]
         assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-5)
+
+
+def test_decode_graphs_decline_what_they_cannot_capture(caplog):
+    """A hybrid model (linear-state layers) and a non-triton backend: --cuda-graphs says why in
+    a warning and the engine runs eagerly."""
+    from loomserve import LLM, SamplingParams
+    from tests.execution.models.conftest import FIXTURES
+
+    for name, backend in (("tiny-qwen3-next", "triton"), ("tiny-llama", "torch")):
+        llm = LLM(str(FIXTURES / name), dtype="float32", device=str(DEVICE), block_size=4,
+                  kv_cache_memory="2MB", attention_backend=backend, cuda_graphs=True)
+        assert llm.core.runner.graphs is None
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))[0]
+        assert len(out.token_ids) == 3
+        llm.close()
+    assert caplog.text.count("--cuda-graphs: not used") == 2
