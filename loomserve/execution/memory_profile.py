@@ -87,10 +87,16 @@ def activation_peak_bytes(runner) -> int:
 
 
 def pool_budget(runner, fraction: float, probe_bytes: int, peak: int) -> int:
-    """fraction x total - resident - peak, resident measured with the probe pool (probe_bytes)
-    still allocated and taken out. ValueError when nothing is left for the pool."""
+    """The pool's bytes on the runner's device, from its memory now (the probe pool still
+    allocated): budget_from(...)."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
+    return budget_from(fraction, total, free, probe_bytes, peak)
+
+
+def budget_from(fraction: float, total: int, free: int, probe_bytes: int, peak: int) -> int:
+    """fraction x total - resident - peak, resident = total - free less the probe pool (it
+    goes). ValueError, saying what took the memory, when nothing is left for the pool."""
     resident = total - free - probe_bytes
     budget = int(fraction * total) - resident - peak
     log.info("KV pool by profile: %.2f of %.1f GiB, %.2f GiB resident (weights, runtime), "

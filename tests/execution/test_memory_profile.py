@@ -62,3 +62,11 @@ def test_cpu_runs_size_the_pool_from_the_budget_without_a_profile():
     llm = _llm("tiny-llama")
     assert llm.core.runner._profiled_fraction() is None
     llm.close()
+
+
+def test_pool_budget_is_the_share_left_after_resident_memory_and_peak():
+    gib = 1 << 30
+    # 100 GiB device, 80 free with a 1 GiB probe pool in: 19 resident; 0.9 share, 5 GiB peak
+    assert memory_profile.budget_from(0.9, 100 * gib, 80 * gib, gib, 5 * gib) == 66 * gib
+    with pytest.raises(ValueError, match="leaves no room.*resident.*peak at 40.00 GiB"):
+        memory_profile.budget_from(0.5, 100 * gib, 80 * gib, gib, 40 * gib)
