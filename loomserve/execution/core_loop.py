@@ -6,8 +6,8 @@ outputs are held until N tokens gathered; its first and its finishing output go 
 every send of a stats snapshot (at most STATS_INTERVAL_S apart while busy) takes all that is
 held, so no token waits longer than that; an aborted request's held outputs are dropped.
 
-A transport hands inputs in and events out: a ZMQ pair when the core has its own process (core_proc.py), a queue and a callback when it runs
-in a thread of the front end's process.
+A transport hands inputs in and events out: a ZMQ pair when the core has its own process
+(core_proc.py), a queue and a callback when it runs in a thread of the front end's process.
 
 Supervision: any exception on any path (an add, an abort, a step, the tier poll, the idle
 work) ends the loop: it is logged with its traceback and reported as CoreDead, the last event

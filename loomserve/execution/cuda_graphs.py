@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from loomserve.execution.attention.metadata import AttentionMetadata
+from loomserve.execution.attention.metadata import AttentionMetadata, staged
 from loomserve.kv.spec import FullAttentionSpec, SlidingWindowSpec
 
 log = logging.getLogger("loomserve.execution")
@@ -148,12 +148,8 @@ class DecodeGraphs:
 
 
 def _fill(dst: torch.Tensor, a: np.ndarray) -> None:
-    """dst <- a host array; on CUDA from pinned memory, not blocking the host (torch's caching
-    host allocator keeps the staging buffer until the copy has run)."""
-    src = torch.from_numpy(a)
-    if dst.device.type == "cuda":
-        src = src.pin_memory()
-    dst.copy_(src, non_blocking=dst.device.type == "cuda")
+    """dst <- a host array, not blocking the host on CUDA."""
+    dst.copy_(staged(a, dst.device), non_blocking=True)
 
 
 def build(runner) -> DecodeGraphs | None:

@@ -251,7 +251,8 @@ class ModelRunner:
                 [(s.start_pos, len(s.token_ids), tables.get(s.request_id, g, s.block_ids[g]))
                  for s in prefills],
                 self.block_size, self.device, self.dtype, self.attention,
-                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None, self.workspace)
+                spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None, self.workspace,
+                new_blocks=self.zero_new_blocks)
             if self.dcp is not None:
                 self.attention.localize(meta, positions)
             if self.zero_new_blocks:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from loomserve.bench import report
 from loomserve.bench.metrics import RequestRecord, compute_metrics
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,12 +164,6 @@ def test_pareto_draws_one_curve_per_system(tmp_path):
 
 # ------------------------------------------------------------------ end to end (real server)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _weka(sid: str, turns: int, shared: int) -> dict:
     """A growing-context session: each turn appends two 64-token blocks to the last prompt."""
     reqs, ids = [], [10_000 + i for i in range(shared)]
@@ -185,7 +179,7 @@ def _weka(sid: str, turns: int, shared: int) -> dict:
 
 @pytest.fixture
 def server():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "loomserve", "serve", str(ROOT / "tests/fixtures/tiny-llama"),
          "--port", str(port), "--kv-cache-memory", "16MiB"],

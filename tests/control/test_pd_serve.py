@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,26 +17,13 @@ import httpx
 import pytest
 
 from tests.entrypoints.server.conftest import TINY_LLAMA
+from tests.ports import free_port
 
 pytest.importorskip("mooncake.engine")
 
-PORTS = range(22100, 22200)  # this test's HTTP ports
 TIMEOUT = 5.0  # --kv-transfer-timeout
 PROMPT = "Tell me about the quick brown fox that jumps over the lazy dog. " * 6
 DO_REMOTE = {"do_remote_decode": True}
-
-
-def free_port(used: set) -> int:
-    for port in PORTS:
-        if port in used:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 22100-22199")
 
 
 @contextlib.contextmanager
@@ -45,11 +31,10 @@ def serve(*roles: str):
     """One server per role, started together; yields [(url, process)] once all are up."""
     if not os.path.isdir(TINY_LLAMA):
         pytest.skip("tests/fixtures/tiny-llama is missing")
-    procs, used = [], set()
+    procs = []
     try:
         for role in roles:
-            port = free_port(used)
-            used.add(port)
+            port = free_port()
             procs.append((f"http://127.0.0.1:{port}", subprocess.Popen(
                 [sys.executable, "-m", "loomserve", "serve", TINY_LLAMA, "--port", str(port),
                  "--kv-cache-memory", "4MiB", "--dtype", "float32", "--log-level", "warning",

@@ -46,25 +46,30 @@ class AttentionMetadata:
     # slot_offsets are theirs); None: every row (parallel/context_parallel.py)
     write_rows: torch.Tensor | None = None
     # Host copy of the blocks whose first slot this step writes (the runner zeroes them where
-    # pages may hold other groups' bytes, without a device sync); None: derive on the device.
+    # pages may hold other groups' bytes, without a device sync); None: not asked for, or
+    # localized by DCP (then derived on the device).
     new_blocks: np.ndarray | None = None
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on `device`: on CUDA through pinned memory and a copy that
-    does not block the host (torch's caching host allocator keeps the staging buffer alive
-    until the copy is done); on a CPU the array's own memory."""
+def staged(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array ready to copy to `device` without blocking the host: pinned for CUDA
+    (torch's caching host allocator keeps it alive until the copy has run), else as it is."""
     t = torch.from_numpy(a)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device` (on a CPU the array's own memory)."""
+    return staged(a, device).to(device, non_blocking=True)
 
 
 def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[int, int, np.ndarray]],
                    block_size: int, device: torch.device, dtype: torch.dtype, backend,
-                   sliding_window: int | None = None, workspace=None) -> tuple[AttentionMetadata, torch.Tensor]:
+                   sliding_window: int | None = None, workspace=None,
+                   new_blocks: bool = False) -> tuple[AttentionMetadata, torch.Tensor]:
     """decodes: (position, table) per decode token, in batch order, before the prefills.
-    prefills: (start_pos, num_tokens, table) per chunk. Returns metadata and positions."""
+    prefills: (start_pos, num_tokens, table) per chunk. new_blocks: also keep the host ids of
+    the blocks whose first slot the step writes. Returns metadata and positions."""
     d = len(decodes)
     dec_pos = np.fromiter((p for p, _ in decodes), dtype=np.int64, count=d)
     parts_pos, parts_blk = [dec_pos], [np.fromiter((t[p // block_size] for p, t in decodes),
@@ -86,7 +91,7 @@ def build_metadata(decodes: list[tuple[int, np.ndarray]], prefills: list[tuple[i
         decode_lens=(dec_pos + 1).astype(np.int32) if d else None,
         decode_tables=[t for _, t in decodes], prefills=chunks,
         sliding_window=sliding_window, dtype=dtype, device=device, workspace=workspace,
-        new_blocks=blocks[offsets == 0])
+        new_blocks=blocks[offsets == 0] if new_blocks else None)
     return meta, to_device(positions, device)
 
 

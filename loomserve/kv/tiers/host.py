@@ -89,7 +89,7 @@ class HostTier(Tier):
             buf = self.buffer
             sums = self._sums
             stream = self._copy_stream(out.device)
-            with torch.cuda.stream(stream) if stream is not None else _nothing():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for i, k in enumerate(keys):
                     s = slots.get(k)
                     if s is None:
@@ -127,7 +127,7 @@ class HostTier(Tier):
             stream = self._copy_stream(src.device)
             if stream is not None:  # the pages' writes, queued before this call, come first
                 stream.wait_stream(torch.cuda.default_stream(src.device))
-            with torch.cuda.stream(stream) if stream is not None else _nothing():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for i, k in enumerate(keys):
                     if k in slots:
                         slots.move_to_end(k)
@@ -182,7 +182,3 @@ class HostTier(Tier):
     def lru_keys(self) -> list[bytes]:
         with self._lock:
             return list(self._slots)
-
-
-def _nothing():
-    return contextlib.nullcontext()
