@@ -42,12 +42,20 @@ def layer_major_fits(kc: KVCacheConfig) -> bool:
             and len({g.spec.bytes_per_block_per_layer() for g in groups}) == 1)
 
 
+_ALIGN = 4096
+
+
 def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         # calloc'd memory is zero-filled by the OS on first touch, so resident memory grows
         # with the pages actually used; numpy also asks for transparent huge pages on large
-        # buffers (fewer TLB misses on a sequential read, costly under virtualization).
-        return torch.from_numpy(np.zeros(shape, dtype=np.uint8))
+        # buffers (fewer TLB misses on a sequential read, costly under virtualization). Started
+        # on a 4 KB boundary (numpy gives 16 bytes): no vector load of a row splits a cache line,
+        # and a 4 KB block is one page (the kernel prefetches per page; paged_attention.c).
+        n = math.prod(shape)
+        raw = np.zeros(n + _ALIGN, dtype=np.uint8)
+        off = -raw.ctypes.data % _ALIGN
+        return torch.from_numpy(raw[off:off + n].reshape(shape))
     return torch.zeros(shape, dtype=torch.uint8, device=device)
 
 

@@ -104,6 +104,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, mcfg.seed)
         self.workspace = GatherWorkspace()
         self.attention = select_backend(mcfg.attention_backend, self.device, self.dtype)
+        if hasattr(self.attention, "kv_bytes_per_token"):  # the CPU kernel's prefetch choice
+            self.attention.kv_bytes_per_token = self.kv_layout.page_bytes // self.kv_layout.block_size
         if self.dcp is not None:
             from loomserve.execution.parallel.state import get_dcp
             self.attention = DcpBackend(self.attention, self.dcp, get_dcp())

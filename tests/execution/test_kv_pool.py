@@ -58,6 +58,8 @@ def test_layer_major_views_are_sequential_per_layer():
     per = kc.groups[0].spec.bytes_per_block_per_layer()
     kv = pool.layer_view(1, per, 0, torch.float32, SHAPE)
     assert kv.is_contiguous() and kv.data_ptr() == pool.storage.data_ptr() + kc.num_blocks * per
+    assert pool.storage.data_ptr() % 4096 == 0  # no row load splits a line; a 4 KB block is a page
+    assert not pool.storage.any()
 
 
 def test_pages_mean_the_same_bytes_in_both_layouts():

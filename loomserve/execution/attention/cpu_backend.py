@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 
 import numpy as np
 import torch
@@ -44,7 +45,14 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def load_library() -> ctypes.CDLL | None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     argtypes = [p, p, p, i64, i, i, i, i, i, p, p, i, p, f, p, p, i, i, i, i]
-    return kernels.bind("paged_attention", {"paged_decode": (argtypes, ctypes.c_int)})
+    lib = kernels.bind("paged_attention", {"paged_decode": (argtypes, ctypes.c_int),
+                                           "paged_decode_set_isa": ([i], None),
+                                           "paged_decode_set_prefetch": ([i], None),
+                                           "paged_decode_path": ([i, i], i)})
+    if lib is not None and os.environ.get("LOOMSERVE_DECODE_ISA"):
+        # caps the kernel's vector path (2 AVX-512, 1 AVX2, 0 portable): for A/B runs and tests
+        lib.paged_decode_set_isa(int(os.environ["LOOMSERVE_DECODE_ISA"]))
+    return lib
 
 
 class CpuPagedBackend:
@@ -53,6 +61,11 @@ class CpuPagedBackend:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.scratch = torch.empty(0)
+        # KV bytes of one token over every layer (the runner sets it with the pool): with the
+        # last-level cache's size it picks the kernel's prefetch per step (paged_attention.c)
+        self.kv_bytes_per_token = 0
+        self.resident_bytes = kernels.llc_bytes() // 2
+        self._prefetch = -1
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
                       "prefill_fallback": 0, "prefill_context_kernel": 0}  # what ran (tests check the kernel really did)
 
@@ -78,7 +91,16 @@ class CpuPagedBackend:
         if got is None:
             got = _plan(meta.decode_tables, meta.decode_lens, meta.sliding_window, kv_heads, heads)
             meta.derived[key] = got
+            self._set_prefetch(int(meta.decode_lens.sum()) * self.kv_bytes_per_token)
         return got
+
+    def _set_prefetch(self, step_bytes: int) -> None:
+        """Every line of the next chunk while the step's keys fit in half the last-level cache
+        (they stay there between steps), else two lines per run (they stream from DRAM)."""
+        lines = 0 if step_bytes <= self.resident_bytes else 2
+        if lines != self._prefetch:
+            self.lib.paged_decode_set_prefetch(lines)
+            self._prefetch = lines
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
                sinks: torch.Tensor | None) -> torch.Tensor:

@@ -67,6 +67,22 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def llc_bytes(default: int = 32 << 20) -> int:
+    """The last-level cache's size (the largest cache sysfs lists for cpu0), or default."""
+    best = 0
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    entries = os.listdir(root) if os.path.isdir(root) else []
+    for entry in entries:  # index0, index1, ... (and files that are not caches)
+        try:
+            with open(os.path.join(root, entry, "size")) as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return best or default
+
+
 def _key(source: bytes, cc: str) -> str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10).stdout

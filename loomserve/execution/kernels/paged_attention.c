@@ -120,9 +120,45 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
     end_partials(m, l, part, group, head_dim);
 }
 
+/* How much of the next chunk a split prefetches: 0 every line, n > 0 the first n lines of each
+ * run of rows. Set per step by the caller (attention/cpu_backend.py): every line when the step's
+ * keys fit in the last-level cache (they come from there, and the hardware prefetchers restart
+ * at each 4 KB page), two lines when they stream from DRAM (a full burst fills the line-fill
+ * buffers and stalls the current chunk's loads; two lines start the streamer on the page). */
+static int prefetch_lines = 0;
+
+void paged_decode_set_prefetch(int lines) { prefetch_lines = lines; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include "paged_attention_avx2.h"
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include "paged_attention_avx512.h"
+#define PATH_MAX_ISA 2
+#else
+#define PATH_MAX_ISA 1
 #endif
+#else
+#define PATH_MAX_ISA 0
+#endif
+
+/* The widest path decodes may take: 2 AVX-512, 1 AVX2, 0 portable (tests lower it to check
+ * every path on one host). */
+static int isa_cap = 2;
+
+void paged_decode_set_isa(int cap) { isa_cap = cap; }
+
+/* The path a split of this shape takes on this build: 2, 1 or 0 as above. AVX-512 only for
+ * groups of more than 4 query rows per kv head (GQA groups, or a short chunk's tokens x group):
+ * there the arithmetic per key read sets the speed, and it ran 1.3-1.5x the AVX2 path (128K keys,
+ * head_dim 32, groups 8 / 16 / 32, Intel Xeon VM with AMX, 2 threads); at 4 and below the read
+ * does, and it ran 4-8% slower (2 layers x 128K keys from L3; the 512-bit units' warm-up). */
+int paged_decode_path(int head_dim, int group) {
+    int path = PATH_MAX_ISA < isa_cap ? PATH_MAX_ISA : isa_cap;
+    if (path == 2 && (head_dim % 16 || group <= 4)) path = 1;
+    if (path == 1 && head_dim % 8) path = 0;
+    return path;
+}
+
 
 /* One decode call's arguments, shared by its tasks. */
 typedef struct {
@@ -152,8 +188,18 @@ static void run_task(const Decode *d, int64_t t) {
     int64_t k1 = k0 + d->split_tokens < len ? k0 + d->split_tokens : len;
     const float *qi = d->q + ((int64_t)i * d->heads + (int64_t)h * d->group) * d->head_dim;
     float *part = d->scratch + t * d->group * (d->head_dim + 2);
-#if defined(__AVX2__) && defined(__FMA__)
-    if (d->head_dim % 8 == 0) {
+    const int path = paged_decode_path(d->head_dim, d->group);
+    (void)path;
+#if PATH_MAX_ISA == 2
+    if (path == 2) {
+        split_attend_avx512(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
+                            d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, h,
+                            d->scale, d->dtype, part);
+        return;
+    }
+#endif
+#if PATH_MAX_ISA >= 1
+    if (path == 1) {
         split_attend_avx2_any(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
                               d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, h,
                               d->scale, d->dtype, part);

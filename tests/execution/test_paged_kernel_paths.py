@@ -1,0 +1,88 @@
+"""The CPU decode kernel's vector paths and prefetch modes (kernels/paged_attention.c).
+
+Groups of more than 4 query rows per kv head take the AVX-512 path where the build has it;
+every case also runs forced onto the AVX2 and portable paths, and each must equal the dense
+reference. Prefetching never changes a result; the backend picks its mode from the step's KV
+bytes against the last-level cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loomserve.execution import kernels
+from loomserve.execution.attention import select_backend
+from loomserve.execution.attention.cpu_backend import load_library
+from tests.execution.test_paged_attention import CPU, run_case
+
+AVX512 = {"avx512f", "avx512dq"} <= set(kernels.cpu_flags().split())
+AVX2 = {"avx2", "fma"} <= set(kernels.cpu_flags().split())
+
+
+@pytest.fixture
+def lib():
+    lib = load_library()
+    assert lib is not None
+    yield lib
+    lib.paged_decode_set_isa(2)
+    lib.paged_decode_set_prefetch(0)
+
+
+@pytest.mark.parametrize("group,head_dim,window", [(5, 16, None), (8, 32, 40), (16, 64, None),
+                                                   (6, 128, None), (24, 32, 300), (64, 16, None)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, bf16):
+    """Padded groups (5, 6, 24 -> batches of 8 / 16 lanes), batches of 16 heads (24, 64),
+    windows, sinks, contexts over many chunks and splits, odd key counts per chunk."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    sinks = torch.randn(2 * group, generator=torch.Generator().manual_seed(group))
+    paths = set()
+    for cap in (2, 1, 0):
+        lib.paged_decode_set_isa(cap)
+        paths.add(lib.paged_decode_path(head_dim, group))
+        backend = select_backend("cpu_paged", CPU, dtype)
+        ours, ref = run_case(backend, [(700, 1), (37, 1), (1500, 1)], 16, 2, group, head_dim,
+                             window, sinks if cap != 1 else None, dtype, seed=group + head_dim)
+        tol = 3e-2 if bf16 else 2e-5
+        torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+        assert backend.calls["decode_kernel"] == 1 and backend.calls["decode_fallback"] == 0
+    assert paths == {0} | ({1} if AVX2 else set()) | ({2} if AVX512 and AVX2 else set())
+
+
+def test_groups_of_four_or_less_stay_on_avx2(lib):
+    """At <= 4 query rows per kv head the read, not the arithmetic, sets the speed (see
+    paged_decode_path): the AVX-512 path is not taken."""
+    assert lib.paged_decode_path(32, 4) == (1 if AVX2 else 0)
+    assert lib.paged_decode_path(40, 8) == (1 if AVX2 else 0)  # not a multiple of 16
+    assert lib.paged_decode_path(12, 8) == 0
+
+
+def test_prefetch_modes_give_the_same_bits(lib):
+    outs = []
+    for lines in (0, 2, 1):
+        lib.paged_decode_set_prefetch(lines)
+        backend = select_backend("cpu_paged", CPU, torch.float32)
+        outs.append(run_case(backend, [(3000, 1), (90, 1)], 16, 1, 4, 32, None, None,
+                             torch.float32, seed=5)[0])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prefetch_mode_follows_the_steps_kv_bytes(lib):
+    """Every line while the step's keys fit in half the last-level cache, two lines past it."""
+    backend = select_backend("cpu_paged", CPU, torch.float32)
+    backend.kv_bytes_per_token, backend.resident_bytes = 512, 512 * 1000
+    run_case(backend, [(900, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
+    assert backend._prefetch == 0
+    run_case(backend, [(900, 1), (200, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
+    assert backend._prefetch == 2
+
+
+def test_llc_is_the_largest_cache_sysfs_lists():
+    import glob
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(path).read().strip()
+        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM"
+                     else int(text))
+    assert kernels.llc_bytes() == (max(sizes) if sizes else 32 << 20)
