@@ -86,3 +86,14 @@ def test_llc_is_the_largest_cache_sysfs_lists():
         sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM"
                      else int(text))
     assert kernels.llc_bytes() == (max(sizes) if sizes else 32 << 20)
+
+
+def test_the_runner_gives_the_backend_its_kv_bytes_per_token():
+    """What _set_prefetch multiplies by a step's key count: every layer's K and V of a token."""
+    from tests.execution.test_decode_stack import FIXTURES, drive, runner
+    r = runner(str(FIXTURES / "tiny-llama"), "none", True)
+    cfg = r.model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert r.attention.kv_bytes_per_token == per_token
+    drive(r, [list(range(5, 30))], 3)
+    assert r.attention._prefetch == 0  # a few KB of keys: resident

@@ -159,7 +159,6 @@ int paged_decode_path(int head_dim, int group) {
     return path;
 }
 
-
 /* One decode call's arguments, shared by its tasks. */
 typedef struct {
     const float *q;
