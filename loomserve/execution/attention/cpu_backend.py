@@ -96,11 +96,11 @@ class CpuPagedBackend:
 
     def _set_prefetch(self, step_bytes: int) -> None:
         """Every line of the next chunk while the step's keys fit in half the last-level cache
-        (they stay there between steps), else two lines per run (they stream from DRAM)."""
-        lines = 0 if step_bytes <= self.resident_bytes else 2
-        if lines != self._prefetch:
-            self.lib.paged_decode_set_prefetch(lines)
-            self._prefetch = lines
+        (they stay there between steps), else two lines per run (they stream from DRAM). The
+        kernel's setting is process-wide, so it is set every step (another backend in the
+        process may have changed it)."""
+        self._prefetch = 0 if step_bytes <= self.resident_bytes else 2
+        self.lib.paged_decode_set_prefetch(self._prefetch)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
                sinks: torch.Tensor | None) -> torch.Tensor:
