@@ -1,9 +1,9 @@
-"""The CPU decode kernel's vector paths and prefetch modes (kernels/paged_attention.c).
+"""The CPU decode kernel's vector paths and prefetch hints (kernels/paged_attention.c).
 
 Groups of more than 4 query rows per kv head take the AVX-512 path where the build has it;
 every case also runs forced onto the AVX2 and portable paths, and each must equal the dense
-reference. Prefetching never changes a result; the backend picks its mode from the step's KV
-bytes against the last-level cache.
+reference. Prefetching never changes a result; the backend picks its hint from the step's KV
+bytes against the last-level cache (capped).
 """
 
 from __future__ import annotations
@@ -58,24 +58,29 @@ def test_groups_of_four_or_less_stay_on_avx2(lib):
     assert lib.paged_decode_path(12, 8) == 0
 
 
-def test_prefetch_modes_give_the_same_bits(lib):
+def test_prefetch_hints_give_the_same_bits(lib):
     outs = []
-    for lines in (0, 2, 1):
-        lib.paged_decode_set_prefetch(lines)
+    for hint in (0, 1, 0):
+        lib.paged_decode_set_prefetch(hint)
         backend = select_backend("cpu_paged", CPU, torch.float32)
         outs.append(run_case(backend, [(3000, 1), (90, 1)], 16, 1, 4, 32, None, None,
                              torch.float32, seed=5)[0])
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_prefetch_mode_follows_the_steps_kv_bytes(lib):
-    """Every line while the step's keys fit in half the last-level cache, two lines past it."""
+def test_prefetch_hint_follows_the_steps_kv_bytes(lib):
+    """Into L1 while the step's keys fit in resident_bytes, into L2 past it."""
     backend = select_backend("cpu_paged", CPU, torch.float32)
     backend.kv_bytes_per_token, backend.resident_bytes = 512, 512 * 1000
     run_case(backend, [(900, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
     assert backend._prefetch == 0
     run_case(backend, [(900, 1), (200, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
-    assert backend._prefetch == 2
+    assert backend._prefetch == 1
+
+
+def test_resident_bytes_are_half_the_capped_llc(lib):
+    from loomserve.execution.attention.cpu_backend import RESIDENT_CAP, CpuPagedBackend
+    assert CpuPagedBackend(lib).resident_bytes == min(kernels.llc_bytes(), RESIDENT_CAP) // 2
 
 
 def test_llc_is_the_largest_cache_sysfs_lists():

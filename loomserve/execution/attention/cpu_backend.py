@@ -38,6 +38,10 @@ TILE_TOKENS = 8192
 # slower. At most the kernel's MAX_GROUP (64).
 CONTEXT_KERNEL_QUERIES = 16
 SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one thread
+# The most last-level cache a step's keys are assumed to keep between steps. sysfs gives the
+# socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
+# 67 MB KV and the 25 MB LM head read each step came back from DRAM.
+RESIDENT_CAP = 64 << 20
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -64,7 +68,7 @@ class CpuPagedBackend:
         # KV bytes of one token over every layer (the runner sets it with the pool): with the
         # last-level cache's size it picks the kernel's prefetch per step (paged_attention.c)
         self.kv_bytes_per_token = 0
-        self.resident_bytes = kernels.llc_bytes() // 2
+        self.resident_bytes = min(kernels.llc_bytes(), RESIDENT_CAP) // 2
         self._prefetch = -1
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
                       "prefill_fallback": 0, "prefill_context_kernel": 0}  # what ran (tests check the kernel really did)
@@ -95,11 +99,11 @@ class CpuPagedBackend:
         return got
 
     def _set_prefetch(self, step_bytes: int) -> None:
-        """Every line of the next chunk while the step's keys fit in half the last-level cache
-        (they stay there between steps), else two lines per run (they stream from DRAM). The
-        kernel's setting is process-wide, so it is set every step (another backend in the
-        process may have changed it)."""
-        self._prefetch = 0 if step_bytes <= self.resident_bytes else 2
+        """Prefetch into L1 while the step's keys fit in resident_bytes (they stay in the
+        last-level cache between steps), else into L2 (they stream from DRAM). The kernel's
+        setting is process-wide, so it is set every step (another backend in the process may
+        have changed it)."""
+        self._prefetch = 0 if step_bytes <= self.resident_bytes else 1
         self.lib.paged_decode_set_prefetch(self._prefetch)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,

@@ -120,14 +120,13 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
     end_partials(m, l, part, group, head_dim);
 }
 
-/* How much of the next chunk a split prefetches: 0 every line, n > 0 the first n lines of each
- * run of rows. Set per step by the caller (attention/cpu_backend.py): every line when the step's
- * keys fit in the last-level cache (they come from there, and the hardware prefetchers restart
- * at each 4 KB page), two lines when they stream from DRAM (a full burst fills the line-fill
- * buffers and stalls the current chunk's loads; two lines start the streamer on the page). */
-static int prefetch_lines = 0;
+/* Where a split's software prefetches put the rows ahead of its reads (see PfCursor): 0 into L1,
+ * for keys that stay in the last-level cache between steps; 1 into L2, for keys that stream from
+ * DRAM (L1's few line-fill buffers would cap the lines in flight). Set per step by the caller
+ * (attention/cpu_backend.py); speed only, never results. */
+static int prefetch_hint = 0;
 
-void paged_decode_set_prefetch(int lines) { prefetch_lines = lines; }
+void paged_decode_set_prefetch(int hint) { prefetch_hint = hint; }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "paged_attention_avx2.h"

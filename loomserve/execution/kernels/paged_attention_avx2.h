@@ -91,34 +91,57 @@ static inline __attribute__((always_inline)) void chunk_pointers(
     }
 }
 
-/* Prefetch into L1 the lines of kv head h's K and V rows of keys [a, a + n), clipped to k1 (the
- * next chunk's, issued before the current chunk's arithmetic so that its work hides the next
- * block's latency), all of each run's lines or its first prefetch_lines (see paged_attention.c).
- * Measured on a 2-vCPU Intel Xeon VM (AMX, 480 MB L3), 2 threads: one 128K sequence x 2 layers
- * from L3, 3.6-4.2 -> 2.4-2.9 ms with every line (two lines: no gain); 64 x 32K from DRAM, 59.7 ->
- * 57.9 ms with two lines (every line: 61.5). always_inline matters: GCC treats a function made
- * only of prefetches as const and drops a late-inlined call (no prefetch at all). */
-static inline __attribute__((always_inline)) void prefetch_keys(
-        const char *kb, const char *vb, const int32_t *table, int64_t block_stride,
-        int block_size, int64_t row, int64_t hoff, int64_t a, int64_t n, int64_t k1,
-        int head_dim, int esize) {
-    int64_t end = a + n < k1 ? a + n : k1;
-    while (a < end) {
-        int64_t blk = a / block_size, first = a % block_size, cnt = block_size - first;
-        if (cnt > end - a) cnt = end - a;
-        int64_t base = (table[blk] * block_stride + first * row + hoff) * esize;
-        /* one kv head: the rows lie back to back, one run; else each row's head_dim values */
-        int64_t runs = row == head_dim ? 1 : cnt;
-        int64_t len = (row == head_dim ? cnt : 1) * head_dim * esize;
-        if (prefetch_lines > 0 && len > 64 * prefetch_lines) len = 64 * prefetch_lines;
-        for (int64_t r = 0; r < runs; r++) {
-            const char *k = kb + base + r * row * esize, *v = vb + base + r * row * esize;
-            for (int64_t o = -(int64_t)((uintptr_t)k & 63); o < len; o += 64) {
+/* Software prefetch of a split's K and V rows a fixed distance ahead of its reads, issued a few
+ * rows at a time between the chunk's arithmetic: the cursor stays `lead` rows past the rows being
+ * read, pro rata through each chunk. Why spread out: a 4 KB block is one page and the hardware
+ * prefetchers restart at every page, so a compute-heavy loop leaves the memory idle unless the
+ * next pages are requested early; a burst of a whole chunk's lines at once fills the line-fill
+ * buffers and stalls the current chunk's loads. Measured on a 2-vCPU Intel Xeon VM, one 128K
+ * sequence x 2 layers, 2 threads, each step after a 25 MB read (the LM head): 3.6-3.9 ms with a
+ * burst of the next chunk (every line or two per page) -> 2.9-3.0 with the cursor into L2; keys
+ * left in L3 between steps 2.7 -> 2.4 with the cursor into L1. The hint per step comes from
+ * paged_attention.c's prefetch_hint. always_inline matters: GCC treats a function made only of
+ * prefetches as const and drops a late-inlined call (no prefetch at all). */
+typedef struct {
+    const char *kb, *vb;
+    const int32_t *table;
+    int64_t block_stride, row, hoff, j, end, blk;
+    int block_size, first, bytes, esize, lead;
+} PfCursor;
+
+/* Bytes of one kv head's K + V rows the cursor keeps in flight ahead of the reads: into L1 (hint
+ * 0) less, so the prefetched lines and the chunk being read fit there together. */
+#define LEAD_BYTES_L1 8192
+#define LEAD_BYTES_L2 16384
+
+static inline void pf_init(PfCursor *c, const void *kb, const void *vb, const int32_t *table,
+                           int64_t block_stride, int block_size, int64_t row, int64_t hoff,
+                           int64_t k0, int64_t k1, int head_dim, int esize) {
+    c->kb = (const char *)kb, c->vb = (const char *)vb, c->table = table;
+    c->block_stride = block_stride, c->block_size = block_size, c->row = row, c->hoff = hoff;
+    c->j = k0, c->end = k1, c->blk = k0 / block_size, c->first = (int)(k0 % block_size);
+    c->bytes = head_dim * esize, c->esize = esize;
+    c->lead = (prefetch_hint ? LEAD_BYTES_L2 : LEAD_BYTES_L1) / (2 * c->bytes);
+    if (c->lead < 8) c->lead = 8;
+}
+
+/* Prefetch the rows before key t + lead (clipped to the split's end). */
+static inline __attribute__((always_inline)) void pf_upto(PfCursor *c, int64_t t) {
+    t += c->lead;
+    if (t > c->end) t = c->end;
+    for (; c->j < t; c->j++) {
+        int64_t off = (c->table[c->blk] * c->block_stride + c->first * c->row + c->hoff) * c->esize;
+        const char *k = c->kb + off, *v = c->vb + off;
+        for (int o = -(int)((uintptr_t)k & 63); o < c->bytes; o += 64) {
+            if (prefetch_hint) {
+                _mm_prefetch(k + o, _MM_HINT_T1);
+                _mm_prefetch(v + o, _MM_HINT_T1);
+            } else {
                 _mm_prefetch(k + o, _MM_HINT_T0);
                 _mm_prefetch(v + o, _MM_HINT_T0);
             }
         }
-        a += cnt;
+        if (++c->first == c->block_size) c->first = 0, c->blk++;
     }
 }
 
@@ -233,7 +256,7 @@ static inline __attribute__((always_inline)) void chunk_values(
  * each other, so a chunk of one block (16 keys and up) reads memory strictly in order, which the
  * hardware prefetchers stream; chunks of several blocks (K of each, then V of each) interleave
  * streams and ran 1.5-2x slower at 128K context (2-core Zen 4, 2 threads: 3.5-3.9 vs 1.8-2.8 ms for
- * two layers); see prefetch_keys for the page boundaries. */
+ * two layers); see PfCursor for the page boundaries. */
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
@@ -245,26 +268,31 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const float *kr[CHUNK], *vr[CHUNK];
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    const int nh = head_dim <= 64 ? 2 : 1;
+    const int slots = group + (group + nh - 1) / nh;  /* score and value calls per chunk */
+    PfCursor pc;
+    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, dtype ? 2 : 4);
+    pf_upto(&pc, k0);
     begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs);
-        prefetch_keys((const char *)kb, (const char *)vb, table, block_stride, block_size, row,
-                      hoff, a + n, n, k1, head_dim, dtype ? 2 : 4);
+        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs), slot = 0;
         chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
         int n8 = (n + 7) & ~7;
         for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
         for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
             int gb = group - g0 < 8 ? group - g0 : 8;
             for (int g = 0; g < gb; g++) {
+                pf_upto(&pc, a + (int64_t)n * ++slot / slots);
                 float *s = sbuf + g * CHUNK;
                 float mb = chunk_scores(q + (g0 + g) * head_dim, kr, n, n8, head_dim, scale, s);
                 chunk_softmax(mb, m + g0 + g, l + g0 + g, part + (g0 + g) * stride, s, n, n8,
                               head_dim, dtype);
             }
-            int nh = head_dim <= 64 ? 2 : 1;
-            for (int g = 0; g < gb; g += nh)
+            for (int g = 0; g < gb; g += nh) {
+                pf_upto(&pc, a + (int64_t)n * ++slot / slots);
                 chunk_values(vr, sbuf + g * CHUNK, n, part + (g0 + g) * stride, stride, head_dim,
                              gb - g < nh ? 1 : nh);
+            }
         }
         a += n;
     }

@@ -1,5 +1,5 @@
 /* The AVX-512 decode path of paged_attention.c (included after the AVX2 header, whose chunking
- * it shares: chunk_rows, prefetch_keys, widen_bf16, CHUNK), for head_dim % 16 == 0.
+ * it shares: chunk_rows, PfCursor, widen_bf16, CHUNK), for head_dim % 16 == 0.
  *
  * Every query head of a kv head's group rides in one vector. The group goes in batches of up
  * to 16 heads, each batch padded to gp = a power of two; a vector's 16 lanes are gp heads x
@@ -159,10 +159,11 @@ static inline __attribute__((always_inline)) void zvalues(
 }
 
 /* One chunk of n keys for one batch: scores, the online-softmax step, V. kr holds n rows
- * padded to a multiple of 16 (the padding's lanes are masked). */
+ * padded to a multiple of 16 (the padding's lanes are masked). The prefetch cursor moves up to
+ * key pf_mid before V. */
 static inline __attribute__((always_inline)) void zchunk(
         Batch *b, const float *const *kr, const float *const *vr, int n, int w, int dtype,
-        float *acc, int astride, int head_dim) {
+        float *acc, int astride, int head_dim, PfCursor *pc, int64_t pf_mid) {
     __m512 s[CHUNK];
     const int per = 16 / w, nvec = (n + 15) / 16 * per, tail = n % 16 ? nvec - per : nvec;
     for (int v = 0; v < nvec; v += per) scores16(b, kr + v * w, w, s + v);
@@ -187,10 +188,12 @@ static inline __attribute__((always_inline)) void zchunk(
     b->m = m, b->l = l;
     float al[16];
     _mm512_storeu_ps(al, alpha);
+    pf_upto(pc, pf_mid);
     zvalues(vr, (const float *)s, n, w, b->heads, head_dim, acc, astride, al);
 }
 
-#define ZCHUNK_CASE(W) case W: zchunk(b, kr, vr, n, W, dtype, acc, stride, head_dim); break;
+#define ZCHUNK_CASE(W) \
+    case W: zchunk(b, kr, vr, n, W, dtype, acc, stride, head_dim, &pc, a + (int64_t)n * (2 * i + 2) / (2 * nb)); break;
 
 /* One split (keys [k0, k1) of kv head h) on the AVX-512 path; partials as split_attend's. */
 static void split_attend_avx512(const float *q, const void *kb, const void *vb,
@@ -207,13 +210,15 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
     int64_t offs[CHUNK];
     const float *kr[CHUNK + 16], *vr[CHUNK];
     const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    PfCursor pc;  /* two slots per batch: before its scores and before its V */
+    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, dtype ? 2 : 4);
+    pf_upto(&pc, k0);
     for (int64_t a = k0; a < k1;) {
         int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs);
-        prefetch_keys((const char *)kb, (const char *)vb, table, block_stride, block_size, row,
-                      hoff, a + n, n, k1, head_dim, dtype ? 2 : 4);
         chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
         for (int t = n; t < (n + 15) / 16 * 16; t++) kr[t] = kr[0];
         for (int i = 0; i < nb; i++) {
+            pf_upto(&pc, a + (int64_t)n * (2 * i + 1) / (2 * nb));
             Batch *b = &batches[i];
             float *acc = part + 16 * i * stride;
             switch (b->w) { ZCHUNK_CASE(1) ZCHUNK_CASE(2) ZCHUNK_CASE(4) ZCHUNK_CASE(8) ZCHUNK_CASE(16) }
