@@ -1,9 +1,9 @@
-"""The CPU decode kernel's vector paths and prefetch hints (kernels/paged_attention.c).
+"""The CPU decode kernel's vector paths and prefetch placement (kernels/paged_attention.c).
 
 Groups of more than 4 query rows per kv head take the AVX-512 path where the build has it;
 every case also runs forced onto the AVX2 and portable paths, and each must equal the dense
-reference. Prefetching never changes a result; the backend picks its hint from the step's KV
-bytes against the last-level cache (capped).
+reference. Prefetching never changes a result; the backend tells the kernel whether a step's
+keys stream from DRAM from their bytes against the last-level cache (capped).
 """
 
 from __future__ import annotations
@@ -58,24 +58,27 @@ def test_groups_of_four_or_less_stay_on_avx2(lib):
     assert lib.paged_decode_path(12, 8) == 0
 
 
-def test_prefetch_hints_give_the_same_bits(lib):
+@pytest.mark.parametrize("group", [4, 8])
+def test_prefetch_placement_gives_the_same_bits(lib, group):
+    """Keys from the cache or from DRAM (prefetches into L1 or L2), same bits."""
     outs = []
-    for hint in (0, 1, 0):
-        lib.paged_decode_set_prefetch(hint)
+    for from_dram in (0, 1, 0):
         backend = select_backend("cpu_paged", CPU, torch.float32)
-        outs.append(run_case(backend, [(3000, 1), (90, 1)], 16, 1, 4, 32, None, None,
+        backend.kv_bytes_per_token, backend.resident_bytes = 512, 0 if from_dram else 1 << 40
+        outs.append(run_case(backend, [(3000, 1), (90, 1)], 16, 1, group, 32, None, None,
                              torch.float32, seed=5)[0])
+        assert backend._from_dram == from_dram
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_prefetch_hint_follows_the_steps_kv_bytes(lib):
-    """Into L1 while the step's keys fit in resident_bytes, into L2 past it."""
+def test_keys_from_dram_follows_the_steps_kv_bytes(lib):
+    """From the cache while the step's keys fit in resident_bytes, from DRAM past it."""
     backend = select_backend("cpu_paged", CPU, torch.float32)
     backend.kv_bytes_per_token, backend.resident_bytes = 512, 512 * 1000
     run_case(backend, [(900, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
-    assert backend._prefetch == 0
+    assert backend._from_dram == 0
     run_case(backend, [(900, 1), (200, 1)], 16, 1, 4, 32, None, None, torch.float32, seed=1)
-    assert backend._prefetch == 1
+    assert backend._from_dram == 1
 
 
 def test_resident_bytes_are_half_the_capped_llc(lib):
@@ -101,4 +104,4 @@ def test_the_runner_gives_the_backend_its_kv_bytes_per_token():
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert r.attention.kv_bytes_per_token == per_token
     drive(r, [list(range(5, 30))], 3)
-    assert r.attention._prefetch == 0  # a few KB of keys: resident
+    assert r.attention._from_dram == 0  # a few KB of keys: resident

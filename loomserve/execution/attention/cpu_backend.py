@@ -69,7 +69,7 @@ class CpuPagedBackend:
         # last-level cache's size it picks the kernel's prefetch per step (paged_attention.c)
         self.kv_bytes_per_token = 0
         self.resident_bytes = min(kernels.llc_bytes(), RESIDENT_CAP) // 2
-        self._prefetch = -1
+        self._from_dram = -1
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
                       "prefill_fallback": 0, "prefill_context_kernel": 0}  # what ran (tests check the kernel really did)
 
@@ -99,12 +99,12 @@ class CpuPagedBackend:
         return got
 
     def _set_prefetch(self, step_bytes: int) -> None:
-        """Prefetch into L1 while the step's keys fit in resident_bytes (they stay in the
-        last-level cache between steps), else into L2 (they stream from DRAM). The kernel's
-        setting is process-wide, so it is set every step (another backend in the process may
-        have changed it)."""
-        self._prefetch = 0 if step_bytes <= self.resident_bytes else 1
-        self.lib.paged_decode_set_prefetch(self._prefetch)
+        """Tell the kernel whether the step's keys stream from DRAM (more than resident_bytes)
+        or stay in the last-level cache; it places its prefetches by that (paged_attention.c).
+        The setting is process-wide, so it is set every step (another backend in the process
+        may have changed it)."""
+        self._from_dram = int(step_bytes > self.resident_bytes)
+        self.lib.paged_decode_set_prefetch(self._from_dram)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: int,
                sinks: torch.Tensor | None) -> torch.Tensor:

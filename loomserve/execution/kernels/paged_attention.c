@@ -120,13 +120,12 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
     end_partials(m, l, part, group, head_dim);
 }
 
-/* Where a split's software prefetches put the rows ahead of its reads (see PfCursor): 0 into L1,
- * for keys that stay in the last-level cache between steps; 1 into L2, for keys that stream from
- * DRAM (L1's few line-fill buffers would cap the lines in flight). Set per step by the caller
- * (attention/cpu_backend.py); speed only, never results. */
-static int prefetch_hint = 0;
+/* Whether this step's keys stream from DRAM (1) or stay in the last-level cache between steps
+ * (0): set per step by the caller (attention/cpu_backend.py), it decides where a split's
+ * software prefetches put the rows ahead of its reads (see PfCursor). Speed only, never results. */
+static int keys_from_dram = 0;
 
-void paged_decode_set_prefetch(int hint) { prefetch_hint = hint; }
+void paged_decode_set_prefetch(int from_dram) { keys_from_dram = from_dram; }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "paged_attention_avx2.h"

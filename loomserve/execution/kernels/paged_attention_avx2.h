@@ -96,32 +96,36 @@ static inline __attribute__((always_inline)) void chunk_pointers(
  * read, pro rata through each chunk. Why spread out: a 4 KB block is one page and the hardware
  * prefetchers restart at every page, so a compute-heavy loop leaves the memory idle unless the
  * next pages are requested early; a burst of a whole chunk's lines at once fills the line-fill
- * buffers and stalls the current chunk's loads. Measured on a 2-vCPU Intel Xeon VM, one 128K
- * sequence x 2 layers, 2 threads, each step after a 25 MB read (the LM head): 3.6-3.9 ms with a
- * burst of the next chunk (every line or two per page) -> 2.9-3.0 with the cursor into L2; keys
- * left in L3 between steps 2.7 -> 2.4 with the cursor into L1. The hint per step comes from
- * paged_attention.c's prefetch_hint. always_inline matters: GCC treats a function made only of
- * prefetches as const and drops a late-inlined call (no prefetch at all). */
+ * buffers and stalls the current chunk's loads. Into L2 only for keys streaming from DRAM
+ * (paged_attention.c's keys_from_dram, per step) under a light load of arithmetic (at most 4
+ * query rows per kv head): L1's few fill buffers would cap the lines in flight; else into L1,
+ * where the heavier arithmetic's loads find them. Measured on a 2-vCPU Intel Xeon VM, one 128K
+ * sequence x 2 layers, 2 threads, each step after a 25 MB read (the LM head), old burst ->
+ * cursor: 1 row per kv head 3.4 -> 2.7 ms (into L1: 3.1), 4 rows 3.6-4.1 -> 2.9-3.4, 8 rows
+ * (AVX-512) 4.7 -> 4.1 (into L2: 4.8), 16 rows 5.9 -> 5.5 (into L2: 6.4); keys left in L3
+ * between steps, 4 rows: 2.7 -> 2.4 (into L2: 2.6). always_inline matters: GCC treats a
+ * function made only of prefetches as const and drops a late-inlined call (no prefetch). */
 typedef struct {
     const char *kb, *vb;
     const int32_t *table;
     int64_t block_stride, row, hoff, j, end, blk;
-    int block_size, first, bytes, esize, lead;
+    int block_size, first, bytes, esize, lead, hint;
 } PfCursor;
 
-/* Bytes of one kv head's K + V rows the cursor keeps in flight ahead of the reads: into L1 (hint
- * 0) less, so the prefetched lines and the chunk being read fit there together. */
+/* Bytes of one kv head's K + V rows the cursor keeps in flight ahead of the reads: into L1 less,
+ * so the prefetched lines and the chunk being read fit there together. */
 #define LEAD_BYTES_L1 8192
 #define LEAD_BYTES_L2 16384
 
 static inline void pf_init(PfCursor *c, const void *kb, const void *vb, const int32_t *table,
                            int64_t block_stride, int block_size, int64_t row, int64_t hoff,
-                           int64_t k0, int64_t k1, int head_dim, int esize) {
+                           int64_t k0, int64_t k1, int head_dim, int group, int esize) {
     c->kb = (const char *)kb, c->vb = (const char *)vb, c->table = table;
     c->block_stride = block_stride, c->block_size = block_size, c->row = row, c->hoff = hoff;
     c->j = k0, c->end = k1, c->blk = k0 / block_size, c->first = (int)(k0 % block_size);
     c->bytes = head_dim * esize, c->esize = esize;
-    c->lead = (prefetch_hint ? LEAD_BYTES_L2 : LEAD_BYTES_L1) / (2 * c->bytes);
+    c->hint = keys_from_dram && group <= 4;
+    c->lead = (c->hint ? LEAD_BYTES_L2 : LEAD_BYTES_L1) / (2 * c->bytes);
     if (c->lead < 8) c->lead = 8;
 }
 
@@ -133,7 +137,7 @@ static inline __attribute__((always_inline)) void pf_upto(PfCursor *c, int64_t t
         int64_t off = (c->table[c->blk] * c->block_stride + c->first * c->row + c->hoff) * c->esize;
         const char *k = c->kb + off, *v = c->vb + off;
         for (int o = -(int)((uintptr_t)k & 63); o < c->bytes; o += 64) {
-            if (prefetch_hint) {
+            if (c->hint) {
                 _mm_prefetch(k + o, _MM_HINT_T1);
                 _mm_prefetch(v + o, _MM_HINT_T1);
             } else {
@@ -271,7 +275,8 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const int nh = head_dim <= 64 ? 2 : 1;
     const int slots = group + (group + nh - 1) / nh;  /* score and value calls per chunk */
     PfCursor pc;
-    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, dtype ? 2 : 4);
+    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, group,
+            dtype ? 2 : 4);
     pf_upto(&pc, k0);
     begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
