@@ -10,9 +10,19 @@
  * W rows are [N, K] contiguous (torch's nn.Linear layout), fp32 (dtype 0) or bf16 (dtype 1,
  * widened exactly to fp32 in registers); x and out fp32, bias fp32 or NULL. Each weight row is
  * loaded once per 4 input rows (from L1 again for the next 4), fp32 accumulation.
+ *
+ * Each weight row's first pass also prefetches the row PF_LEAD bytes ahead into L2: a 4 KB page
+ * of weights is one to eight rows, and the hardware prefetchers restart at every page. On the
+ * 2-vCPU Intel Xeon VM a [49152, 128] fp32 LM head read after 67 MB of other traffic took 1.14
+ * -> 0.91 ms (torch's plain sum of it: 0.92), bf16 0.64-0.77 -> 0.34-0.47, 4 rows 1.9 -> 1.3.
+ * Into L1 instead: 1.00; every other line: 1.05. Matrices under PF_MIN_BYTES skip it (they stay
+ * in cache, where it would only cost instructions).
  */
 #include <stdint.h>
 #include <string.h>
+
+#define PF_LEAD 16384
+#define PF_MIN_BYTES (256 << 10)
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -76,11 +86,15 @@ static inline __attribute__((always_inline)) void row_dot(
  * here); the 8 rows' partial vectors are reduced at once per input row. */
 static inline __attribute__((always_inline)) void tile_mb(
         const float *x, int64_t m, int MB, int64_t K, const void *w, int dtype, int64_t n,
-        float *out, int64_t N) {
-    const int64_t K16 = K & ~(int64_t)15;
+        float *out, int64_t N, int pf) {
+    const int64_t K16 = K & ~(int64_t)15, rb = K * (dtype ? 2 : 4);
     float s[8];
     __m256 v[4][8], t[4];
     for (int r = 0; r < 8; r++) {
+        if (pf) {  /* prefetches never fault, so past W's end is harmless */
+            const char *p = (const char *)w + (n + r) * rb + PF_LEAD;
+            for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        }
         row_dot(x, m, MB, K, K16, w, dtype, n + r, t);
         for (int i = 0; i < MB; i++) v[i][r] = t[i];
     }
@@ -97,8 +111,8 @@ static inline __attribute__((always_inline)) void tile_mb(
 /* Copies with the row count and weight dtype constant, so accumulators stay in registers. */
 #define TILE(MB, DT)                                                                          \
     static void tile_##MB##_##DT(const float *x, int64_t m, int64_t K, const void *w,          \
-                                 int64_t n, float *out, int64_t N) {                          \
-        tile_mb(x, m, MB, K, w, DT, n, out, N);                                                \
+                                 int64_t n, float *out, int64_t N, int pf) {                  \
+        tile_mb(x, m, MB, K, w, DT, n, out, N, pf);                                            \
     }
 TILE(1, 0) TILE(2, 0) TILE(3, 0) TILE(4, 0) TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
 
@@ -106,13 +120,15 @@ TILE(1, 0) TILE(2, 0) TILE(3, 0) TILE(4, 0) TILE(1, 1) TILE(2, 1) TILE(3, 1) TIL
  * after its first use), every group of 4 input rows, so the weights stream from memory once. */
 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int dtype,
                       int64_t n0, int64_t n1, float *out, int64_t N) {
-    typedef void (*fn)(const float *, int64_t, int64_t, const void *, int64_t, float *, int64_t);
+    typedef void (*fn)(const float *, int64_t, int64_t, const void *, int64_t, float *, int64_t,
+                       int);
     static const fn table[2][4] = {{tile_1_0, tile_2_0, tile_3_0, tile_4_0},
                                    {tile_1_1, tile_2_1, tile_3_1, tile_4_1}};
     const fn *t = table[dtype != 0];
+    const int pf = N * K * (dtype ? 2 : 4) >= PF_MIN_BYTES;
     for (int64_t n = n0; n < n1; n += 8)
         for (int64_t m = 0; m < M; m += 4)
-            t[(M - m < 4 ? M - m : 4) - 1](x, m, K, w, n, out, N);
+            t[(M - m < 4 ? M - m : 4) - 1](x, m, K, w, n, out, N, pf && m == 0);
 }
 #endif
 
