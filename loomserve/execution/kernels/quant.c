@@ -46,6 +46,11 @@
 #define MR 4
 #define MC 64
 #define SMALL_WORK (1 << 17)  /* multiply-adds: below, one thread */
+/* Each tile's first pass prefetches the weights PF_LEAD bytes ahead into L2, one group's bytes
+ * per group: the hardware prefetchers restart at every 4 KB page, and the int8 dot products
+ * leave the memory idle between pages otherwise. SmolLM2-135M Q4_1 on the 2-vCPU Intel Xeon VM,
+ * one decode step: 7.46 -> 6.47 ms at 1 sequence, 42.4 -> 40.3 at 32; into L1 at 8 KB: 8.19. */
+#define PF_LEAD 16384
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if QAVX2
@@ -130,14 +135,17 @@ static inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
 }
 
 /* out[i][0..7] = the 8 outputs of one tile for x rows i < mr (mr <= MR, a constant per call
- * site after inlining). xq: mr rows of K bytes (int8; under VNNI with int8 weights, xq ^ 0x80). */
+ * site after inlining). xq: mr rows of K bytes (int8; under VNNI with int8 weights, xq ^ 0x80).
+ * pf: prefetch ahead (the tile's first block of x rows only). */
 static inline __attribute__((always_inline)) void tile_rows(
         int bits, int has_mins, int mr, const uint8_t *tile, int64_t nb, int64_t bb,
-        const int8_t *xq, int64_t K, const float *dx, const float *dxs, __m256 *acc) {
+        const int8_t *xq, int64_t K, const float *dx, const float *dxs, __m256 *acc, int pf) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g++) {
         const uint8_t *blk = tile + g * bb, *tail = blk + qbytes(bits);
+        if (pf)  /* prefetches never fault: past w's end is harmless */
+            for (int64_t o = 0; o < bb; o += 64) _mm_prefetch((const char *)blk + PF_LEAD + o, _MM_HINT_T1);
         __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail));
         __m256i d32[MR];
         for (int i = 0; i < mr; i++) d32[i] = _mm256_setzero_si256();
@@ -189,14 +197,15 @@ static inline __attribute__((always_inline)) void tile_rows(
 /* Specializations: bits x mins x register-block rows, each compiled with constants. */
 #define TILE_CASES(B, H) \
     switch (mr) { \
-        case 4: tile_rows(B, H, 4, tile, nb, bb, xq, K, dx, dxs, acc); break; \
-        case 3: tile_rows(B, H, 3, tile, nb, bb, xq, K, dx, dxs, acc); break; \
-        case 2: tile_rows(B, H, 2, tile, nb, bb, xq, K, dx, dxs, acc); break; \
-        default: tile_rows(B, H, 1, tile, nb, bb, xq, K, dx, dxs, acc); break; \
+        case 4: tile_rows(B, H, 4, tile, nb, bb, xq, K, dx, dxs, acc, pf); break; \
+        case 3: tile_rows(B, H, 3, tile, nb, bb, xq, K, dx, dxs, acc, pf); break; \
+        case 2: tile_rows(B, H, 2, tile, nb, bb, xq, K, dx, dxs, acc, pf); break; \
+        default: tile_rows(B, H, 1, tile, nb, bb, xq, K, dx, dxs, acc, pf); break; \
     }
 
 static void tile_block(int bits, int has_mins, int mr, const uint8_t *tile, int64_t nb, int64_t bb,
-                       const int8_t *xq, int64_t K, const float *dx, const float *dxs, float *out) {
+                       const int8_t *xq, int64_t K, const float *dx, const float *dxs, float *out,
+                       int pf) {
     __m256 acc[MR];
     if (bits == 4 && has_mins) TILE_CASES(4, 1)
     else if (bits == 4) TILE_CASES(4, 0)
@@ -207,7 +216,8 @@ static void tile_block(int bits, int has_mins, int mr, const uint8_t *tile, int6
 #else
 /* Portable: the same arithmetic, one weight row and one x row at a time. */
 static void tile_block(int bits, int has_mins, int mr, const uint8_t *tile, int64_t nb, int64_t bb,
-                       const int8_t *xq, int64_t K, const float *dx, const float *dxs, float *out) {
+                       const int8_t *xq, int64_t K, const float *dx, const float *dxs, float *out,
+                       int pf) {
     for (int i = 0; i < mr; i++)
         for (int r = 0; r < R; r++) {
             float acc = 0.f;
@@ -251,7 +261,7 @@ void quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int ha
                 int mr = m1 - m < MR ? (int)(m1 - m) : MR;
                 float out[MR * R];
                 tile_block(bits, has_mins, mr, w + t * nb * bb, nb, bb, xq + m * K, K, dx + m * nb,
-                           dxs + m * nb, out);
+                           dxs + m * nb, out, m == m0);
                 for (int i = 0; i < mr; i++)
                     for (int r = 0; r < nr; r++)
                         y[(m + i) * N + n0 + r] = bias ? out[i * R + r] + bias[n0 + r] : out[i * R + r];
