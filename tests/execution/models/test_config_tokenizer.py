@@ -81,3 +81,22 @@ def test_no_chat_template_is_a_value_error():
     tok.chat_template = None
     with pytest.raises(ValueError):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-gpt-oss"])
+def test_decode_equals_transformers(fixture):
+    """Tokenizer.decode may call the Rust tokenizer directly: it must give transformers' text
+    (special tokens kept or skipped, split multi-byte characters, single ids)."""
+    import random
+    tok = Tokenizer.from_folder(str(FIXTURES / fixture))
+    assert tok._decode != tok.hf.decode  # these fixtures take the direct path
+    rng = random.Random(0)
+    special = sorted(tok.hf.all_special_ids)
+    cases = [tok.encode("Hello, world! café 😀 ünïcode\n\tdone", add_special_tokens=False)]
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))] + special[:2]
+              for _ in range(50)]
+    cases += [[i] for i in range(0, tok.vocab_size, max(1, tok.vocab_size // 200))]
+    for ids in cases:
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip)
