@@ -192,8 +192,11 @@ static inline __attribute__((always_inline)) void zchunk(
     zvalues(vr, (const float *)s, n, w, b->heads, head_dim, acc, astride, al);
 }
 
-#define ZCHUNK_CASE(W) \
-    case W: zchunk(b, kr, vr, n, W, dtype, acc, stride, head_dim, &pc, a + (int64_t)n * (2 * i + 2) / (2 * nb)); break;
+#define ZCHUNK_CASE(W)                                                                        \
+    case W:                                                                                    \
+        zchunk(b, kr, vr, n, W, dtype, acc, stride, head_dim, &pc,                             \
+               a + (int64_t)n * (2 * i + 2) / (2 * nb));                                       \
+        break;
 
 /* One split (keys [k0, k1) of kv head h) on the AVX-512 path; partials as split_attend's. */
 static void split_attend_avx512(const float *q, const void *kb, const void *vb,
