@@ -44,7 +44,15 @@ static inline __m256 exp_neg8(__m256 x) {
 }
 
 #define CHUNK 128
-#define MIN_CHUNK 16
+/* A chunk's K + V rows of one kv head, widened to fp32, in at most this many bytes: they are
+ * read once per query head, so they should stay in L1 beside the rows prefetched ahead. */
+#define CHUNK_BYTES 16384
+
+/* Keys a chunk gathers before it may end (on a block's end): CHUNK_BYTES of rows, 16 to CHUNK. */
+static inline int chunk_min_keys(int head_dim) {
+    int n = CHUNK_BYTES / (8 * head_dim);
+    return n < 16 ? 16 : n > CHUNK ? CHUNK : n;
+}
 
 /* n bf16 values -> fp32 (exact: a bf16 is the top half of an fp32). */
 static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
@@ -58,7 +66,8 @@ static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
 
 /* Row offsets (in elements) of keys [a, a + n) of kv head h, n <= CHUNK: walks the table. */
 static inline int chunk_rows(const int32_t *table, int64_t block_stride, int block_size,
-                             int64_t row, int64_t hoff, int64_t a, int64_t k1, int64_t *off) {
+                             int64_t row, int64_t hoff, int64_t a, int64_t k1, int min_keys,
+                             int64_t *off) {
     int n = 0;
     while (a < k1 && n < CHUNK) {
         int64_t blk = a / block_size, first = a % block_size, cnt = block_size - first;
@@ -68,7 +77,7 @@ static inline int chunk_rows(const int32_t *table, int64_t block_stride, int blo
         for (int t = 0; t < cnt; t++) off[n + t] = base + t * row;
         n += (int)cnt;
         a += cnt;
-        if (n >= MIN_CHUNK) break;  /* end on a block's end: see split_attend_chunked */
+        if (n >= min_keys) break;  /* end on a block's end: see split_attend_chunked */
     }
     return n;
 }
@@ -252,15 +261,17 @@ static inline __attribute__((always_inline)) void chunk_values(
 }
 
 /* The split in chunks of whole blocks, each chunk ending on the first block end at or past
- * MIN_CHUNK keys (at most CHUNK keys). Per chunk: every query head's scores and softmax step
- * (K rows read from L1/L2 after the first head), then V accumulated for two heads at a time
+ * chunk_min_keys (at most CHUNK keys). Per chunk: every query head's scores and softmax step
+ * (K rows read from L1 after the first head), then V accumulated for two heads at a time
  * where head_dim <= 64 (shared V loads). fp32 rows are read where they lie, bf16 rows widened
- * once per chunk. Why whole blocks: a block's K then V are one contiguous run of the layer's
- * region, and in the layer-major pool (execution/kv_pool.py) consecutive blocks' runs follow
- * each other, so a chunk of one block (16 keys and up) reads memory strictly in order, which the
- * hardware prefetchers stream; chunks of several blocks (K of each, then V of each) interleave
- * streams and ran 1.5-2x slower at 128K context (2-core Zen 4, 2 threads: 3.5-3.9 vs 1.8-2.8 ms for
- * two layers); see PfCursor for the page boundaries. */
+ * once per chunk. Chunk size: each chunk pays a fixed cost (row pointers, per head a max, a
+ * rescale, the accumulators loaded and stored), so chunks are as large as L1 allows. Before the
+ * prefetch cursor, chunks of several blocks (K of each, then V of each) interleaved streams the
+ * hardware prefetchers follow badly (1.5-2x slower at 128K on the Zen 4 VM, session 18), so a
+ * chunk was one block; with the cursor, on the Intel VM (2 layers x 128K, one kv head, head_dim
+ * 32, from DRAM): 16 keys 3.4-4.3 ms, 64 keys 3.0-3.5 (all in L1: 2.5 -> 2.0); head_dim 64 at
+ * 32 keys 6.45 vs 9.71; 3 kv heads x head_dim 64 (rows strided) at 64 keys 8% slower than 16,
+ * at 32 keys faster. */
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
@@ -272,7 +283,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const float *kr[CHUNK], *vr[CHUNK];
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
-    const int nh = head_dim <= 64 ? 2 : 1;
+    const int nh = head_dim <= 64 ? 2 : 1, min_keys = chunk_min_keys(head_dim);
     const int slots = group + (group + nh - 1) / nh;  /* score and value calls per chunk */
     PfCursor pc;
     pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, group,
@@ -280,7 +291,8 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     pf_upto(&pc, k0);
     begin_partials(m, l, part, group, head_dim);
     for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs), slot = 0;
+        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, min_keys, offs);
+        int slot = 0;
         chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
         int n8 = (n + 7) & ~7;
         for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */

@@ -213,12 +213,13 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
     int64_t offs[CHUNK];
     const float *kr[CHUNK + 16], *vr[CHUNK];
     const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    const int min_keys = chunk_min_keys(head_dim);
     PfCursor pc;  /* two slots per batch: before its scores and before its V */
     pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, group,
             dtype ? 2 : 4);
     pf_upto(&pc, k0);
     for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, offs);
+        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, min_keys, offs);
         chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
         for (int t = n; t < (n + 15) / 16 * 16; t++) kr[t] = kr[0];
         for (int i = 0; i < nb; i++) {
