@@ -53,7 +53,7 @@ class Samples:
             return Batch([self._took(0, await self._next(self.its[0], 0))], self.finished)
         for i, it in enumerate(self.its):
             if not self.latest[i].finished and i not in self._pending:
-                self._pending[i] = asyncio.ensure_future(it.__anext__())
+                self._pending[i] = asyncio.ensure_future(self._next(it, i))
         await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
         parts = []
         for i in sorted(self._pending):
@@ -61,15 +61,12 @@ class Samples:
             if not task.done():
                 continue
             del self._pending[i]
-            try:
-                out = task.result()
-            except StopAsyncIteration:
-                raise RuntimeError(f"sample {i} ended without finishing") from None
-            parts.append(self._took(i, out))
+            parts.append(self._took(i, task.result()))
         return Batch(parts, self.finished)
 
     @staticmethod
     async def _next(it, i: int) -> RequestOutput:
+        """Sample i's next output; a sample must finish before its stream ends."""
         try:
             return await it.__anext__()
         except StopAsyncIteration:

@@ -136,7 +136,7 @@ static inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
 
 /* out[i][0..7] = the 8 outputs of one tile for x rows i < mr (mr <= MR, a constant per call
  * site after inlining). xq: mr rows of K bytes (int8; under VNNI with int8 weights, xq ^ 0x80).
- * pf: prefetch ahead (the tile's first block of x rows only). */
+ * pf: prefetch ahead (the first register block of x rows of each pass over the weights). */
 static inline __attribute__((always_inline)) void tile_rows(
         int bits, int has_mins, int mr, const uint8_t *tile, int64_t nb, int64_t bb,
         const int8_t *xq, int64_t K, const float *dx, const float *dxs, __m256 *acc, int pf) {
