@@ -1,7 +1,8 @@
 """One long-context request against a running server, timed from its stream.
 
 `timed_request` posts a streaming /v1/completions request with a token-id prompt (greedy,
-`ignore_eos`, `cache_prompt` for llama-server) and stamps every chunk that carries a choice:
+`ignore_eos`, `cache_prompt` for llama-server) and stamps every chunk that carries a choice
+(the client is http_stream.py's: little CPU per token beside the server's on the same cores):
 
     ttft        = first choice chunk - request sent      (the prefill, plus one token)
     decode ms/t = (last choice chunk - first) / (completion tokens - 1)
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from loomserve.bench.replay.transport import sse_lines
+
+from .http_stream import post_stream
 
 __all__ = ["Timed", "timed_request", "concurrent_decode", "random_prompt"]
 
@@ -57,17 +60,15 @@ def _body(prompt: Sequence[int], max_tokens: int, model: str | None) -> dict[str
     return body
 
 
-async def _stream(client: Any, prompt: Sequence[int], max_tokens: int,
-                  model: str | None) -> Timed:
+async def _stream(base_url: str, prompt: Sequence[int], max_tokens: int,
+                  model: str | None, timeout: float) -> Timed:
     res = Timed(len(prompt), max_tokens)
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions",
-                                 json=_body(prompt, max_tokens, model)) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return res
-            async for line in sse_lines(resp.aiter_text()):  # CR/LF only, as SSE
+        async with asyncio.timeout(timeout):
+            text = post_stream(base_url.rstrip("/") + "/v1/completions",
+                               _body(prompt, max_tokens, model), timeout)
+            async for line in sse_lines(text):  # CR/LF only, as SSE
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 now = time.perf_counter()
@@ -107,13 +108,8 @@ def timed_request(base_url: str, prompt: Sequence[int], max_tokens: int,
 
 async def _gather(base_url: str, prompts: Sequence[Sequence[int]], max_tokens: int,
                   model: str | None, timeout: float) -> list[Timed]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout),
-                                 limits=limits) as client:
-        return list(await asyncio.gather(*(_stream(client, p, max_tokens, model)
-                                           for p in prompts)))
+    return list(await asyncio.gather(*(_stream(base_url, p, max_tokens, model, timeout)
+                                       for p in prompts)))
 
 
 def concurrent_decode(base_url: str, prompts: Sequence[Sequence[int]], max_tokens: int,
