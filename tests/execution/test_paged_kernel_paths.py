@@ -50,6 +50,23 @@ def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, bf
     assert paths == {0} | ({1} if AVX2 else set()) | ({2} if AVX512 and AVX2 else set())
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(10, 16, 128), (3, 3, 64), (4, 1, 32)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_task_over_many_kv_heads_equals_the_reference(lib, kv_heads, group, head_dim, bf16):
+    """A task walks its split once for every kv head (paged_attention.c's run_task): MHA,
+    SmolLM2's 3 kv heads x 3, and 10 kv heads x 16 rows x head_dim 128, whose packed queries
+    overflow one pass of the AVX-512 path (QBUF_BYTES: two passes over the split)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    for cap in (2, 1, 0):
+        lib.paged_decode_set_isa(cap)
+        backend = select_backend("cpu_paged", CPU, dtype)
+        ours, ref = run_case(backend, [(300, 1), (45, 1), (900, 1)], 16, kv_heads, group,
+                             head_dim, None, None, dtype, seed=kv_heads + group)
+        tol = 3e-2 if bf16 else 2e-5
+        torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+        assert backend.calls["decode_kernel"] == 1 and backend.calls["decode_fallback"] == 0
+
+
 def test_groups_of_four_or_less_stay_on_avx2(lib):
     """At <= 4 query rows per kv head the read, not the arithmetic, sets the speed (see
     paged_decode_path): the AVX-512 path is not taken."""

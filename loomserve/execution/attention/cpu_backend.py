@@ -234,10 +234,11 @@ def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: in
     ptrs = np.fromiter((t.ctypes.data for t in tables), dtype=np.uint64, count=len(lens))
     span = int(lens.max()) if window is None else min(int(lens.max()), window)
     # One thread below SERIAL_WORK (~50 us of work): a team's fork and join would cost as
-    # much. Else enough tasks to keep every thread busy to the end, splits of >= 256 keys.
+    # much. Else enough tasks to keep every thread busy to the end, splits of >= 256 keys
+    # (a task is a split of one sequence over every kv head: paged_attention.c's run_task).
     work = (int(lens.sum()) if window is None else len(lens) * span) * heads
     threads = 1 if work < SERIAL_WORK else torch.get_num_threads()
-    per_seq = math.ceil(8 * threads / (len(lens) * kv_heads))
+    per_seq = math.ceil(8 * threads / len(lens))
     split = max(256, math.ceil(span / per_seq))
     return ptrs, lens, split, math.ceil(span / split), threads, kv_heads
 

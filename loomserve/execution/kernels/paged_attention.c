@@ -5,10 +5,11 @@
  * (V likewise from v_base): block b's tokens are contiguous [block_size, kv_heads, head_dim],
  * and consecutive blocks are block_stride elements apart (the packed page size).
  *
- * Work is split over (sequence, kv head, split of the context): each split walks its blocks
- * through the sequence's block table with a flash-style online softmax, for all the query
- * heads of its kv head at once (GQA: each K/V row is read once per kv head), and leaves a
- * partial (max, sum, acc). A merge pass combines the splits of a (sequence, query head), with
+ * Work is split over (sequence, split of the context): each split walks its blocks through
+ * the sequence's block table with a flash-style online softmax, chunk by chunk, each chunk's
+ * rows serving every kv head in turn and each kv head's rows all the query heads of its group
+ * at once (GQA: each K/V row is read once), and leaves a partial (max, sum, acc) per
+ * (kv head, query head). A merge pass combines the splits of a (sequence, query head), with
  * the attention sink (gpt-oss) joining the denominator there.
  *
  * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
@@ -89,10 +90,10 @@ static inline float exp_neg(float x) {
 
 /* One split, portable: keys [k0, k1) of one sequence for one kv head, one key at a time.
  * Writes group partials of (head_dim + 2) floats each: acc[head_dim], max, sum. */
-static void split_attend(const float *q, const void *k_base, const void *v_base,
-                         int64_t block_stride, int block_size, int kv_heads, int head_dim,
-                         int group, const int32_t *table, int64_t k0, int64_t k1, int h,
-                         float scale, int dtype, float *part) {
+static void split_attend_head(const float *q, const void *k_base, const void *v_base,
+                              int64_t block_stride, int block_size, int kv_heads, int head_dim,
+                              int group, const int32_t *table, int64_t k0, int64_t k1, int h,
+                              float scale, int dtype, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP], kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];
     const int64_t row = (int64_t)kv_heads * head_dim;
     begin_partials(m, l, part, group, head_dim);
@@ -118,6 +119,17 @@ static void split_attend(const float *q, const void *k_base, const void *v_base,
         }
     }
     end_partials(m, l, part, group, head_dim);
+}
+
+/* The same split for every kv head (kv head h's partials at part + h * hstride). */
+static void split_attend(const float *q, const void *k_base, const void *v_base,
+                         int64_t block_stride, int block_size, int kv_heads, int head_dim,
+                         int group, const int32_t *table, int64_t k0, int64_t k1, float scale,
+                         int dtype, float *part, int64_t hstride) {
+    for (int h = 0; h < kv_heads; h++)
+        split_attend_head(q + (int64_t)h * group * head_dim, k_base, v_base, block_stride,
+                          block_size, kv_heads, head_dim, group, table, k0, k1, h, scale, dtype,
+                          part + h * hstride);
 }
 
 /* Whether this step's keys stream from DRAM (1) or stay in the last-level cache between steps
@@ -174,37 +186,42 @@ static inline int64_t first_key(const Decode *d, int64_t len) {
     return (d->window > 0 && len > d->window) ? len - d->window : 0;
 }
 
-/* Task t = (seq, kv head, split); a split past a short seq's end does nothing. */
+/* Task t = (seq, split) over every kv head; a split past a short seq's end does nothing.
+ * Why every kv head in one task: a block's rows are [token, kv head, head_dim], so one kv
+ * head's rows lie kv_heads x head_dim apart; a task per kv head read 1 / kv_heads of each row
+ * and skipped the rest (each row its own stream for the prefetchers). Covering every kv head,
+ * a task reads its rows front to back. Partials stay per (seq, kv head, split). */
 static void run_task(const Decode *d, int64_t t) {
     int sp = (int)(t % d->max_splits);
-    int h = (int)((t / d->max_splits) % d->kv_heads);
-    int i = (int)(t / ((int64_t)d->max_splits * d->kv_heads));
+    int i = (int)(t / d->max_splits);
     int64_t len = d->seq_lens[i];
     int64_t k0 = first_key(d, len) + (int64_t)sp * d->split_tokens;
     if (k0 >= len) return;
     int64_t k1 = k0 + d->split_tokens < len ? k0 + d->split_tokens : len;
-    const float *qi = d->q + ((int64_t)i * d->heads + (int64_t)h * d->group) * d->head_dim;
-    float *part = d->scratch + t * d->group * (d->head_dim + 2);
+    const float *qi = d->q + (int64_t)i * d->heads * d->head_dim;
+    const int64_t pstride = (int64_t)d->group * (d->head_dim + 2);
+    float *part = d->scratch + ((int64_t)i * d->kv_heads * d->max_splits + sp) * pstride;
+    const int64_t hstride = d->max_splits * pstride;  /* between one kv head's partials and the next's */
     const int path = paged_decode_path(d->head_dim, d->group);
     (void)path;
 #if PATH_MAX_ISA == 2
     if (path == 2) {
         split_attend_avx512(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
-                            d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, h,
-                            d->scale, d->dtype, part);
+                            d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, d->scale,
+                            d->dtype, part, hstride);
         return;
     }
 #endif
 #if PATH_MAX_ISA >= 1
     if (path == 1) {
         split_attend_avx2_any(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
-                              d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, h,
-                              d->scale, d->dtype, part);
+                              d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, d->scale,
+                              d->dtype, part, hstride);
         return;
     }
 #endif
     split_attend(qi, d->k_base, d->v_base, d->block_stride, d->block_size, d->kv_heads,
-                 d->head_dim, d->group, d->tables[i], k0, k1, h, d->scale, d->dtype, part);
+                 d->head_dim, d->group, d->tables[i], k0, k1, d->scale, d->dtype, part, hstride);
 }
 
 /* Row r = (seq, query head): combine its splits, the sink joining the denominator. */
@@ -250,7 +267,7 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,
                       scale, out, scratch};
-    const int64_t tasks = (int64_t)num_seqs * kv_heads * max_splits;
+    const int64_t tasks = (int64_t)num_seqs * max_splits;
     const int64_t rows = (int64_t)num_seqs * heads;
     if (nthreads <= 1) {
         for (int64_t t = 0; t < tasks; t++) run_task(&d, t);

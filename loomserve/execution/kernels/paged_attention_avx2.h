@@ -64,7 +64,7 @@ static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
     for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
 }
 
-/* Row offsets (in elements) of keys [a, a + n) of kv head h, n <= CHUNK: walks the table. */
+/* Row offsets (in elements, plus hoff) of keys [a, a + n), n <= CHUNK: walks the table. */
 static inline int chunk_rows(const int32_t *table, int64_t block_stride, int block_size,
                              int64_t row, int64_t hoff, int64_t a, int64_t k1, int min_keys,
                              int64_t *off) {
@@ -82,20 +82,21 @@ static inline int chunk_rows(const int32_t *table, int64_t block_stride, int blo
     return n;
 }
 
-/* The chunk's K and V rows as fp32 pointers: where they lie (fp32), else widened into kw / vw. */
+/* The chunk's K and V rows of the kv head at hoff (elements into each row) as fp32 pointers:
+ * where they lie (fp32), else widened into kw / vw. */
 static inline __attribute__((always_inline)) void chunk_pointers(
-        const void *kb, const void *vb, const int64_t *offs, int n, int head_dim, int dtype,
-        float *kw, float *vw, const float **kr, const float **vr) {
+        const void *kb, const void *vb, const int64_t *offs, int64_t hoff, int n, int head_dim,
+        int dtype, float *kw, float *vw, const float **kr, const float **vr) {
     for (int t = 0; t < n; t++) {
         if (dtype) {
             float *kd = kw + t * head_dim, *vd = vw + t * head_dim;
-            widen_bf16((const uint16_t *)kb + offs[t], kd, head_dim);
-            widen_bf16((const uint16_t *)vb + offs[t], vd, head_dim);
+            widen_bf16((const uint16_t *)kb + offs[t] + hoff, kd, head_dim);
+            widen_bf16((const uint16_t *)vb + offs[t] + hoff, vd, head_dim);
             kr[t] = kd;
             vr[t] = vd;
         } else {
-            kr[t] = (const float *)kb + offs[t];
-            vr[t] = (const float *)vb + offs[t];
+            kr[t] = (const float *)kb + offs[t] + hoff;
+            vr[t] = (const float *)vb + offs[t] + hoff;
         }
     }
 }
@@ -121,20 +122,20 @@ typedef struct {
     int block_size, first, bytes, esize, lead, hint;
 } PfCursor;
 
-/* Bytes of one kv head's K + V rows the cursor keeps in flight ahead of the reads: into L1 less,
- * so the prefetched lines and the chunk being read fit there together. Into L2, 16 to 64 KB
- * measured alike with rows back to back (one kv head); with a head's rows strided (8 kv heads x
- * head_dim 128: 512 B every 4 KB, each row its own stream) 64 KB was 3-7% faster. */
+/* Bytes of K + V rows (the part of each row a split reads) the cursor keeps in flight ahead of
+ * the reads: into L1 less, so the prefetched lines and the chunk being read fit there together.
+ * Into L2, 16 to 64 KB measured alike with rows back to back; when a task read one kv head's
+ * strided rows (8 kv heads x head_dim 128: 512 B every 4 KB) 64 KB was 3-7% faster. */
 #define LEAD_BYTES_L1 8192
 #define LEAD_BYTES_L2 65536
 
 static inline void pf_init(PfCursor *c, const void *kb, const void *vb, const int32_t *table,
                            int64_t block_stride, int block_size, int64_t row, int64_t hoff,
-                           int64_t k0, int64_t k1, int head_dim, int group, int esize) {
+                           int64_t k0, int64_t k1, int width, int group, int esize) {
     c->kb = (const char *)kb, c->vb = (const char *)vb, c->table = table;
     c->block_stride = block_stride, c->block_size = block_size, c->row = row, c->hoff = hoff;
     c->j = k0, c->end = k1, c->blk = k0 / block_size, c->first = (int)(k0 % block_size);
-    c->bytes = head_dim * esize, c->esize = esize;
+    c->bytes = width * esize, c->esize = esize;  /* width: elements of each row read */
     c->hint = keys_from_dram && group <= 4;
     c->lead = (c->hint ? LEAD_BYTES_L2 : LEAD_BYTES_L1) / (2 * c->bytes);
     if (c->lead < 8) c->lead = 8;
@@ -262,8 +263,12 @@ static inline __attribute__((always_inline)) void chunk_values(
     }
 }
 
-/* The split in chunks of whole blocks, each chunk ending on the first block end at or past
- * chunk_min_keys (at most CHUNK keys). Per chunk: every query head's scores and softmax step
+/* The split for every kv head (kv head h's partials at part + h * hstride), in chunks of whole
+ * blocks, each chunk ending on the first block end at or past chunk_min_keys (at most CHUNK
+ * keys). Per chunk, kv head by kv head (so the split reads its rows front to back, each row
+ * whole; one task per kv head read 1 / kv_heads of every row and skipped the rest: 3 kv heads
+ * x head_dim 64, 2 layers x 32K keys, 4.79 -> 2.78 ms; 8 x 128, 49.1 -> 28.8): the head's
+ * query rows' scores and softmax step
  * (K rows read from L1 after the first head), then V accumulated for two heads at a time
  * where head_dim <= 64 (shared V loads). fp32 rows are read where they lie, bf16 rows widened
  * once per chunk. Chunk size: each chunk pays a fixed cost (row pointers, per head a max, a
@@ -277,66 +282,77 @@ static inline __attribute__((always_inline)) void chunk_values(
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
-        int h, float scale, int dtype, float *part) {
-    float m[MAX_GROUP], l[MAX_GROUP];
+        float scale, int dtype, float *part, int64_t hstride) {
+    float m[group * kv_heads], l[group * kv_heads];
     float sbuf[8 * CHUNK];  /* the scores of up to 8 heads at a time */
     float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
     int64_t offs[CHUNK];
     const float *kr[CHUNK], *vr[CHUNK];
     const int stride = head_dim + 2;
-    const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    const int64_t row = (int64_t)kv_heads * head_dim;
     const int nh = head_dim <= 64 ? 2 : 1, min_keys = chunk_min_keys(head_dim);
-    const int slots = group + (group + nh - 1) / nh;  /* score and value calls per chunk */
+    /* score and value calls per chunk, over every kv head */
+    const int slots = kv_heads * (group + (group + nh - 1) / nh);
     PfCursor pc;
-    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, group,
+    pf_init(&pc, kb, vb, table, block_stride, block_size, row, 0, k0, k1, (int)row, group,
             dtype ? 2 : 4);
     pf_upto(&pc, k0);
-    begin_partials(m, l, part, group, head_dim);
+    for (int h = 0; h < kv_heads; h++)
+        begin_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
     for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, min_keys, offs);
+        int n = chunk_rows(table, block_stride, block_size, row, 0, a, k1, min_keys, offs);
         int slot = 0;
-        chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
-        int n8 = (n + 7) & ~7;
-        for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
-        for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
-            int gb = group - g0 < 8 ? group - g0 : 8;
-            for (int g = 0; g < gb; g++) {
-                pf_upto(&pc, a + (int64_t)n * ++slot / slots);
-                float *s = sbuf + g * CHUNK;
-                float mb = chunk_scores(q + (g0 + g) * head_dim, kr, n, n8, head_dim, scale, s);
-                chunk_softmax(mb, m + g0 + g, l + g0 + g, part + (g0 + g) * stride, s, n, n8,
-                              head_dim, dtype);
-            }
-            for (int g = 0; g < gb; g += nh) {
-                pf_upto(&pc, a + (int64_t)n * ++slot / slots);
-                chunk_values(vr, sbuf + g * CHUNK, n, part + (g0 + g) * stride, stride, head_dim,
-                             gb - g < nh ? 1 : nh);
+        const int n8 = (n + 7) & ~7;
+        for (int h = 0; h < kv_heads; h++) {  /* the chunk's rows, one kv head after another */
+            const float *qh = q + (int64_t)h * group * head_dim;
+            float *ph = part + h * hstride, *mh = m + h * group, *lh = l + h * group;
+            chunk_pointers(kb, vb, offs, (int64_t)h * head_dim, n, head_dim, dtype, kw, vw, kr, vr);
+            for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
+            for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
+                int gb = group - g0 < 8 ? group - g0 : 8;
+                for (int g = 0; g < gb; g++) {
+                    pf_upto(&pc, a + (int64_t)n * ++slot / slots);
+                    float *s = sbuf + g * CHUNK;
+                    float mb = chunk_scores(qh + (g0 + g) * head_dim, kr, n, n8, head_dim, scale, s);
+                    chunk_softmax(mb, mh + g0 + g, lh + g0 + g, ph + (g0 + g) * stride, s, n, n8,
+                                  head_dim, dtype);
+                }
+                for (int g = 0; g < gb; g += nh) {
+                    pf_upto(&pc, a + (int64_t)n * ++slot / slots);
+                    chunk_values(vr, sbuf + g * CHUNK, n, ph + (g0 + g) * stride, stride,
+                                 head_dim, gb - g < nh ? 1 : nh);
+                }
             }
         }
         a += n;
     }
-    end_partials(m, l, part, group, head_dim);
+    for (int h = 0; h < kv_heads; h++)
+        end_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
 }
 
 /* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully. */
 #define CHUNKED(D)                                                                            \
     static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
                                          int64_t bstride, int bsize, int kvh, int group,       \
-                                         const int32_t *table, int64_t k0, int64_t k1, int h,  \
-                                         float scale, int dtype, float *part) {                \
-        split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, h, scale, \
-                             dtype, part);                                                     \
+                                         const int32_t *table, int64_t k0, int64_t k1,         \
+                                         float scale, int dtype, float *part, int64_t hs) {    \
+        if (kvh == 1) /* the head loop compiled away for one kv head */                         \
+            split_attend_chunked(q, kb, vb, bstride, bsize, 1, D, group, table, k0, k1, scale, \
+                                 dtype, part, hs);                                             \
+        else                                                                                   \
+            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
+                                 scale, dtype, part, hs);                                      \
     }
 CHUNKED(32) CHUNKED(64) CHUNKED(128)
 
 static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
                                   int bsize, int kvh, int head_dim, int group,
-                                  const int32_t *table, int64_t k0, int64_t k1, int h, float scale,
-                                  int dtype, float *part) {
+                                  const int32_t *table, int64_t k0, int64_t k1, float scale,
+                                  int dtype, float *part, int64_t hs) {
     switch (head_dim) {
-    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, h, scale, dtype, part); return;
-    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, h, scale, dtype, part);
+    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
+    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
+    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
+    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, scale, dtype, part, hs);
     }
 }

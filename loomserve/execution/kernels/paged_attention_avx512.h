@@ -55,17 +55,25 @@ static inline __attribute__((always_inline)) __m512 bcast_w(const float *p, int 
 /* One batch's constants: the packed, scaled queries (head_dim / w vectors), the fold's
  * permutations per stage, the xor permutations of the in-group max, lane -> j. */
 typedef struct {
-    __m512 q[MAX_HEAD_DIM];
+    __m512 *q;  /* nq vectors, in the caller's buffer */
     __m512i lo[4], hi[4], xr[4], lane_j;
     __m512 m, l;  /* running max (same in a head's w lanes) and per-lane sums */
     int w, nq, heads;
 } Batch;
 
-static void batch_init(Batch *b, const float *q, int heads, int head_dim, float scale) {
+/* Vectors of packed queries a batch of `heads` (<= 16) query heads needs. */
+static inline int batch_nq(int heads, int head_dim) {
+    int gp = 1;
+    while (gp < heads) gp *= 2;
+    return head_dim / (16 / gp);
+}
+
+static void batch_init(Batch *b, __m512 *qbuf, const float *q, int heads, int head_dim,
+                       float scale) {
     int gp = 1;
     while (gp < heads) gp *= 2;
     const int w = 16 / gp;
-    b->w = w, b->nq = head_dim / w, b->heads = heads;
+    b->q = qbuf, b->w = w, b->nq = head_dim / w, b->heads = heads;
     for (int i = 0; i < b->nq; i++) {
         float lanes[16];
         for (int L = 0; L < 16; L++)
@@ -195,51 +203,79 @@ static inline __attribute__((always_inline)) void zchunk(
 #define ZCHUNK_CASE(W)                                                                        \
     case W:                                                                                    \
         zchunk(b, kr, vr, n, W, dtype, acc, stride, head_dim, &pc,                             \
-               a + (int64_t)n * (2 * i + 2) / (2 * nb));                                       \
+               a + (int64_t)n * (2 * slot + 2) / (2 * slots));                                 \
         break;
 
-/* One split (keys [k0, k1) of kv head h) on the AVX-512 path; partials as split_attend's. */
+/* Packed-query bytes one pass over a split may hold (the kv heads of a task go in passes of as
+ * many as fit: a stack buffer, not one per head). */
+#define QBUF_BYTES 65536
+
+/* One split (keys [k0, k1) of every kv head) on the AVX-512 path; partials as
+ * split_attend_chunked's (kv head h's at part + h * hstride). The kv heads go in passes of
+ * as many as QBUF_BYTES of packed queries allow; within a pass, each chunk of rows serves every
+ * head of the pass before the next chunk, so the pass reads its rows front to back. */
 static void split_attend_avx512(const float *q, const void *kb, const void *vb,
                                 int64_t block_stride, int block_size, int kv_heads, int head_dim,
-                                int group, const int32_t *table, int64_t k0, int64_t k1, int h,
-                                float scale, int dtype, float *part) {
-    Batch batches[(MAX_GROUP + 15) / 16];
+                                int group, const int32_t *table, int64_t k0, int64_t k1,
+                                float scale, int dtype, float *part, int64_t hstride) {
     const int nb = (group + 15) / 16, stride = head_dim + 2;
-    for (int i = 0; i < nb; i++)
-        batch_init(&batches[i], q + 16 * i * head_dim, group - 16 * i < 16 ? group - 16 * i : 16,
-                   head_dim, scale);
-    for (int g = 0; g < group; g++) memset(part + g * stride, 0, sizeof(float) * head_dim);
+    int nq_head = 0;  /* packed-query vectors of one kv head's batches */
+    for (int i = 0; i < nb; i++) nq_head += batch_nq(group - 16 * i < 16 ? group - 16 * i : 16, head_dim);
+    int per_pass = QBUF_BYTES / (nq_head * 64);
+    per_pass = per_pass < 1 ? 1 : per_pass > kv_heads ? kv_heads : per_pass;
+    __m512 qbuf[per_pass * nq_head];
+    Batch batches[per_pass * nb];
     float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
     int64_t offs[CHUNK];
     const float *kr[CHUNK + 16], *vr[CHUNK];
-    const int64_t row = (int64_t)kv_heads * head_dim, hoff = (int64_t)h * head_dim;
+    const int64_t row = (int64_t)kv_heads * head_dim;
     const int min_keys = chunk_min_keys(head_dim);
-    PfCursor pc;  /* two slots per batch: before its scores and before its V */
-    pf_init(&pc, kb, vb, table, block_stride, block_size, row, hoff, k0, k1, head_dim, group,
-            dtype ? 2 : 4);
-    pf_upto(&pc, k0);
-    for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, hoff, a, k1, min_keys, offs);
-        chunk_pointers(kb, vb, offs, n, head_dim, dtype, kw, vw, kr, vr);
-        for (int t = n; t < (n + 15) / 16 * 16; t++) kr[t] = kr[0];
-        for (int i = 0; i < nb; i++) {
-            pf_upto(&pc, a + (int64_t)n * (2 * i + 1) / (2 * nb));
-            Batch *b = &batches[i];
-            float *acc = part + 16 * i * stride;
-            switch (b->w) { ZCHUNK_CASE(1) ZCHUNK_CASE(2) ZCHUNK_CASE(4) ZCHUNK_CASE(8) ZCHUNK_CASE(16) }
+    for (int h0 = 0; h0 < kv_heads; h0 += per_pass) {
+        const int nkv = kv_heads - h0 < per_pass ? kv_heads - h0 : per_pass;
+        const int slots = nkv * nb;  /* batches per chunk, each with two prefetch slots */
+        __m512 *qb = qbuf;
+        for (int hh = 0; hh < nkv; hh++) {
+            const float *qh = q + (int64_t)(h0 + hh) * group * head_dim;
+            float *ph = part + (h0 + hh) * hstride;
+            for (int i = 0; i < nb; i++) {
+                const int heads = group - 16 * i < 16 ? group - 16 * i : 16;
+                batch_init(&batches[hh * nb + i], qb, qh + 16 * i * head_dim, heads, head_dim, scale);
+                qb += batches[hh * nb + i].nq;
+            }
+            for (int g = 0; g < group; g++) memset(ph + g * stride, 0, sizeof(float) * head_dim);
         }
-        a += n;
-    }
-    for (int i = 0; i < nb; i++) {
-        float m[16], l[16];
-        _mm512_storeu_ps(m, batches[i].m);
-        _mm512_storeu_ps(l, batches[i].l);
-        const int w = batches[i].w;
-        for (int g = 0; g < batches[i].heads; g++) {
-            float sum = 0.f;
-            for (int j = 0; j < w; j++) sum += l[g * w + j];
-            part[(16 * i + g) * stride + head_dim] = m[g * w];
-            part[(16 * i + g) * stride + head_dim + 1] = sum;
+        PfCursor pc;  /* two slots per batch: before its scores and before its V */
+        pf_init(&pc, kb, vb, table, block_stride, block_size, row, (int64_t)h0 * head_dim, k0, k1,
+                nkv * head_dim, group, dtype ? 2 : 4);
+        pf_upto(&pc, k0);
+        for (int64_t a = k0; a < k1;) {
+            int n = chunk_rows(table, block_stride, block_size, row, 0, a, k1, min_keys, offs);
+            int slot = 0;
+            for (int hh = 0; hh < nkv; hh++) {
+                chunk_pointers(kb, vb, offs, (int64_t)(h0 + hh) * head_dim, n, head_dim, dtype,
+                               kw, vw, kr, vr);
+                for (int t = n; t < (n + 15) / 16 * 16; t++) kr[t] = kr[0];
+                for (int i = 0; i < nb; i++, slot++) {
+                    pf_upto(&pc, a + (int64_t)n * (2 * slot + 1) / (2 * slots));
+                    Batch *b = &batches[hh * nb + i];
+                    float *acc = part + (h0 + hh) * hstride + 16 * i * stride;
+                    switch (b->w) { ZCHUNK_CASE(1) ZCHUNK_CASE(2) ZCHUNK_CASE(4) ZCHUNK_CASE(8) ZCHUNK_CASE(16) }
+                }
+            }
+            a += n;
         }
+        for (int hh = 0; hh < nkv; hh++)
+            for (int i = 0; i < nb; i++) {
+                const Batch *b = &batches[hh * nb + i];
+                float m[16], l[16], *ph = part + (h0 + hh) * hstride;
+                _mm512_storeu_ps(m, b->m);
+                _mm512_storeu_ps(l, b->l);
+                for (int g = 0; g < b->heads; g++) {
+                    float sum = 0.f;
+                    for (int j = 0; j < b->w; j++) sum += l[g * b->w + j];
+                    ph[(16 * i + g) * stride + head_dim] = m[g * b->w];
+                    ph[(16 * i + g) * stride + head_dim + 1] = sum;
+                }
+            }
     }
 }
