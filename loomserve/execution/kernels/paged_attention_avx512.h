@@ -210,6 +210,41 @@ static inline __attribute__((always_inline)) void zchunk(
  * many as fit: a stack buffer, not one per head). */
 #define QBUF_BYTES 65536
 
+/* A pass's batches: kv heads [h0, h0 + nkv), nb batches each (packed queries into qbuf), their
+ * accumulators zeroed. */
+static void pass_begin(Batch *batches, __m512 *qbuf, const float *q, float *part, int64_t hstride,
+                       int h0, int nkv, int nb, int group, int head_dim, float scale) {
+    for (int hh = 0; hh < nkv; hh++) {
+        const float *qh = q + (int64_t)(h0 + hh) * group * head_dim;
+        float *ph = part + (h0 + hh) * hstride;
+        for (int i = 0; i < nb; i++) {
+            const int heads = group - 16 * i < 16 ? group - 16 * i : 16;
+            batch_init(&batches[hh * nb + i], qbuf, qh + 16 * i * head_dim, heads, head_dim, scale);
+            qbuf += batches[hh * nb + i].nq;
+        }
+        for (int g = 0; g < group; g++) memset(ph + g * (head_dim + 2), 0, sizeof(float) * head_dim);
+    }
+}
+
+/* Each head's max and sum after its accumulator, as split_attend_chunked leaves them. */
+static void pass_end(const Batch *batches, float *part, int64_t hstride, int h0, int nkv, int nb,
+                     int head_dim) {
+    const int stride = head_dim + 2;
+    for (int hh = 0; hh < nkv; hh++)
+        for (int i = 0; i < nb; i++) {
+            const Batch *b = &batches[hh * nb + i];
+            float m[16], l[16], *ph = part + (h0 + hh) * hstride;
+            _mm512_storeu_ps(m, b->m);
+            _mm512_storeu_ps(l, b->l);
+            for (int g = 0; g < b->heads; g++) {
+                float sum = 0.f;
+                for (int j = 0; j < b->w; j++) sum += l[g * b->w + j];
+                ph[(16 * i + g) * stride + head_dim] = m[g * b->w];
+                ph[(16 * i + g) * stride + head_dim + 1] = sum;
+            }
+        }
+}
+
 /* One split (keys [k0, k1) of every kv head) on the AVX-512 path; partials as
  * split_attend_chunked's (kv head h's at part + h * hstride). The kv heads go in passes of
  * as many as QBUF_BYTES of packed queries allow; within a pass, each chunk of rows serves every
@@ -233,17 +268,7 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
     for (int h0 = 0; h0 < kv_heads; h0 += per_pass) {
         const int nkv = kv_heads - h0 < per_pass ? kv_heads - h0 : per_pass;
         const int slots = nkv * nb;  /* batches per chunk, each with two prefetch slots */
-        __m512 *qb = qbuf;
-        for (int hh = 0; hh < nkv; hh++) {
-            const float *qh = q + (int64_t)(h0 + hh) * group * head_dim;
-            float *ph = part + (h0 + hh) * hstride;
-            for (int i = 0; i < nb; i++) {
-                const int heads = group - 16 * i < 16 ? group - 16 * i : 16;
-                batch_init(&batches[hh * nb + i], qb, qh + 16 * i * head_dim, heads, head_dim, scale);
-                qb += batches[hh * nb + i].nq;
-            }
-            for (int g = 0; g < group; g++) memset(ph + g * stride, 0, sizeof(float) * head_dim);
-        }
+        pass_begin(batches, qbuf, q, part, hstride, h0, nkv, nb, group, head_dim, scale);
         PfCursor pc;  /* two slots per batch: before its scores and before its V */
         pf_init(&pc, kb, vb, table, block_stride, block_size, row, (int64_t)h0 * head_dim, k0, k1,
                 nkv * head_dim, group, dtype ? 2 : 4);
@@ -264,18 +289,6 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
             }
             a += n;
         }
-        for (int hh = 0; hh < nkv; hh++)
-            for (int i = 0; i < nb; i++) {
-                const Batch *b = &batches[hh * nb + i];
-                float m[16], l[16], *ph = part + (h0 + hh) * hstride;
-                _mm512_storeu_ps(m, b->m);
-                _mm512_storeu_ps(l, b->l);
-                for (int g = 0; g < b->heads; g++) {
-                    float sum = 0.f;
-                    for (int j = 0; j < b->w; j++) sum += l[g * b->w + j];
-                    ph[(16 * i + g) * stride + head_dim] = m[g * b->w];
-                    ph[(16 * i + g) * stride + head_dim + 1] = sum;
-                }
-            }
+        pass_end(batches, part, hstride, h0, nkv, nb, head_dim);
     }
 }
