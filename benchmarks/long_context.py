@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder, gguf = model.build()
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
+    path = common.result_path(RESULT_NAME)  # read where write_json writes (a name or a path)
     if args.report:
         print(report.markdown(load(path)))
         return 0

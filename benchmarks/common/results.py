@@ -14,13 +14,18 @@ from typing import Any, Sequence
 
 from common.paths import RESULTS_DIR
 
-__all__ = ["write_json", "median", "format_table"]
+__all__ = ["result_path", "write_json", "median", "format_table"]
+
+
+def result_path(name: str) -> str:
+    """benchmarks/results/<name>, or ``name`` itself when it names a folder (a path such as
+    benchmarks/results/x.json or /tmp/x.json): where results named so are read and written."""
+    return name if os.path.dirname(name) else os.path.join(RESULTS_DIR, name)
 
 
 def write_json(name: str, payload: dict[str, Any]) -> str:
-    """Write ``payload`` atomically to benchmarks/results/<name>, or to ``name`` itself when it
-    names a folder (a path such as benchmarks/results/x.json or /tmp/x.json); returns the path."""
-    path = name if os.path.dirname(name) else os.path.join(RESULTS_DIR, name)
+    """Write ``payload`` atomically to result_path(name); returns the path."""
+    path = result_path(name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
