@@ -79,15 +79,16 @@ async def _chunks(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[
         raise HttpError(f"malformed chunked body: {e}") from e
 
 
-async def post_stream(url: str, body: dict[str, Any], timeout: float) -> AsyncIterator[str]:
+async def post_stream(url: str, body: dict[str, Any]) -> AsyncIterator[str]:
     """POST `body` as JSON to `url`; yield the response body as text, piece by piece as it
-    arrives (UTF-8 decoded across piece boundaries)."""
+    arrives (UTF-8 decoded across piece boundaries). No timeout of its own: the caller bounds
+    the whole request (measure.py: asyncio.timeout around it)."""
     host, port, request = _request(url, body)
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(request)
         await writer.drain()
-        status, headers = await asyncio.wait_for(_headers(reader), timeout)
+        status, headers = await _headers(reader)
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         if status != 200:
             text = b"".join([c async for c in _chunks(reader, chunked)])

@@ -67,7 +67,7 @@ async def _stream(base_url: str, prompt: Sequence[int], max_tokens: int,
     try:
         async with asyncio.timeout(timeout):
             text = post_stream(base_url.rstrip("/") + "/v1/completions",
-                               _body(prompt, max_tokens, model), timeout)
+                               _body(prompt, max_tokens, model))
             async for line in sse_lines(text):  # CR/LF only, as SSE
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue

@@ -64,16 +64,16 @@ static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
     for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
 }
 
-/* Row offsets (in elements, plus hoff) of keys [a, a + n), n <= CHUNK: walks the table. */
+/* Row offsets (in elements, to each token row's start) of keys [a, a + n), n <= CHUNK: walks
+ * the table. */
 static inline int chunk_rows(const int32_t *table, int64_t block_stride, int block_size,
-                             int64_t row, int64_t hoff, int64_t a, int64_t k1, int min_keys,
-                             int64_t *off) {
+                             int64_t row, int64_t a, int64_t k1, int min_keys, int64_t *off) {
     int n = 0;
     while (a < k1 && n < CHUNK) {
         int64_t blk = a / block_size, first = a % block_size, cnt = block_size - first;
         if (cnt > k1 - a) cnt = k1 - a;
         if (cnt > CHUNK - n) cnt = CHUNK - n;
-        int64_t base = table[blk] * block_stride + first * row + hoff;
+        int64_t base = table[blk] * block_stride + first * row;
         for (int t = 0; t < cnt; t++) off[n + t] = base + t * row;
         n += (int)cnt;
         a += cnt;
@@ -300,7 +300,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     for (int h = 0; h < kv_heads; h++)
         begin_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
     for (int64_t a = k0; a < k1;) {
-        int n = chunk_rows(table, block_stride, block_size, row, 0, a, k1, min_keys, offs);
+        int n = chunk_rows(table, block_stride, block_size, row, a, k1, min_keys, offs);
         int slot = 0;
         const int n8 = (n + 7) & ~7;
         for (int h = 0; h < kv_heads; h++) {  /* the chunk's rows, one kv head after another */
@@ -336,12 +336,8 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
                                          int64_t bstride, int bsize, int kvh, int group,       \
                                          const int32_t *table, int64_t k0, int64_t k1,         \
                                          float scale, int dtype, float *part, int64_t hs) {    \
-        if (kvh == 1) /* the head loop compiled away for one kv head */                         \
-            split_attend_chunked(q, kb, vb, bstride, bsize, 1, D, group, table, k0, k1, scale, \
-                                 dtype, part, hs);                                             \
-        else                                                                                   \
-            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, dtype, part, hs);                                      \
+        split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, scale,   \
+                             dtype, part, hs);                                                 \
     }
 CHUNKED(32) CHUNKED(64) CHUNKED(128)
 

@@ -274,7 +274,7 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
                 nkv * head_dim, group, dtype ? 2 : 4);
         pf_upto(&pc, k0);
         for (int64_t a = k0; a < k1;) {
-            int n = chunk_rows(table, block_stride, block_size, row, 0, a, k1, min_keys, offs);
+            int n = chunk_rows(table, block_stride, block_size, row, a, k1, min_keys, offs);
             int slot = 0;
             for (int hh = 0; hh < nkv; hh++) {
                 chunk_pointers(kb, vb, offs, (int64_t)(h0 + hh) * head_dim, n, head_dim, dtype,

@@ -44,7 +44,7 @@ def test_the_body_text_equals_a_plain_read(server):
             "stream": True}
 
     async def lean() -> str:
-        return "".join([t async for t in post_stream(server.url + "/v1/completions", body, 30)])
+        return "".join([t async for t in post_stream(server.url + "/v1/completions", body)])
 
     text = asyncio.run(lean())
     plain = httpx.post(server.url + "/v1/completions", json=body, timeout=30).text
@@ -60,7 +60,7 @@ def test_the_body_text_equals_a_plain_read(server):
 
 def test_only_http_urls():
     async def go():
-        async for _ in post_stream("https://example.com/v1/completions", {}, 5):
+        async for _ in post_stream("https://example.com/v1/completions", {}):
             pass
 
     try:
