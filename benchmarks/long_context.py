@@ -9,8 +9,11 @@ Systems (each server alone while measured, one after another; fp32 weights and K
   loomserve         `loomserve serve HF --dtype float32 --max-model-len 262144 ...`
   loomserve-torch   the same with `--attention-backend torch` (gather pages + SDPA)
   loomserve-si8     the same with `--stream-interval 8` (tokens reach the client 8 at a time)
+  loomserve-kvbf16  the same with `--kv-cache-dtype bfloat16` (256 B of KV a token)
   llama-server      `llama-server -m GGUF -ctk f32 -ctv f32 -t 2 -np 1 -c 135424` (132K + 256;
                     `--no-repack` on AMX hosts only)
+  llama-server-kvf16  the same with `-ctk f16 -ctv f16` (its default KV type): the peer of
+                    loomserve-kvbf16 (speedups of a 16-bit-KV system are against it)
 
 Figures (benchmarks/longctx/systems.py has the method of each phase):
   decode@100K, decode@128K   ms per generated token at that context, one stream, prompt cached
@@ -45,7 +48,9 @@ import common  # noqa: E402
 from longctx import limits, model, report, systems  # noqa: E402
 
 RESULT_NAME = "long_context.json"
-SYSTEMS = ("loomserve", "loomserve-torch", "loomserve-si8", "llama-server")
+SYSTEMS = ("loomserve", "loomserve-torch", "loomserve-si8", "loomserve-kvbf16", "llama-server",
+           "llama-server-kvf16")
+KV16 = {"loomserve-kvbf16", "llama-server-kvf16"}  # 16-bit KV: half the bytes a token, own limit
 K = 1024
 
 
@@ -72,12 +77,14 @@ def server_for(name: str, phase: str, args, folder: str, gguf: str):
     many = phase.startswith("c")
     slots = args.streams if many else 1
     ctx_slot = (args.c64_context + args.max_tokens + 512) if many else 132 * K + args.max_tokens
-    if name == "llama-server":
+    if name.startswith("llama-server"):
         return systems.llama_argv(common.ensure_llama_server(build=False), gguf, slots,
-                                  slots * ctx_slot, args.threads)
+                                  slots * ctx_slot, args.threads,
+                                  "f16" if name in KV16 else "f32")
     kv = args.kv_memory_c64 if many else args.kv_memory
     backend = "torch" if name == "loomserve-torch" else args.backend
-    extra = ["--stream-interval", "8"] if name == "loomserve-si8" else []
+    extra = {"loomserve-si8": ["--stream-interval", "8"],
+             "loomserve-kvbf16": ["--kv-cache-dtype", "bfloat16"]}.get(name, [])
     return systems.loomserve_argv(sys.executable, folder, backend, kv, max(slots, 4), extra)
 
 
@@ -126,7 +133,8 @@ def summarise(payload: dict[str, Any]) -> None:
         for phase, e in phases.items():
             if phase.startswith("decode@") and e.get("decode_ms_per_token_all"):
                 ms = median(e["decode_ms_per_token_all"])
-                kv_lim = 1e3 * int(phase[7:]) * lim["kv_bytes_per_token"] / (lim["read_gbs"] * 1e9)
+                per_token = lim["kv_bytes_per_token"] // (2 if name in KV16 else 1)
+                kv_lim = 1e3 * int(phase[7:]) * per_token / (lim["read_gbs"] * 1e9)
                 row[phase] = {"ms_per_token": round(ms, 3), "x_kv_limit": round(ms / kv_lim, 2)}
             elif phase == "prefill24k" and e.get("ttft_s_all"):
                 s = median(e["ttft_s_all"])
@@ -134,10 +142,10 @@ def summarise(payload: dict[str, Any]) -> None:
                               "x_flop_limit": round(s / lim["prefill24k"]["flop_limit_s"], 2)}
             elif phase.startswith("c") and e.get("tok_per_s"):
                 row[phase] = {"tok_per_s": e["tok_per_s"]}
-    peer = rows.get("llama-server", {})
     for name, row in rows.items():
+        peer = rows.get("llama-server-kvf16" if name in KV16 else "llama-server", {})
         for phase, fig in row.items():
-            if name != "llama-server" and phase in peer:
+            if not name.startswith("llama-server") and phase in peer:
                 key = "ms_per_token" if "ms_per_token" in fig else ("s" if "s" in fig else None)
                 if key:
                     fig["speedup_vs_llama_server"] = round(peer[phase][key] / fig[key], 2)

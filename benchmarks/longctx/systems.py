@@ -43,11 +43,12 @@ def loomserve_argv(python: str, folder: str, backend: str | None, kv_memory: str
     return argv
 
 
-def llama_argv(binary: str, gguf: str, slots: int, ctx_total: int, threads: int):
+def llama_argv(binary: str, gguf: str, slots: int, ctx_total: int, threads: int,
+               kv_type: str = "f32"):
     def argv(port: int) -> list[str]:
         return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), "-c", str(ctx_total), "-t", str(threads),
-                "-tb", str(threads), "-ctk", "f32", "-ctv", "f32", *llama_repack_args(),
+                "-tb", str(threads), "-ctk", kv_type, "-ctv", kv_type, *llama_repack_args(),
                 "--no-webui", "--cache-prompt", "-cram", "0"]
     return argv
 
