@@ -15,6 +15,7 @@ from loomserve.config.cache import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_GPU_KV_FRACTION,
     EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
     CacheConfig,
 )
 from loomserve.config.control import ROLES, ControlConfig
@@ -76,6 +77,6 @@ def flat_defaults() -> dict[str, Any]:
 
 
 __all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION", "DTYPES", "EVICTION_POLICIES",
-           "CacheConfig", "ControlConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
+           "KV_CACHE_DTYPES",           "CacheConfig", "ControlConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
            "SchedulerConfig", "TierConfig", "flat_defaults", "flat_fields", "parse_bytes",
            "parse_memory"]

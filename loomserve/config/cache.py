@@ -12,6 +12,11 @@ EVICTION_POLICIES = ("lru", "flop_aware")
 # host); a GPU gets a fraction of the memory left after the weights, as vLLM does.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_KV_FRACTION = 0.85
+# The dtype K/V rows are stored in. auto: the model's dtype. A narrower one than the model's
+# (bfloat16 KV beside float32 weights on CPU) halves the KV bytes each decode step reads and
+# doubles the tokens a --kv-cache-memory holds; attention still computes in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass
@@ -20,6 +25,7 @@ class CacheConfig:
     "2GiB" or "0.3" are accepted); `retention` becomes a tuple of policy names."""
 
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: MemoryBudget | None = None  # None: the device's default (see above)
     enable_prefix_caching: bool = True
     # Hybrid models (linear/SSM-state layers): which state checkpoints to keep besides the one
@@ -36,6 +42,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or fp32, "
+                             f"bf16, fp16), got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv-cache-memory")
         self.retention = _parse_retention(self.retention)

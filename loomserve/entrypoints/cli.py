@@ -15,6 +15,7 @@ from loomserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
     flat_defaults,
@@ -53,6 +54,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-cache-memory", default=_DEFAULTS["kv_cache_memory"],
                    help="KV cache size: bytes (2GiB, 500MB) or a fraction of free GPU memory "
                         "(0.8) (default: 1 GiB on CPU, 0.85 on GPU)")
+    p.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], metavar="DTYPE",
+                   help=f"dtype of the stored K/V: {', '.join(KV_CACHE_DTYPES)} (or fp32, bf16, "
+                        "fp16); auto: the model's --dtype. bfloat16 beside float32 weights halves "
+                        "the KV bytes a decode step reads and doubles the tokens the cache holds "
+                        "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
                    help="tokens per KV block (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -85,7 +91,8 @@ def _add_serve(sub) -> None:
                         "once): fewer wake-ups per token for the API process and the client, "
                         "chunkier streams (default: %(default)s = every token)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
-                   help="weights and KV cache dtype; auto: bfloat16 on CUDA, float32 on CPU "
+                   help="weights and activations dtype (and the KV cache's, unless "
+                        "--kv-cache-dtype); auto: bfloat16 on CUDA, float32 on CPU "
                         "(default: %(default)s)")
     p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=_DEFAULTS["quantization"],
                    help="weight quantization: none, gguf (keep a .gguf file's own blocks), int8 or "

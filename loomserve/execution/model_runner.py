@@ -69,6 +69,8 @@ class ModelRunner:
         mcfg = config.model
         self.device = mcfg.torch_device
         self.dtype = mcfg.torch_dtype
+        kvd = config.cache.kv_cache_dtype
+        self.kv_dtype = self.dtype if kvd == "auto" else getattr(torch, kvd)
         loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir, mcfg.quantization)
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name
@@ -100,7 +102,7 @@ class ModelRunner:
         # Pages of state groups hold arbitrary bytes, which read as K/V of another dtype may be
         # NaN; masked positions must be finite, so attention blocks are zeroed when first written.
         self.zero_new_blocks = any(grp.spec.kind not in ("full_attention", "sliding_window")
-                                   or grp.spec.dtype != self.dtype for grp in groups)
+                                   or grp.spec.dtype != self.kv_dtype for grp in groups)
         self.sampler = Sampler(self.device, mcfg.seed)
         self.workspace = GatherWorkspace()
         self.attention = select_backend(mcfg.attention_backend, self.device, self.dtype)
@@ -148,11 +150,11 @@ class ModelRunner:
         if budget is None:
             budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
         if self.dcp is None:
-            self.layer_specs = list(self.model.kv_cache_specs(self.block_size, self.dtype))
+            self.layer_specs = self._specs(self.block_size)
             self.kv_layout = plan_kv_cache(self.layer_specs, self.block_size, budget)
             return self.kv_layout
         d = self.dcp
-        self.layer_specs = list(self.model.kv_cache_specs(d.local_block_size, self.dtype))
+        self.layer_specs = self._specs(d.local_block_size)
         self.kv_layout, view = plan_context_parallel(self.layer_specs, self.block_size, d.size,
                                                      budget)
         log.info("DCP rank %d of %d: %d blocks, a page holding %d of a block's %d tokens: the "
@@ -160,6 +162,13 @@ class ModelRunner:
                  view.num_blocks, d.local_block_size, self.block_size, view.capacity_tokens,
                  self.kv_layout.capacity_tokens)
         return view
+
+    def _specs(self, block_size: int) -> list:
+        """The model's per-layer specs, attention rows in the --kv-cache-dtype (state layers
+        keep the model's dtype: their recurrences accumulate in it)."""
+        specs = list(self.model.kv_cache_specs(block_size, self.dtype))
+        return [dataclasses.replace(s, dtype=self.kv_dtype) if isinstance(s, FullAttentionSpec)
+                else s for s in specs]
 
     def _allocate_kv(self) -> torch.Tensor:
         """The pool of pages (kv_pool.py: layer-major where it fits); every layer gets views of

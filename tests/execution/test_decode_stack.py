@@ -19,11 +19,12 @@ from tests.execution.models.conftest import FIXTURES, GREEDY, Blocks, logits_of
 needs_kernel = pytest.mark.skipif(quant._lib() is None, reason="quant kernel did not build")
 
 
-def runner(model: str, mode: str, stack: bool):
+def runner(model: str, mode: str, stack: bool, kv_cache_dtype: str = "auto"):
     from loomserve.execution.model_runner import ModelRunner
 
     r = ModelRunner(EngineConfig.from_kwargs(model=model, dtype="float32", device="cpu", block_size=4,
-                                             quantization=mode, kv_cache_memory="4MB"))
+                                             quantization=mode, kv_cache_memory="4MB",
+                                             kv_cache_dtype=kv_cache_dtype))
     if not stack:
         r.model.decode_stack = False
     # The fixtures' norm weights are all ones: make each norm (q and k head norms too) distinct,
@@ -93,6 +94,25 @@ def test_stack_equals_the_python_layers(tmp_path, name, mode):
         assert x.keys() == y.keys()
         for rid in x:
             assert torch.equal(x[rid], y[rid]), (rid, (x[rid] - y[rid]).abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,mode", [("tiny-llama", "int4"), ("qwen3-swa", "none")])
+def test_stack_writes_and_reads_a_bf16_kv_cache(tmp_path, name, mode):
+    """--kv-cache-dtype bfloat16 under the fp32 model: the stack rounds the new rows as torch
+    does and reads them as the Python layers do, so the logits stay equal bit for bit."""
+    model = two_swa_groups(tmp_path) if name == "qwen3-swa" else str(FIXTURES / name)
+    prompts = [list(range(5, 14)), list(range(20, 61)), list(range(3, 30))]
+    fast, slow = (runner(model, mode, s, "bfloat16") for s in (True, False))
+    assert fast.attention.__class__.__name__ == "CpuPagedBackend"
+    assert all(g.spec.dtype == torch.bfloat16 for g in fast.kv_cache_config.groups)
+    a, b = drive(fast, prompts, 12), drive(slow, prompts, 12)
+    assert fast.model.decode_stack and fast.model.decode_stack.steps == 11
+    for x, y in zip(a, b):
+        for rid in x:
+            assert torch.equal(x[rid], y[rid]), (rid, (x[rid] - y[rid]).abs().max())
+    fp32 = drive(runner(model, mode, True), prompts, 12)  # the same model, an fp32 cache
+    assert max((a[i][r] - fp32[i][r]).abs().max().item() for i in range(len(a)) for r in a[i]) > 0
 
 
 @needs_kernel

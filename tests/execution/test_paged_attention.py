@@ -42,14 +42,17 @@ def reference(q, keys, values, positions, window, scale, sinks):
 
 
 def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed,
-             device=CPU):
+             device=CPU, kv_dtype=None):
     """seqs: (context_before, new_tokens) per seq; new_tokens == 1 with context > 0 is a decode.
-    Returns (ours, reference) outputs for every new token; ours computed on `device`."""
+    Returns (ours, reference) outputs for every new token; ours computed on `device`.
+    kv_dtype: the pages' dtype (None: dtype); keys and values are drawn representable in both,
+    so every path (fresh rows or rows read back from the pages) sees the same values."""
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     need = sum((c + n + block_size - 1) // block_size for c, n in seqs)
     num_blocks = need + 7
-    pages = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    kv_dtype = kv_dtype or dtype
+    pages = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
     pages[pages.abs() > 3.5] = 1e4  # garbage that would show if a stray page were read
     order = torch.randperm(num_blocks, generator=g).tolist()
     keys, values, tables, at = [], [], [], 0
@@ -57,8 +60,8 @@ def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks
         nb = (c + n + block_size - 1) // block_size
         tables.append(order[at:at + nb])
         at += nb
-        keys.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
-        values.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(dtype))
+        keys.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(kv_dtype).to(dtype))
+        values.append(torch.randn(c + n, kv_heads, head_dim, generator=g).to(kv_dtype).to(dtype))
         for pos in range(c):  # the cached context, written where the table says
             b, o = tables[-1][pos // block_size], pos % block_size
             pages[b, 0, o], pages[b, 1, o] = keys[-1][pos], values[-1][pos]
@@ -99,6 +102,36 @@ def test_backend_matches_reference(name, seqs, block_size, kv_heads, group, head
     ours, ref = run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks, dtype, seed)
     tol = 3e-2 if bf16 else 2e-5
     torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu_paged"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=st.lists(seq_st, min_size=1, max_size=5), block_size=st.sampled_from([1, 4, 16]),
+       kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([8, 12, 32]), window=st.sampled_from([None, 5, 40]),
+       with_sinks=st.booleans(), seed=st.integers(0, 1000))
+def test_bf16_kv_cache_under_fp32_queries(name, seqs, block_size, kv_heads, group, head_dim,
+                                          window, with_sinks, seed):
+    """--kv-cache-dtype bfloat16 beside a float32 model: rows are written rounded and read
+    widened, so with values bf16 can hold, every path gives the fp32 reference to fp32 accuracy."""
+    backend = select_backend(name, CPU, torch.float32)
+    sinks = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
+    ours, ref = run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks,
+                         torch.float32, seed, kv_dtype=torch.bfloat16)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_kv_cache_rounds_new_rows_as_torch_does():
+    """A float32 row written into a bf16 page is torch's round-to-nearest-even of it."""
+    backend = select_backend("cpu_paged", CPU, torch.float32)
+    dec = tables_from_lists([[0]])
+    meta, _ = build_metadata([(0, dec[0])], [], 4, CPU, torch.float32, backend, None)
+    q, k, v = (torch.randn(1, 2, 8, dtype=torch.float32) for _ in range(3))
+    pages = torch.zeros(1, 2, 4, 2, 8, dtype=torch.bfloat16)
+    paged_attention(q, k, v, pages[:, 0], pages[:, 1], meta, 8 ** -0.5)
+    assert torch.equal(pages[0, 0, 0], k[0].to(torch.bfloat16))
+    assert torch.equal(pages[0, 1, 0], v[0].to(torch.bfloat16))
 
 
 def test_cpu_kernel_runs_for_decodes_and_long_contexts():

@@ -31,11 +31,13 @@ def lib():
 
 @pytest.mark.parametrize("group,head_dim,window", [(5, 16, None), (8, 32, 40), (16, 64, None),
                                                    (6, 128, None), (24, 32, 300), (64, 16, None)])
-@pytest.mark.parametrize("bf16", [False, True])
-def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, bf16):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "fp32-bf16kv"])
+def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, dtype, kv_dtype):
     """Padded groups (5, 6, 24 -> batches of 8 / 16 lanes), batches of 16 heads (24, 64),
-    windows, sinks, contexts over many chunks and splits, odd key counts per chunk."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    windows, sinks, contexts over many chunks and splits, odd key counts per chunk; fp32, bf16,
+    and bf16 rows under fp32 queries (--kv-cache-dtype bfloat16: fp32 math, so fp32 accuracy)."""
     sinks = torch.randn(2 * group, generator=torch.Generator().manual_seed(group))
     paths = set()
     for cap in (2, 1, 0):
@@ -43,8 +45,9 @@ def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, bf
         paths.add(lib.paged_decode_path(head_dim, group))
         backend = select_backend("cpu_paged", CPU, dtype)
         ours, ref = run_case(backend, [(700, 1), (37, 1), (1500, 1)], 16, 2, group, head_dim,
-                             window, sinks if cap != 1 else None, dtype, seed=group + head_dim)
-        tol = 3e-2 if bf16 else 2e-5
+                             window, sinks if cap != 1 else None, dtype, seed=group + head_dim,
+                             kv_dtype=kv_dtype)
+        tol = 3e-2 if dtype == torch.bfloat16 else 2e-5
         torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
         assert backend.calls["decode_kernel"] == 1 and backend.calls["decode_fallback"] == 0
     assert paths == {0} | ({1} if AVX2 else set()) | ({2} if AVX512 and AVX2 else set())

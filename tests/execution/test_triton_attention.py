@@ -51,6 +51,18 @@ def test_triton_matches_reference(seqs, block_size, kv_heads, group, head_dim, w
     torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_triton_kv_cache_dtype_other_than_the_model(dtype, kv_dtype):
+    """--kv-cache-dtype narrower (or wider) than the queries: the kernels widen what they load
+    to the queries' dtype; values both dtypes hold give the reference to the queries' accuracy."""
+    backend = select_backend("triton", DEVICE, dtype)
+    seqs = [(70, 1), (33, 1), (0, 9), (40, 6)]
+    ours, ref = run_case(backend, seqs, 16, 2, 2, 32, None, None, dtype, 11, DEVICE, kv_dtype)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_long_contexts_split_and_merge(dtype, monkeypatch):
     """Contexts over many splits (MIN_SPLIT_KEYS lowered so the interpreter stays quick; each

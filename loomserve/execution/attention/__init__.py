@@ -57,9 +57,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] views of the packed pages.
     sinks: [heads] fp32 sink logits or None. Writes the new K/V into their slots, returns
     [tokens, heads, head_dim]."""
-    rows = meta.write_rows
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k if rows is None else k[rows]
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v if rows is None else v[rows]
+    rows, dt = meta.write_rows, k_cache.dtype  # a --kv-cache-dtype narrower than q's rounds here
+    k_cache[meta.slot_blocks, meta.slot_offsets] = (k if rows is None else k[rows]).to(dt)
+    v_cache[meta.slot_blocks, meta.slot_offsets] = (v if rows is None else v[rows]).to(dt)
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
 
 

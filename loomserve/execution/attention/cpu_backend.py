@@ -154,7 +154,7 @@ class CpuPagedBackend:
             k_cache.shape[1], kv_heads, head_dim, heads, d, ptrs.ctypes.data, lens.ctypes.data,
             window or 0, None if sk is None else kernels.ptr(sk), scale,
             kernels.ptr(out), kernels.ptr(self.scratch), max_splits, split,
-            _DTYPES[k_cache.dtype], threads)
+            kv_code(k_cache.dtype, q.dtype), threads)
         return out if rc == 0 else None
 
     def _lse(self, plan, d: int, heads: int, group: int, hd: int) -> torch.Tensor:
@@ -211,7 +211,7 @@ class CpuPagedBackend:
             self.calls["prefill_context_kernel"] += 1
             o, lse = _merge(o, lse, *ctx)
         for a in range(0, c.start_pos if ctx is None else 0, TILE_TOKENS):
-            kt, vt = _tile(meta, c, k_cache, v_cache, a, min(a + TILE_TOKENS, c.start_pos))
+            kt, vt = _tile(meta, c, k_cache, v_cache, a, min(a + TILE_TOKENS, c.start_pos), q.dtype)
             ot, lt = _flash(qc, kt, vt, 0.0, False, scale=scale)
             o, lse = _merge(o, lse, ot.float(), lt)
         if sinks is not None:
@@ -226,6 +226,14 @@ def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
     inner = (kv_heads * q.shape[2], q.shape[2], 1)
     return (k_cache.dtype in _DTYPES and q.device.type == "cpu"
             and k_cache.stride()[1:] == inner and v_cache.stride() == k_cache.stride())
+
+
+def kv_code(cache: torch.dtype, model: torch.dtype) -> int:
+    """paged_attention.c's dtype code: 0 fp32 rows; bf16 rows 1 under a bf16 model (weighting V
+    as torch's bf16 kernels do), 2 under an fp32 one (--kv-cache-dtype bfloat16: fp32 math)."""
+    if cache == torch.float32:
+        return 0
+    return 1 if model == torch.bfloat16 else 2
 
 
 def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: int):
@@ -243,11 +251,12 @@ def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: in
     return ptrs, lens, split, math.ceil(span / split), threads, kv_heads
 
 
-def _tile(meta: AttentionMetadata, c: PrefillChunk, k_cache, v_cache, a: int, b: int):
-    """Keys [a, b) of the chunk's context as [1, kv_heads, b - a, head_dim] views."""
+def _tile(meta: AttentionMetadata, c: PrefillChunk, k_cache, v_cache, a: int, b: int,
+          dtype: torch.dtype):
+    """Keys [a, b) of the chunk's context as [1, kv_heads, b - a, head_dim] views in `dtype`."""
     bs = meta.block_size
     blocks = torch.from_numpy(c.table[a // bs:(b + bs - 1) // bs].astype(np.int64))
-    kb, vb = torch_backend.workspace(meta).gather(k_cache, v_cache, blocks)
+    kb, vb = torch_backend.workspace(meta).gather(k_cache, v_cache, blocks, dtype)
     lo = a - (a // bs) * bs
     kt = kb.flatten(0, 1)[lo:lo + b - a].transpose(0, 1).unsqueeze(0)
     vt = vb.flatten(0, 1)[lo:lo + b - a].transpose(0, 1).unsqueeze(0)

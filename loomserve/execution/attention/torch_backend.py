@@ -32,15 +32,21 @@ class GatherWorkspace:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `blocks` (1-D ids) as [len(blocks), block_size, kv_heads, head_dim]."""
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` (1-D ids) as [len(blocks), block_size, kv_heads, head_dim], in
+        `dtype` (None: the cache's; a --kv-cache-dtype narrower than the model's is widened
+        here, so the products after run in the model's dtype)."""
         n, tail = blocks.numel(), k_cache.shape[1:]
+        dtype = dtype or k_cache.dtype
         if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != tail
-                or self.k.dtype != k_cache.dtype or self.k.device != k_cache.device):
+                or self.k.dtype != dtype or self.k.device != k_cache.device):
             size = max(n, 2 * self.k.shape[0] if self.k is not None else 0)
-            self.k = torch.empty((size, *tail), dtype=k_cache.dtype, device=k_cache.device)
+            self.k = torch.empty((size, *tail), dtype=dtype, device=k_cache.device)
             self.v = torch.empty_like(self.k)
+        if dtype != k_cache.dtype:
+            return (self.k[:n].copy_(k_cache.index_select(0, blocks)),
+                    self.v[:n].copy_(v_cache.index_select(0, blocks)))
         k = torch.index_select(k_cache, 0, blocks, out=self.k[:n])
         v = torch.index_select(v_cache, 0, blocks, out=self.v[:n])
         return k, v
@@ -96,7 +102,7 @@ def decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, group: in
     kv_heads = heads // group
     tables, mask = _decode_inputs(meta)
     # [decodes, blocks, block_size, kv_heads, hd] -> [decodes, kv_heads, padded_len, hd]
-    kb, vb = workspace(meta).gather(k_cache, v_cache, tables.view(-1))
+    kb, vb = workspace(meta).gather(k_cache, v_cache, tables.view(-1), q.dtype)
     padded = tables.shape[1] * k_cache.shape[1]
     kc = kb.view(d, padded, kv_heads, head_dim).transpose(1, 2)
     vc = vb.view(d, padded, kv_heads, head_dim).transpose(1, 2)
@@ -140,7 +146,7 @@ def prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk,
         vc = v[c.start:c.end].transpose(0, 1).unsqueeze(0)
     else:
         ctx = mask.shape[-1]
-        kb, vb = workspace(meta).gather(k_cache, v_cache, table)
+        kb, vb = workspace(meta).gather(k_cache, v_cache, table, q.dtype)
         kc = kb.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
         vc = vb.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
     if sinks is not None:

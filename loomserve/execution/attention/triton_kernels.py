@@ -23,9 +23,10 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
+def _load_kv(q_ptr, k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
              sk_b, sk_o, sk_h, sv_b, sv_o, sv_h):
-    """K and V rows [len(pos), HD_PAD] of key positions `pos`, found through a table row."""
+    """K and V rows [len(pos), HD_PAD] of key positions `pos`, found through a table row, in
+    the queries' dtype (a narrower --kv-cache-dtype is widened here)."""
     blk = tl.load(row + pos // block_size, mask=valid, other=0).to(tl.int64)
     off = pos % block_size
     mask = valid[:, None] & dmask[None, :]
@@ -33,7 +34,7 @@ def _load_kv(k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
                 mask=mask, other=0.0)
     v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_o + kvh * sv_h + d[None, :],
                 mask=mask, other=0.0)
-    return k, v
+    return k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        k, v = _load_kv(k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
+        k, v = _load_kv(q_ptr, k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
                         sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
         m, l, acc = _fold(q, k, v, valid[None, :], m, l, acc, scale, IEEE)
     base = (seq * (tl.num_programs(1) * GROUP) + heads) * n_split + split
@@ -181,7 +182,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
     for n0 in range(start, end, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         kvalid = kpos < end
-        k, v = _load_kv(k_ptr, v_ptr, row, kpos, kvalid, block_size, kvh, d, dmask,
+        k, v = _load_kv(q_ptr, k_ptr, v_ptr, row, kpos, kvalid, block_size, kvh, d, dmask,
                         sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
         allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_WINDOW:

@@ -47,11 +47,12 @@ typedef struct {
     const float *norm1, *norm2;  /* input and post-attention RMSNorm weights */
     Lin qkv, o, gate_up, down;
     const float *q_norm, *k_norm;  /* per-head RMSNorm weights before RoPE (Qwen3), or NULL */
-    float *k_cache, *v_cache;    /* [blocks, block_size, kv_heads, head_dim] views, same strides */
-    int64_t block_stride;        /* floats between blocks */
+    void *k_cache, *v_cache;     /* [blocks, block_size, kv_heads, head_dim] views, same strides */
+    int64_t block_stride;        /* elements between blocks */
     int32_t group, norm_flags;   /* the layer's KV group (index into plans); RMSNorm variant */
     int32_t qk_flags;            /* the head norms' variant */
     float qk_eps;
+    int32_t kv_dtype;            /* paged_attention.c's code: 0 fp32, 2 bf16 (--kv-cache-dtype) */
 } Layer;
 
 typedef struct {  /* a KV group's decode plan (attention/cpu_backend.py: _plan) */
@@ -76,7 +77,25 @@ typedef struct {  /* the step's buffers, fp32, M rows each (sizes in the Python 
     float *h, *qkv, *q, *attn, *gate_up, *act, *scratch;
 } Work;
 
-int decode_stack_abi(void) { return 2; }
+int decode_stack_abi(void) { return 3; }
+
+/* fp32 -> bf16, round to nearest even as torch's .to(bfloat16) (NaN stays a quiet NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One token's K or V row (kvs values) into its slot of a cache of `dtype`. */
+static void store_row(void *cache, int64_t at, const float *src, int64_t kvs, int dtype) {
+    if (dtype == 0) {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)kvs);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int64_t j = 0; j < kvs; j++) dst[j] = to_bf16(src[j]);
+}
 
 /* y[M, n] = x[M, k] @ W^T (+ bias), with the kernel and threads the Python layer would use. */
 static void product(const Model *m, const Lin *p, const float *x, int M, float *y, int nthreads) {
@@ -108,13 +127,13 @@ int decode_stack(const Model *m, const Layer *layers, int nlayers, const Plan *p
         for (int i = 0; i < M; i++) {
             const float *r = w->qkv + i * row;
             const int64_t at = p->slot_blocks[i] * L->block_stride + p->slot_offsets[i] * kvs;
-            memcpy(L->k_cache + at, r + qs, sizeof(float) * (size_t)kvs);
-            memcpy(L->v_cache + at, r + qs + kvs, sizeof(float) * (size_t)kvs);
+            store_row(L->k_cache, at, r + qs, kvs, L->kv_dtype);
+            store_row(L->v_cache, at, r + qs + kvs, kvs, L->kv_dtype);
             memcpy(w->q + i * qs, r, sizeof(float) * (size_t)qs);
         }
         int rc = m->attend(w->q, L->k_cache, L->v_cache, L->block_stride, m->block_size, m->kv_heads,
                            m->head_dim, m->heads, M, p->tables, p->lens, p->window, NULL, m->scale,
-                           w->attn, w->scratch, p->max_splits, p->split, 0, p->threads);
+                           w->attn, w->scratch, p->max_splits, p->split, L->kv_dtype, p->threads);
         if (rc != 0) return rc;
         product(m, &L->o, w->attn, M, x, nthreads);
         m->norm(x, H, res, res, L->norm2, w->h, M, H, m->eps, 0, L->norm_flags, nthreads);

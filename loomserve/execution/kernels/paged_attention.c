@@ -13,7 +13,9 @@
  * the attention sink (gpt-oss) joining the denominator there.
  *
  * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
- * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16; q, out and sinks float32.
+ * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16 under a bf16 model (V weighted
+ * by probabilities rounded to bf16, as torch's bf16 kernels do), 2 = bfloat16 under an fp32
+ * model (--kv-cache-dtype bfloat16: rows widened, the math all fp32); q, out, sinks float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -262,7 +264,8 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
                  const float *sinks, float scale, float *out, float *scratch, int max_splits,
                  int split_tokens, int dtype, int nthreads) {
     const int group = heads / kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * kv_heads != heads)
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * kv_heads != heads || dtype < 0
+        || dtype > 2)
         return -1;
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,

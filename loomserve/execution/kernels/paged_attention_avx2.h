@@ -207,7 +207,7 @@ static inline __attribute__((always_inline)) void chunk_softmax(
         sum = _mm256_add_ps(sum, p);
     }
     *l += hsum8(sum);
-    if (dtype) {  /* probabilities rounded to bf16, as torch's bf16 kernels weight V */
+    if (dtype == 1) {  /* probabilities rounded to bf16, as torch's bf16 kernels weight V */
         for (int t = 0; t < n; t++) s[t] = round_bf16(s[t]);
     }
 }

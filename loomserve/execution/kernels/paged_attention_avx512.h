@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void zchunk(
         __m512 pv = exp_neg16(_mm512_sub_ps(s[v], m));
         if (v >= tail) pv = _mm512_maskz_mov_ps(live[v - tail], pv);
         l = _mm512_add_ps(l, pv);
-        s[v] = dtype ? round_bf16x16(pv) : pv;  /* bf16: V weighted as torch's bf16 kernels do */
+        s[v] = dtype == 1 ? round_bf16x16(pv) : pv;  /* bf16 model: V weighted as torch's bf16 kernels do */
     }
     b->m = m, b->l = l;
     float al[16];

@@ -127,7 +127,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent = torch.cat([ckv, k_pe], dim=-1)
         rows = meta.write_rows  # decode context parallelism: the rows this rank stores
         self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (
-            latent if rows is None else latent[rows])
+            latent if rows is None else latent[rows]).to(self.latent_cache.dtype)
         if getattr(meta.backend, "name", None) == "pcp":  # the other ranks' prefill rows
             meta.backend.exchange(latent, meta, self._write_latent)
         out = x.new_empty(n, self.heads, self.v_dim)
@@ -147,7 +147,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.view(n, self.heads * self.v_dim))
 
     def _write_latent(self, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
-        self.latent_cache[blocks, offsets, :self.latent_dim] = rows
+        self.latent_cache[blocks, offsets, :self.latent_dim] = rows.to(self.latent_cache.dtype)
 
     # --- decode context parallelism (loomserve.execution.parallel.context_parallel) -----------
 
@@ -192,7 +192,7 @@ class MultiHeadLatentAttention(nn.Module):
             return part
         blocks = torch.from_numpy(c.table[:(nk + bs - 1) // bs].astype(np.int64)).to(q_nope.device)
         rows = self.latent_cache.index_select(0, blocks).flatten(0, 1)[:nk, :self.latent_dim]
-        ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
+        ckv, k_pe = rows.to(q_nope.dtype).split([self.rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(ckv)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -207,7 +207,7 @@ class MultiHeadLatentAttention(nn.Module):
         """Absorbed: [decodes, heads, v_dim] from the latent rows, never expanded per head."""
         tables, valid = decode_inputs(meta)
         d = q_nope.shape[0]
-        rows = self.latent_cache.index_select(0, tables.view(-1))
+        rows = self.latent_cache.index_select(0, tables.view(-1)).to(q_nope.dtype)
         rows = rows.view(d, -1, rows.shape[-1])  # [d, keys, latent (+1 pad)], contiguous
         if rows.shape[-1] != self.latent_dim:
             rows = rows[..., :self.latent_dim]
@@ -228,6 +228,7 @@ class MultiHeadLatentAttention(nn.Module):
             rows = fresh
         else:
             rows = self.latent_cache.index_select(0, table).flatten(0, 1)[:mask.shape[-1], :self.latent_dim]
+            rows = rows.to(q_nope.dtype)  # a --kv-cache-dtype narrower than the model's widens
         ckv, k_pe = rows.split([self.rank, self.rope], dim=-1)
         k_nope, v = self.kv_b_proj(ckv)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)

@@ -86,7 +86,7 @@ def _context_plan(c, meta, dcp, n: int):
 
 def _prefill(layer, q_nope, q_pe, c, meta, dcp) -> torch.Tensor:
     n = q_nope.shape[0]
-    rows = context_rows(layer, c, meta, dcp, n)
+    rows = context_rows(layer, c, meta, dcp, n).to(q_nope.dtype)  # a narrower KV dtype widens
     ckv, k_pe = rows.split([layer.rank, layer.rope], dim=-1)
     k_nope, v = layer.kv_b_proj(ckv)
     k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, layer.heads, -1)], dim=-1)

@@ -9,9 +9,10 @@ logits equal the Python path's bit for bit; any other step runs the Python layer
 It applies (DecodeStack.build, once per model) to plain Llama-family layers (Llama, SmolLM2,
 Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms) whose four products run in a C kernel
 (quantized: layers/quant.py's tiled CPU weights; fp32: layers/dense.py's few-row kernel, up to
-its max_rows), with fp32 activations and an fp32 KV cache read by the CPU paged backend, without attention sinks or tensor parallelism; and per step (run) when
-every KV group's metadata is decode rows only, written in full (no decode context
-parallelism). LOOMSERVE_DECODE_STACK=0 turns it off.
+its max_rows), with fp32 activations and an fp32 or bf16 KV cache read by the CPU paged
+backend, without attention sinks or tensor parallelism; and per step (run) when every KV
+group's metadata is decode rows only, written in full (no decode context parallelism).
+LOOMSERVE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from loomserve.execution.layers import dense, fused, quant
 from loomserve.execution.layers.norm import RMSNorm
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 2}  # caches the stack writes: paged_attention.c's codes
 
 
 class _Lin(ctypes.Structure):
@@ -38,7 +40,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _P), ("norm2", _P), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin),
                 ("down", _Lin), ("q_norm", _P), ("k_norm", _P), ("k_cache", _P), ("v_cache", _P),
                 ("block_stride", _I64), ("group", _I32), ("norm_flags", _I32), ("qk_flags", _I32),
-                ("qk_eps", _F)]
+                ("qk_eps", _F), ("kv_dtype", _I32)]
 
 
 class _Plan(ctypes.Structure):
@@ -158,7 +160,7 @@ class DecodeStack:
         for i, (layer, a) in enumerate(zip(self.layers, self.attn_mods)):
             k, v = a.k_cache, a.v_cache
             kvs = k.shape[2] * k.shape[3]
-            if (k.dtype != torch.float32 or k.stride()[1:] != (kvs, k.shape[3], 1)
+            if (k.dtype not in _KV_DTYPES or k.stride()[1:] != (kvs, k.shape[3], 1)
                     or v.stride() != k.stride() or v.dtype != k.dtype):
                 return False
             qn = a.q_norm
@@ -167,7 +169,8 @@ class DecodeStack:
                 *(_lin(m, keep) for m in _products(layer)),
                 None if qn is None else qn.weight.data_ptr(), None if qn is None else a.k_norm.weight.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k.stride(0), groups[i], layer.input_layernorm._kernel_flags,
-                0 if qn is None else qn._kernel_flags, 0.0 if qn is None else qn.eps)
+                0 if qn is None else qn._kernel_flags, 0.0 if qn is None else qn.eps,
+                _KV_DTYPES[k.dtype])
             if layer.post_attention_layernorm._kernel_flags != structs[i].norm_flags:
                 return False
         self.model_struct.block_size = self.attn_mods[0].k_cache.shape[1]

@@ -164,8 +164,8 @@ def prefill_partial(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChun
     for a in range(first, nk, tile):
         z = min(a + tile, nk)
         blocks = torch.from_numpy(c.table[a // b:math.ceil(z / b)].astype(np.int64)).to(q.device)
-        kt = k_cache[blocks].flatten(0, 1)[:z - a]  # [keys, kv_heads, hd]
-        vt = v_cache[blocks].flatten(0, 1)[:z - a]
+        kt = k_cache[blocks].flatten(0, 1)[:z - a].to(q.dtype)  # [keys, kv_heads, hd]
+        vt = v_cache[blocks].flatten(0, 1)[:z - a].to(q.dtype)
         allowed = key_pos[None, a:z] <= q_pos[:, None]  # [n, keys]
         if w is not None:
             allowed &= key_pos[None, a:z] > q_pos[:, None] - w

@@ -129,8 +129,8 @@ class PcpBackend:
         hd = k.shape[-1]
 
         def write(blocks, offsets, rows):
-            k_cache[blocks, offsets] = rows[..., :hd]
-            v_cache[blocks, offsets] = rows[..., hd:]
+            k_cache[blocks, offsets] = rows[..., :hd].to(k_cache.dtype)
+            v_cache[blocks, offsets] = rows[..., hd:].to(v_cache.dtype)
         self.exchange(torch.cat([k, v], dim=-1), meta, write)
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
 
