@@ -278,7 +278,7 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
             int slot = 0;
             for (int hh = 0; hh < nkv; hh++) {
                 chunk_pointers(kb, vb, offs, (int64_t)(h0 + hh) * head_dim, n, head_dim, dtype,
-                               kw, vw, kr, vr);
+                               0, kw, vw, kr, vr);
                 for (int t = n; t < (n + 15) / 16 * 16; t++) kr[t] = kr[0];
                 for (int i = 0; i < nb; i++, slot++) {
                     pf_upto(&pc, a + (int64_t)n * (2 * slot + 1) / (2 * slots));
