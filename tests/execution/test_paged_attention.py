@@ -109,15 +109,16 @@ def test_backend_matches_reference(name, seqs, block_size, kv_heads, group, head
 @given(seqs=st.lists(seq_st, min_size=1, max_size=5), block_size=st.sampled_from([1, 4, 16]),
        kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from([8, 12, 32]), window=st.sampled_from([None, 5, 40]),
-       with_sinks=st.booleans(), seed=st.integers(0, 1000))
-def test_bf16_kv_cache_under_fp32_queries(name, seqs, block_size, kv_heads, group, head_dim,
-                                          window, with_sinks, seed):
-    """--kv-cache-dtype bfloat16 beside a float32 model: rows are written rounded and read
-    widened, so with values bf16 can hold, every path gives the fp32 reference to fp32 accuracy."""
+       with_sinks=st.booleans(), fp16=st.booleans(), seed=st.integers(0, 1000))
+def test_narrow_kv_cache_under_fp32_queries(name, seqs, block_size, kv_heads, group, head_dim,
+                                            window, with_sinks, fp16, seed):
+    """--kv-cache-dtype bfloat16 (or float16: no CPU kernel, the torch path) beside a float32
+    model: rows are written rounded and read widened, so with values the cache dtype can hold,
+    every path gives the fp32 reference to fp32 accuracy."""
     backend = select_backend(name, CPU, torch.float32)
     sinks = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
     ours, ref = run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks,
-                         torch.float32, seed, kv_dtype=torch.bfloat16)
+                         torch.float32, seed, kv_dtype=torch.float16 if fp16 else torch.bfloat16)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
 
