@@ -64,13 +64,11 @@ static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
     for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
 }
 
-/* bf16 rows read in place, in pairs (PAIRS: a bf16 cache and head_dim % 16 == 0): one 32-byte
- * load holds 16 values; each 32-bit lane shifted left 16 is the even-indexed value as fp32, the
- * lane with its low half masked off the odd one. The split keeps its queries and accumulators in
- * that order (vector 2i: values 16i, 16i + 2, .., 16i + 14; vector 2i + 1: 16i + 1, .., 16i + 15),
- * so a dot product or an axpy over a row needs no widening pass: 3 single-cycle ops per 16
- * values instead of a widen (a shuffle-port op per 8), a store and a reload. Fp32 rows (PAIRS 0):
- * a plain load. j: the lane index of the vector in the split's order (a multiple of 8). */
+/* bf16 rows read in place, in pairs (a bf16 cache, head_dim % 16 == 0): a 32-byte load holds 16
+ * values; a 32-bit lane shifted left 16 is the even value as fp32, masked the odd one. The split
+ * keeps queries and accumulators in that order (vector 2i: values 16i, 16i + 2, .., 16i + 14;
+ * 2i + 1: 16i + 1, .., 16i + 15): no widening pass (a shuffle-port op per 8 values, a store and
+ * a reload). pairs 0: fp32 rows. j: the vector's first lane in the split's order. */
 static inline __attribute__((always_inline)) __m256 ld8(const float *row, int j, int pairs) {
     if (!pairs) return _mm256_loadu_ps(row + j);
     __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + (j & ~15)));
