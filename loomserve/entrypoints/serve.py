@@ -36,13 +36,12 @@ def startup_line(engine, config: EngineConfig, url: str) -> str:
     return (f"loomserve: serving {engine.model_name} "
             f"(from {config.model.model or 'built-in default'}, {ready.dtype}, {ready.device}, "
             f"{_human(ready.num_params)} params), context {engine.max_model_len} tokens, "
-            f"KV cache {engine.kv_capacity_tokens} tokens{_kv_dtype(config)}, {layout}, on {url}")
+            f"KV cache {engine.kv_capacity_tokens} tokens{_kv_dtype(ready)}, {layout}, on {url}")
 
 
-def _kv_dtype(config: EngineConfig) -> str:
-    """' (bfloat16)' where --kv-cache-dtype differs from auto (the model's dtype), else ''."""
-    kvd = config.cache.kv_cache_dtype
-    return "" if kvd == "auto" else f" ({kvd})"
+def _kv_dtype(ready) -> str:
+    """' (bfloat16)' where the pages' dtype is not the model's (--kv-cache-dtype), else ''."""
+    return "" if ready.kv_cache_dtype == ready.dtype else f" ({ready.kv_cache_dtype})"
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -348,6 +348,7 @@ class EngineCore:
             kv_blocks_total=kc.num_blocks, max_waiting_requests=self.max_waiting_requests,
             num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
             dtype=self.config.model.resolved_dtype,
+            kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."),
             tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
             pid=os.getpid(), role=self.config.control.role,
             **(self.events_ready() if self.events is not None else {}))

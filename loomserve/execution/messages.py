@@ -124,6 +124,7 @@ class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     weight_bytes: int
     device: str = "cpu"
     dtype: str = "float32"
+    kv_cache_dtype: str = "float32"  # the pages' dtype, resolved (--kv-cache-dtype auto: dtype)
     tier_names: list[str] = []
     pid: int = 0
     role: str = "both"  # prefill | decode | both (loomserve.config.control)

@@ -14,6 +14,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -118,6 +119,13 @@ class ServerMetrics:
             self.registry.register(prometheus_collector(lambda: tier_stats(engine.stats()),
                                                         prefix=f"{PREFIX}_tier"))
         self.model_name = model_name
+        r = engine.ready  # the KV pool's shape, as vLLM's cache_config_info gives it
+        Gauge(f"{PREFIX}_cache_config_info", "The KV cache's configuration (value 1): block "
+              "size, the pages' dtype, and the blocks and tokens the pool holds.",
+              labelnames=["model_name", "block_size", "cache_dtype", "num_blocks",
+                          "capacity_tokens"], registry=self.registry).labels(
+            model_name, str(r.block_size), r.kv_cache_dtype, str(r.kv_blocks_total),
+            str(r.kv_capacity_tokens)).set(1)
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
                               "Time from request arrival to the first output token.",

@@ -50,3 +50,22 @@ def test_metrics_present_and_counting(client, server):
     assert after["loomserve_inter_token_latency_seconds_count"] >= before["loomserve_inter_token_latency_seconds_count"] + 1
     assert after["loomserve_request_success_total"] >= before.get("loomserve_request_success_total", 0) + 3
     assert after["loomserve_num_requests_running"] == 0 and after["loomserve_kv_blocks_used"] == 0
+
+
+def test_cache_config_info_names_the_pages_dtype():
+    """loomserve_cache_config_info (as vLLM's cache_config_info): value 1, labels giving the
+    block size, the resolved KV dtype and the pool's size; a bf16 cache under fp32 weights says
+    bfloat16 and holds twice the blocks of the same --kv-cache-memory."""
+    from tests.entrypoints.server.conftest import running_server
+
+    blocks = {}
+    for kvd in ("auto", "bfloat16"):
+        with running_server(kv_cache_dtype=kvd) as srv:
+            text = httpx.get(srv.url + "/metrics").text
+            line = next(ln for ln in text.splitlines() if ln.startswith("loomserve_cache_config_info{"))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            assert line.endswith(" 1.0") and labels["block_size"] == str(srv.engine.ready.block_size)
+            assert labels["cache_dtype"] == ("float32" if kvd == "auto" else "bfloat16")
+            blocks[kvd] = int(labels["num_blocks"])
+            assert int(labels["capacity_tokens"]) == blocks[kvd] * int(labels["block_size"])
+    assert blocks["bfloat16"] == 2 * blocks["auto"]
