@@ -97,15 +97,17 @@ def test_stack_equals_the_python_layers(tmp_path, name, mode):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,mode", [("tiny-llama", "int4"), ("qwen3-swa", "none")])
-def test_stack_writes_and_reads_a_bf16_kv_cache(tmp_path, name, mode):
-    """--kv-cache-dtype bfloat16 under the fp32 model: the stack rounds the new rows as torch
-    does and reads them as the Python layers do, so the logits stay equal bit for bit."""
+@pytest.mark.parametrize("name,mode,kvd", [("tiny-llama", "int4", "bfloat16"),
+                                          ("qwen3-swa", "none", "bfloat16"),
+                                          ("tiny-llama", "int8", "float16")])
+def test_stack_writes_and_reads_a_16bit_kv_cache(tmp_path, name, mode, kvd):
+    """--kv-cache-dtype bfloat16 / float16 under the fp32 model: the stack rounds the new rows as
+    torch does and reads them as the Python layers do, so the logits stay equal bit for bit."""
     model = two_swa_groups(tmp_path) if name == "qwen3-swa" else str(FIXTURES / name)
     prompts = [list(range(5, 14)), list(range(20, 61)), list(range(3, 30))]
-    fast, slow = (runner(model, mode, s, "bfloat16") for s in (True, False))
+    fast, slow = (runner(model, mode, s, kvd) for s in (True, False))
     assert fast.attention.__class__.__name__ == "CpuPagedBackend"
-    assert all(g.spec.dtype == torch.bfloat16 for g in fast.kv_cache_config.groups)
+    assert all(g.spec.dtype == getattr(torch, kvd) for g in fast.kv_cache_config.groups)
     a, b = drive(fast, prompts, 12), drive(slow, prompts, 12)
     assert fast.model.decode_stack and fast.model.decode_stack.steps == 11
     for x, y in zip(a, b):
@@ -113,6 +115,32 @@ def test_stack_writes_and_reads_a_bf16_kv_cache(tmp_path, name, mode):
             assert torch.equal(x[rid], y[rid]), (rid, (x[rid] - y[rid]).abs().max())
     fp32 = drive(runner(model, mode, True), prompts, 12)  # the same model, an fp32 cache
     assert max((a[i][r] - fp32[i][r]).abs().max().item() for i in range(len(a)) for r in a[i]) > 0
+
+
+def test_fp16_rounding_equals_torch():
+    """decode_stack.c's fp32 -> fp16 store: torch's round to nearest even, every class (normal,
+    ties, subnormal, overflow to inf, signed zero, inf, nan)."""
+    import ctypes
+
+    from loomserve.execution import kernels
+
+    lib = kernels.load("decode_stack")
+    if lib is None:
+        pytest.skip("decode stack kernel did not build")
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * 10 ** torch.randint(-9, 6, (4000,), generator=g),
+                   torch.tensor([65504.0, 65519.0, 65520.0, 65536.0, 1e9, 2.0 ** -24, 2.0 ** -25,
+                                 3 * 2.0 ** -26, 2.0 ** -14 - 2.0 ** -26, 0.0, -0.0, 1 + 2.0 ** -11,
+                                 1 + 3 * 2.0 ** -11, float("inf"), float("-inf")])]).float()
+    x = torch.cat([x, -x])
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    lib.decode_stack_to_f16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                            ctypes.c_int64(x.numel()))
+    assert torch.equal(out, x.to(torch.float16).view(torch.int16))
+    nan = torch.tensor([float("nan")])
+    lib.decode_stack_to_f16(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                            ctypes.c_int64(1))
+    assert out[:1].view(torch.float16).isnan().all()
 
 
 @needs_kernel

@@ -32,12 +32,13 @@ def lib():
 @pytest.mark.parametrize("group,head_dim,window", [(5, 16, None), (8, 32, 40), (16, 64, None),
                                                    (6, 128, None), (24, 32, 300), (64, 16, None)])
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                            (torch.float32, torch.bfloat16)],
-                         ids=["fp32", "bf16", "fp32-bf16kv"])
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.float32, torch.float16)],
+                         ids=["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv"])
 def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, dtype, kv_dtype):
     """Padded groups (5, 6, 24 -> batches of 8 / 16 lanes), batches of 16 heads (24, 64),
     windows, sinks, contexts over many chunks and splits, odd key counts per chunk; fp32, bf16,
-    and bf16 rows under fp32 queries (--kv-cache-dtype bfloat16: fp32 math, so fp32 accuracy)."""
+    and bf16 or fp16 rows under fp32 queries (--kv-cache-dtype: fp32 math, so fp32 accuracy)."""
     sinks = torch.randn(2 * group, generator=torch.Generator().manual_seed(group))
     paths = set()
     for cap in (2, 1, 0):

@@ -42,7 +42,7 @@ SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one t
 # socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
 # 67 MB KV and the 25 MB LM head read each step came back from DRAM.
 RESIDENT_CAP = 64 << 20
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache dtypes the kernel reads
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -230,9 +230,12 @@ def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
 
 def kv_code(cache: torch.dtype, model: torch.dtype) -> int:
     """paged_attention.c's dtype code: 0 fp32 rows; bf16 rows 1 under a bf16 model (weighting V
-    as torch's bf16 kernels do), 2 under an fp32 one (--kv-cache-dtype bfloat16: fp32 math)."""
+    as torch's bf16 kernels do), 2 under an fp32 one (--kv-cache-dtype bfloat16: fp32 math);
+    3 fp16 rows (fp32 math)."""
     if cache == torch.float32:
         return 0
+    if cache == torch.float16:
+        return 3
     return 1 if model == torch.bfloat16 else 2
 
 

@@ -15,7 +15,8 @@
  * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
  * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16 under a bf16 model (V weighted
  * by probabilities rounded to bf16, as torch's bf16 kernels do), 2 = bfloat16 under an fp32
- * model (--kv-cache-dtype bfloat16: rows widened, the math all fp32); q, out, sinks float32.
+ * model (--kv-cache-dtype bfloat16: rows widened, the math all fp32), 3 = float16 rows (fp32
+ * math); q, out, sinks float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,10 +32,31 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* Row of head_dim values as float32 (bf16 widened into buf). */
+/* IEEE binary16 -> float32, exactly (normal, subnormal, zero, inf, nan). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    float f;
+    if (e == 0x1f) {
+        u = s | 0x7f800000u | (m << 13);
+    } else if (e) {
+        u = s | ((e + 112) << 23) | (m << 13);
+    } else {  /* zero or subnormal: m x 2^-24, exact in fp32 */
+        f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= s;
+    }
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row of head_dim values as float32 (16-bit rows widened into buf). */
 static inline const float *row_f32(const void *base, int64_t off, int dtype, int d, float *buf) {
     if (dtype == 0) return (const float *)base + off;
     const uint16_t *src = (const uint16_t *)base + off;
+    if (dtype == 3) {
+        for (int j = 0; j < d; j++) buf[j] = f16_to_f32(src[j]);
+        return buf;
+    }
 #pragma omp simd
     for (int j = 0; j < d; j++) buf[j] = bf16_to_f32(src[j]);
     return buf;
@@ -142,6 +164,7 @@ static int keys_from_dram = 0;
 void paged_decode_set_prefetch(int from_dram) { keys_from_dram = from_dram; }
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include "paged_attention_rows.h"
 #include "paged_attention_avx2.h"
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include "paged_attention_avx512.h"
@@ -265,7 +288,7 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
                  int split_tokens, int dtype, int nthreads) {
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * kv_heads != heads || dtype < 0
-        || dtype > 2)
+        || dtype > 3)
         return -1;
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,

@@ -1,7 +1,8 @@
 /* The AVX2 + FMA decode path of paged_attention.c (included there, inside its
  * `#if defined(__AVX2__) && defined(__FMA__)`): one split of a sequence's context for one kv
  * head, in chunks of CHUNK keys. Uses paged_attention.c's scalar helpers (exp_neg, round_bf16,
- * bf16_to_f32, begin_partials, end_partials, MAX_GROUP), defined before the include. */
+ * bf16_to_f32, begin_partials, end_partials, MAX_GROUP) and paged_attention_rows.h's row
+ * formats (ld8, widen16, the pairs order), included before it. */
 #include <immintrin.h>
 
 /* [sum(a[0]), ..., sum(a[7])]: eight dot-product accumulators reduced at once. */
@@ -54,42 +55,6 @@ static inline int chunk_min_keys(int head_dim) {
     return n < 16 ? 16 : n > CHUNK ? CHUNK : n;
 }
 
-/* n bf16 values -> fp32 (exact: a bf16 is the top half of an fp32). */
-static inline void widen_bf16(const uint16_t *src, float *dst, int n) {
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
-        _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-    for (; j < n; j++) dst[j] = bf16_to_f32(src[j]);
-}
-
-/* bf16 rows read in place, in pairs (a bf16 cache, head_dim % 16 == 0): a 32-byte load holds 16
- * values; a 32-bit lane shifted left 16 is the even value as fp32, masked the odd one. The split
- * keeps queries and accumulators in that order (vector 2i: values 16i, 16i + 2, .., 16i + 14;
- * 2i + 1: 16i + 1, .., 16i + 15): no widening pass (a shuffle-port op per 8 values, a store and
- * a reload). pairs 0: fp32 rows. j: the vector's first lane in the split's order. */
-static inline __attribute__((always_inline)) __m256 ld8(const float *row, int j, int pairs) {
-    if (!pairs) return _mm256_loadu_ps(row + j);
-    __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + (j & ~15)));
-    return _mm256_castsi256_ps((j & 8) ? _mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u))
-                                       : _mm256_slli_epi32(x, 16));
-}
-
-/* A head_dim vector into the pairs order of ld8 (y), and back in place. */
-static inline void to_pairs(const float *x, float *y, int d) {
-    for (int i = 0; i < d; i += 16)
-        for (int l = 0; l < 8; l++) y[i + l] = x[i + 2 * l], y[i + 8 + l] = x[i + 2 * l + 1];
-}
-
-static inline void from_pairs(float *x, int d) {
-    float t[16];
-    for (int i = 0; i < d; i += 16) {
-        memcpy(t, x + i, sizeof t);
-        for (int l = 0; l < 8; l++) x[i + 2 * l] = t[l], x[i + 2 * l + 1] = t[8 + l];
-    }
-}
-
 /* Row offsets (in elements, to each token row's start) of keys [a, a + n), n <= CHUNK: walks
  * the table. */
 static inline int chunk_rows(const int32_t *table, int64_t block_stride, int block_size,
@@ -109,18 +74,18 @@ static inline int chunk_rows(const int32_t *table, int64_t block_stride, int blo
 }
 
 /* The chunk's K and V rows of the kv head at hoff (elements into each row): where they lie
- * (fp32, or bf16 read in pairs: ld8), else bf16 widened into kw / vw. */
+ * (fp32, or 16-bit rows ld8 reads in place: fmt != 0), else 16-bit rows widened into kw / vw. */
 static inline __attribute__((always_inline)) void chunk_pointers(
         const void *kb, const void *vb, const int64_t *offs, int64_t hoff, int n, int head_dim,
-        int dtype, int pairs, float *kw, float *vw, const float **kr, const float **vr) {
+        int dtype, int fmt, float *kw, float *vw, const float **kr, const float **vr) {
     for (int t = 0; t < n; t++) {
-        if (pairs) {
+        if (fmt) {
             kr[t] = (const float *)((const uint16_t *)kb + offs[t] + hoff);
             vr[t] = (const float *)((const uint16_t *)vb + offs[t] + hoff);
         } else if (dtype) {
             float *kd = kw + t * head_dim, *vd = vw + t * head_dim;
-            widen_bf16((const uint16_t *)kb + offs[t] + hoff, kd, head_dim);
-            widen_bf16((const uint16_t *)vb + offs[t] + hoff, vd, head_dim);
+            widen16((const uint16_t *)kb + offs[t] + hoff, kd, head_dim, dtype);
+            widen16((const uint16_t *)vb + offs[t] + hoff, vd, head_dim, dtype);
             kr[t] = kd;
             vr[t] = vd;
         } else {
@@ -194,7 +159,7 @@ static inline __attribute__((always_inline)) void pf_upto(PfCursor *c, int64_t t
  * repeat row 0 and are masked to -inf): into s, returning their max. */
 static inline __attribute__((always_inline)) float chunk_scores(
         const float *qg, const float *const *kr, int n, int n8, int head_dim, float scale,
-        int pairs, float *s) {
+        int fmt, float *s) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int t0 = 0; t0 < n8; t0 += 8) {
@@ -203,7 +168,7 @@ static inline __attribute__((always_inline)) float chunk_scores(
         for (int j = 0; j < head_dim; j += 8) {
             __m256 qv = _mm256_loadu_ps(qg + j);
             for (int t = 0; t < 8; t++)
-                dots[t] = _mm256_fmadd_ps(qv, ld8(kr[t0 + t], j, pairs), dots[t]);
+                dots[t] = _mm256_fmadd_ps(qv, ld8(kr[t0 + t], j, fmt), dots[t]);
         }
         __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t0)), _CMP_LT_OQ);
         __m256 sc = _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(scale));
@@ -247,13 +212,13 @@ static inline __attribute__((always_inline)) void chunk_softmax(
 #define VACC(NH, NV)                                                                          \
     static inline __attribute__((always_inline)) void vacc_##NH##_##NV(                       \
             const float *const *vr, const float *s, int cs, int n, float *acc, int astride,   \
-            int jb, int pairs) {                                                               \
+            int jb, int fmt) {                                                                 \
         __m256 o[NH][NV];                                                                      \
         for (int g = 0; g < NH; g++)                                                           \
             for (int v = 0; v < NV; v++) o[g][v] = _mm256_loadu_ps(acc + g * astride + jb + 8 * v); \
         for (int t = 0; t < n; t++) {                                                          \
             __m256 x[NV];                                                                      \
-            for (int v = 0; v < NV; v++) x[v] = ld8(vr[t], jb + 8 * v, pairs);                \
+            for (int v = 0; v < NV; v++) x[v] = ld8(vr[t], jb + 8 * v, fmt);                  \
             for (int g = 0; g < NH; g++) {                                                     \
                 __m256 b = _mm256_set1_ps(s[g * cs + t]);                                      \
                 for (int v = 0; v < NV; v++) o[g][v] = _mm256_fmadd_ps(b, x[v], o[g][v]);      \
@@ -267,24 +232,24 @@ VACC(1, 8) VACC(2, 4) VACC(1, 4) VACC(1, 2) VACC(1, 1) VACC(2, 2) VACC(2, 1)
 /* V accumulation of heads [g0, g0 + nh) over one chunk, nh 1 or 2. */
 static inline __attribute__((always_inline)) void chunk_values(
         const float *const *vr, const float *s, int n, float *acc, int astride, int head_dim,
-        int nh, int pairs) {
+        int nh, int fmt) {
     for (int jb = 0; jb < head_dim; jb += 64) {
         int nv = (head_dim - jb) / 8 < 8 ? (head_dim - jb) / 8 : 8;
-        if (nh == 2 && nv == 4) vacc_2_4(vr, s, CHUNK, n, acc, astride, jb, pairs);
-        else if (nh == 2 && nv == 2) vacc_2_2(vr, s, CHUNK, n, acc, astride, jb, pairs);
-        else if (nh == 2 && nv == 1) vacc_2_1(vr, s, CHUNK, n, acc, astride, jb, pairs);
+        if (nh == 2 && nv == 4) vacc_2_4(vr, s, CHUNK, n, acc, astride, jb, fmt);
+        else if (nh == 2 && nv == 2) vacc_2_2(vr, s, CHUNK, n, acc, astride, jb, fmt);
+        else if (nh == 2 && nv == 1) vacc_2_1(vr, s, CHUNK, n, acc, astride, jb, fmt);
         else for (int g = 0; g < nh; g++) {
             float *a = acc + g * astride;
             const float *sg = s + g * CHUNK;
             switch (nv) {
-            case 8: vacc_1_8(vr, sg, CHUNK, n, a, astride, jb, pairs); break;
-            case 4: vacc_1_4(vr, sg, CHUNK, n, a, astride, jb, pairs); break;
-            case 2: vacc_1_2(vr, sg, CHUNK, n, a, astride, jb, pairs); break;
+            case 8: vacc_1_8(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
+            case 4: vacc_1_4(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
+            case 2: vacc_1_2(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
             default:
                 for (int v = 0; v < nv; v++) {  /* 3, 5, 6, 7 vectors: one at a time */
                     __m256 o = _mm256_loadu_ps(a + jb + 8 * v);
                     for (int t = 0; t < n; t++)
-                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), ld8(vr[t], jb + 8 * v, pairs), o);
+                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), ld8(vr[t], jb + 8 * v, fmt), o);
                     _mm256_storeu_ps(a + jb + 8 * v, o);
                 }
             }
@@ -311,10 +276,10 @@ static inline __attribute__((always_inline)) void chunk_values(
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
         int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
-        float scale, int dtype, int pairs, float *part, int64_t hstride) {
+        float scale, int dtype, int fmt, float *part, int64_t hstride) {
     float m[group * kv_heads], l[group * kv_heads];
     float sbuf[8 * CHUNK];  /* the scores of up to 8 heads at a time */
-    const int widen = dtype && !pairs;  /* bf16 rows widened per chunk (head_dim % 16 != 0) */
+    const int widen = dtype && !fmt, pairs = fmt == FMT_BF16_PAIRS;  /* widen: 16-bit rows, no ld8 */
     float kw[widen ? CHUNK * head_dim : 1], vw[widen ? CHUNK * head_dim : 1];
     float qp[pairs ? group * kv_heads * head_dim : 1];  /* the queries in pairs order */
     int64_t offs[CHUNK];
@@ -341,7 +306,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
         for (int h = 0; h < kv_heads; h++) {  /* the chunk's rows, one kv head after another */
             const float *qh = q + (int64_t)h * group * head_dim;
             float *ph = part + h * hstride, *mh = m + h * group, *lh = l + h * group;
-            chunk_pointers(kb, vb, offs, (int64_t)h * head_dim, n, head_dim, dtype, pairs, kw, vw,
+            chunk_pointers(kb, vb, offs, (int64_t)h * head_dim, n, head_dim, dtype, fmt, kw, vw,
                            kr, vr);
             for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
             for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
@@ -350,14 +315,14 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
                     pf_upto(&pc, a + (int64_t)n * ++slot / slots);
                     float *s = sbuf + g * CHUNK;
                     float mb = chunk_scores(qh + (g0 + g) * head_dim, kr, n, n8, head_dim, scale,
-                                            pairs, s);
+                                            fmt, s);
                     chunk_softmax(mb, mh + g0 + g, lh + g0 + g, ph + (g0 + g) * stride, s, n, n8,
                                   head_dim, dtype);
                 }
                 for (int g = 0; g < gb; g += nh) {
                     pf_upto(&pc, a + (int64_t)n * ++slot / slots);
                     chunk_values(vr, sbuf + g * CHUNK, n, ph + (g0 + g) * stride, stride,
-                                 head_dim, gb - g < nh ? 1 : nh, pairs);
+                                 head_dim, gb - g < nh ? 1 : nh, fmt);
                 }
             }
         }
@@ -370,15 +335,23 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
 }
 
 /* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully, and the
- * row format (fp32, or bf16 in pairs) a constant, so the loads carry no branch. */
+ * row format (ld8's) a constant, so the loads carry no branch. */
+#ifdef __F16C__
+#define F16_FMT FMT_F16
+#else
+#define F16_FMT FMT_F32  /* fp16 rows widened per chunk */
+#endif
 #define CHUNKED(D)                                                                            \
     static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
                                          int64_t bstride, int bsize, int kvh, int group,       \
                                          const int32_t *table, int64_t k0, int64_t k1,         \
                                          float scale, int dtype, float *part, int64_t hs) {    \
-        if (dtype)                                                                             \
+        if (dtype == 3)                                                                        \
             split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, dtype, 1, part, hs);                                   \
+                                 scale, 3, F16_FMT, part, hs);                                 \
+        else if (dtype)                                                                        \
+            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
+                                 scale, dtype, FMT_BF16_PAIRS, part, hs);                      \
         else                                                                                   \
             split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
                                  scale, 0, 0, part, hs);                                       \

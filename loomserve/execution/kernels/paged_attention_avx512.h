@@ -1,5 +1,5 @@
 /* The AVX-512 decode path of paged_attention.c (included after the AVX2 header, whose chunking
- * it shares: chunk_rows, PfCursor, widen_bf16, CHUNK), for head_dim % 16 == 0.
+ * it shares: chunk_rows, PfCursor, widen16, CHUNK), for head_dim % 16 == 0.
  *
  * Every query head of a kv head's group rides in one vector. The group goes in batches of up
  * to 16 heads, each batch padded to gp = a power of two; a vector's 16 lanes are gp heads x

@@ -9,7 +9,7 @@ logits equal the Python path's bit for bit; any other step runs the Python layer
 It applies (DecodeStack.build, once per model) to plain Llama-family layers (Llama, SmolLM2,
 Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms) whose four products run in a C kernel
 (quantized: layers/quant.py's tiled CPU weights; fp32: layers/dense.py's few-row kernel, up to
-its max_rows), with fp32 activations and an fp32 or bf16 KV cache read by the CPU paged
+its max_rows), with fp32 activations and an fp32, bf16 or fp16 KV cache read by the CPU paged
 backend, without attention sinks or tensor parallelism; and per step (run) when every KV
 group's metadata is decode rows only, written in full (no decode context parallelism).
 LOOMSERVE_DECODE_STACK=0 turns it off.
@@ -28,7 +28,7 @@ from loomserve.execution.layers import dense, fused, quant
 from loomserve.execution.layers.norm import RMSNorm
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 2}  # caches the stack writes: paged_attention.c's codes
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # paged_attention.c's codes
 
 
 class _Lin(ctypes.Structure):

@@ -1,7 +1,7 @@
-"""--kv-cache-dtype bfloat16 under a float32 model, through the whole engine (scheduler, chunked
-prefill, decode, the C decode stack where it applies), against transformers in fp32 on every
-architecture fixture: full attention, sliding windows, sinks, MLA latents and the hybrids
-(whose state layers keep the model's dtype).
+"""--kv-cache-dtype bfloat16 (and float16) under a float32 model, through the whole engine
+(scheduler, chunked prefill, decode, the C decode stack where it applies), against transformers
+in fp32 on every architecture fixture: full attention, sliding windows, sinks, MLA latents and
+the hybrids (whose state layers keep the model's dtype).
 
 Rounding K/V to bf16 (8 bits of mantissa) moves the log-probabilities a little; the documented
 tolerance (README, --kv-cache-dtype) is 0.1 on every generated token's logprob, and each
@@ -25,13 +25,14 @@ NAMES = ["tiny-llama", "tiny-qwen3", "tiny-mistral-swa", "tiny-gemma3", "tiny-gp
          "tiny-deepseek-v3", "tiny-qwen3-next", "tiny-nemotron-h"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_bf16_kv_cache_tracks_transformers(name):
+@pytest.mark.parametrize("name,kvd", [(n, "bf16") for n in NAMES]
+                         + [("tiny-llama", "fp16"), ("tiny-gpt-oss", "fp16")])
+def test_16bit_kv_cache_tracks_transformers(name, kvd):
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (37, 21)]
-    llm = LLM(str(FIXTURES / name), dtype="float32", kv_cache_dtype="bf16", kv_cache_memory="8MB",
+    llm = LLM(str(FIXTURES / name), dtype="float32", kv_cache_dtype=kvd, kv_cache_memory="8MB",
               block_size=4, max_num_batched_tokens=16)  # prompts prefill in chunks
     try:
         groups = llm.core.runner.kv_cache_config.groups
@@ -39,8 +40,9 @@ def test_bf16_kv_cache_tracks_transformers(name):
                                                     ignore_eos=True))
     finally:
         llm.close()
-    for grp in groups:  # attention rows in bf16; state layers in the model's fp32
-        want = torch.bfloat16 if grp.spec.kind != "linear_state" else torch.float32
+    kv = torch.bfloat16 if kvd == "bf16" else torch.float16
+    for grp in groups:  # attention rows in the KV dtype; state layers in the model's fp32
+        want = kv if grp.spec.kind != "linear_state" else torch.float32
         assert grp.spec.dtype == want, grp.spec
     ref = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32).eval()
     for p, o in zip(prompts, outs):
