@@ -215,11 +215,12 @@ def test_a_block_it_cannot_split_fails_before_any_process_starts():
 
 # --- the engine at D = 2 ----------------------------------------------------------------------
 
-def _run(model: str, dcp: int, interleave: int = 1, tp: int = 1):
+def _run(model: str, dcp: int, interleave: int = 1, tp: int = 1, kv_cache_dtype: str = "auto"):
     """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
     from loomserve.entrypoints.llm import LLM
     llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32",
-              dcp_kv_cache_interleave_size=interleave, tensor_parallel_size=tp)
+              dcp_kv_cache_interleave_size=interleave, tensor_parallel_size=tp,
+              kv_cache_dtype=kv_cache_dtype)
     try:
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
         second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
@@ -270,6 +271,19 @@ def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
         assert attn.calls["decode_kernel"] > 0 and attn.calls["prefill"] > 0
     if null:  # windowed decodes take the torch partial
         assert attn.calls["decode_torch"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
+def test_a_bf16_kv_cache_splits_across_ranks_as_on_one(name):
+    """--kv-cache-dtype bfloat16 under DCP: each rank rounds and reads its share of the rows
+    (MLA: its latent rows) as one rank does: the same greedy tokens and hits, the same pages
+    in half the bytes of fp32."""
+    model = _fixture(name)
+    tokens1, cached1, _, pool1, _ = _run(model, 1, kv_cache_dtype="bfloat16")
+    tokens2, cached2, _, pool2, _ = _run(model, 2, kv_cache_dtype="bfloat16")
+    assert tokens2 == tokens1 and cached2 == cached1
+    assert all(g.spec.dtype == torch.bfloat16 for g in pool2.groups)
+    assert pool2.page_bytes * 2 == pool1.page_bytes
 
 
 def test_tp_x_dcp_mla_matches_one_rank_and_tp_alone():
