@@ -155,14 +155,31 @@ static inline __attribute__((always_inline)) void pf_upto(PfCursor *c, int64_t t
     }
 }
 
+/* Where a chunk's arithmetic advances the prefetch cursor: fine (fp32 rows, read-bound) every 8
+ * keys of each head's scores and values, else (16-bit rows, arithmetic-bound: the calls cost
+ * more than they gain) once per head's scores or pair's values. Cursor target: the chunk's
+ * first key a + n x (steps taken / steps in the chunk). At 240K keys from DRAM (1 kv head x 32,
+ * 4 rows, 2 threads, Intel VM): fp32 per head 6.18-6.82 -> every 8 keys 5.58-6.41 ms; bf16
+ * 3.91 -> 4.06 (so not for 16-bit rows); SmolLM2's 3 x 64 at 64K and 128K in cache alike. */
+typedef struct {
+    PfCursor *c;
+    int64_t a;
+    int n, step, steps, fine;
+} Pf;
+
+static inline __attribute__((always_inline)) void pf_step(Pf *p, int fine) {
+    if (p->fine == fine) pf_upto(p->c, p->a + (int64_t)p->n * ++p->step / p->steps);
+}
+
 /* The scores of one query head over a chunk's n keys (n8 = n rounded up to 8; rows past n
  * repeat row 0 and are masked to -inf): into s, returning their max. */
 static inline __attribute__((always_inline)) float chunk_scores(
         const float *qg, const float *const *kr, int n, int n8, int head_dim, float scale,
-        int fmt, float *s) {
+        int fmt, float *s, Pf *pf) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int t0 = 0; t0 < n8; t0 += 8) {
+        pf_step(pf, 1);
         __m256 dots[8];
         for (int t = 0; t < 8; t++) dots[t] = _mm256_setzero_ps();
         for (int j = 0; j < head_dim; j += 8) {
@@ -212,11 +229,12 @@ static inline __attribute__((always_inline)) void chunk_softmax(
 #define VACC(NH, NV)                                                                          \
     static inline __attribute__((always_inline)) void vacc_##NH##_##NV(                       \
             const float *const *vr, const float *s, int cs, int n, float *acc, int astride,   \
-            int jb, int fmt) {                                                                 \
+            int jb, int fmt, Pf *pf) {                                                         \
         __m256 o[NH][NV];                                                                      \
         for (int g = 0; g < NH; g++)                                                           \
             for (int v = 0; v < NV; v++) o[g][v] = _mm256_loadu_ps(acc + g * astride + jb + 8 * v); \
         for (int t = 0; t < n; t++) {                                                          \
+            if ((t & 7) == 0) pf_step(pf, 1);                                                  \
             __m256 x[NV];                                                                      \
             for (int v = 0; v < NV; v++) x[v] = ld8(vr[t], jb + 8 * v, fmt);                  \
             for (int g = 0; g < NH; g++) {                                                     \
@@ -232,24 +250,26 @@ VACC(1, 8) VACC(2, 4) VACC(1, 4) VACC(1, 2) VACC(1, 1) VACC(2, 2) VACC(2, 1)
 /* V accumulation of heads [g0, g0 + nh) over one chunk, nh 1 or 2. */
 static inline __attribute__((always_inline)) void chunk_values(
         const float *const *vr, const float *s, int n, float *acc, int astride, int head_dim,
-        int nh, int fmt) {
+        int nh, int fmt, Pf *pf) {
     for (int jb = 0; jb < head_dim; jb += 64) {
         int nv = (head_dim - jb) / 8 < 8 ? (head_dim - jb) / 8 : 8;
-        if (nh == 2 && nv == 4) vacc_2_4(vr, s, CHUNK, n, acc, astride, jb, fmt);
-        else if (nh == 2 && nv == 2) vacc_2_2(vr, s, CHUNK, n, acc, astride, jb, fmt);
-        else if (nh == 2 && nv == 1) vacc_2_1(vr, s, CHUNK, n, acc, astride, jb, fmt);
+        if (nh == 2 && nv == 4) vacc_2_4(vr, s, CHUNK, n, acc, astride, jb, fmt, pf);
+        else if (nh == 2 && nv == 2) vacc_2_2(vr, s, CHUNK, n, acc, astride, jb, fmt, pf);
+        else if (nh == 2 && nv == 1) vacc_2_1(vr, s, CHUNK, n, acc, astride, jb, fmt, pf);
         else for (int g = 0; g < nh; g++) {
             float *a = acc + g * astride;
             const float *sg = s + g * CHUNK;
             switch (nv) {
-            case 8: vacc_1_8(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
-            case 4: vacc_1_4(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
-            case 2: vacc_1_2(vr, sg, CHUNK, n, a, astride, jb, fmt); break;
+            case 8: vacc_1_8(vr, sg, CHUNK, n, a, astride, jb, fmt, pf); break;
+            case 4: vacc_1_4(vr, sg, CHUNK, n, a, astride, jb, fmt, pf); break;
+            case 2: vacc_1_2(vr, sg, CHUNK, n, a, astride, jb, fmt, pf); break;
             default:
                 for (int v = 0; v < nv; v++) {  /* 3, 5, 6, 7 vectors: one at a time */
                     __m256 o = _mm256_loadu_ps(a + jb + 8 * v);
-                    for (int t = 0; t < n; t++)
+                    for (int t = 0; t < n; t++) {
+                        if (v == 0 && (t & 7) == 0) pf_step(pf, 1);
                         o = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), ld8(vr[t], jb + 8 * v, fmt), o);
+                    }
                     _mm256_storeu_ps(a + jb + 8 * v, o);
                 }
             }
@@ -287,8 +307,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
     const int nh = head_dim <= 64 ? 2 : 1, min_keys = chunk_min_keys(head_dim);
-    /* score and value calls per chunk, over every kv head */
-    const int slots = kv_heads * (group + (group + nh - 1) / nh);
+    const int fine = dtype == 0, vcalls = (group + nh - 1) / nh * (fine ? (head_dim + 63) / 64 : 1);
     PfCursor pc;
     pf_init(&pc, kb, vb, table, block_stride, block_size, row, 0, k0, k1, (int)row, group,
             dtype ? 2 : 4);
@@ -301,8 +320,8 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     }
     for (int64_t a = k0; a < k1;) {
         int n = chunk_rows(table, block_stride, block_size, row, a, k1, min_keys, offs);
-        int slot = 0;
         const int n8 = (n + 7) & ~7;
+        Pf pf = {&pc, a, n, 0, kv_heads * (group + vcalls) * (fine ? n8 / 8 : 1), fine};
         for (int h = 0; h < kv_heads; h++) {  /* the chunk's rows, one kv head after another */
             const float *qh = q + (int64_t)h * group * head_dim;
             float *ph = part + h * hstride, *mh = m + h * group, *lh = l + h * group;
@@ -312,17 +331,17 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
             for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
                 int gb = group - g0 < 8 ? group - g0 : 8;
                 for (int g = 0; g < gb; g++) {
-                    pf_upto(&pc, a + (int64_t)n * ++slot / slots);
+                    pf_step(&pf, 0);
                     float *s = sbuf + g * CHUNK;
                     float mb = chunk_scores(qh + (g0 + g) * head_dim, kr, n, n8, head_dim, scale,
-                                            fmt, s);
+                                            fmt, s, &pf);
                     chunk_softmax(mb, mh + g0 + g, lh + g0 + g, ph + (g0 + g) * stride, s, n, n8,
                                   head_dim, dtype);
                 }
                 for (int g = 0; g < gb; g += nh) {
-                    pf_upto(&pc, a + (int64_t)n * ++slot / slots);
+                    pf_step(&pf, 0);
                     chunk_values(vr, sbuf + g * CHUNK, n, ph + (g0 + g) * stride, stride,
-                                 head_dim, gb - g < nh ? 1 : nh, fmt);
+                                 head_dim, gb - g < nh ? 1 : nh, fmt, &pf);
                 }
             }
         }
