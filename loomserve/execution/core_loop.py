@@ -66,11 +66,18 @@ class CoreLoop:
         self._last_stats: EngineStats | None = None
 
     def run(self) -> int:
-        """Serve until a Shutdown (0) or an exception (1, after sending CoreDead)."""
+        """Serve until a Shutdown (0) or an exception (1, after sending CoreDead). A core that
+        steps in lockstep with peer ranks (peer_grace_s > 0) and fails in a collective because
+        a peer left on the front end's Shutdown exits 0 too, once its own Shutdown arrives
+        within that grace: the peers cannot all leave the collective at the same instant."""
         try:
             self._run()
             return 0
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the front end
+            if self._shutdown_within(getattr(self.core, "peer_grace_s", 0.0)):
+                log.info("a peer rank left on the front end's Shutdown (%s): stopping",
+                         type(exc).__name__)
+                return 0
             tb = traceback.format_exc()
             log.error("engine core failed; failing every in-flight request\n%s", tb)
             try:
@@ -78,6 +85,18 @@ class CoreLoop:
             except Exception:  # the transport is gone too: the front end sees the exit
                 log.exception("could not report the failure to the front end")
             return 1
+
+    def _shutdown_within(self, grace_s: float) -> bool:
+        """Whether a Shutdown arrives within grace_s seconds (other inputs are dropped: the
+        core is failing either way)."""
+        deadline = time.monotonic() + grace_s
+        while grace_s > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if any(isinstance(m, Shutdown) for m in self.transport.recv(min(left, 0.1))):
+                return True
+        return False
 
     def _run(self) -> None:
         core = self.core

@@ -4,7 +4,9 @@ The front end binds two IPC sockets (TCP for a DP core on another node, started 
 headless `serve`: loomserve.entrypoints.dp_remote) and spawns this process (multiprocessing "spawn": no forked
 torch or OpenMP state), which connects a PULL socket for CoreInput and a PUSH socket for
 CoreEvent, both msgpack. The first event is CoreReady (or CoreFailed, and exit 1). Exit codes:
-0 after a Shutdown or when the front end is gone, 1 after a core failure (CoreDead sent first).
+0 after a Shutdown or when the front end is gone (for a lockstep DP rank also when a peer that
+left on the Shutdown made its collective fail: core_loop.CoreLoop.run), 1 after a core failure
+(CoreDead sent first).
 """
 
 from __future__ import annotations

@@ -64,6 +64,11 @@ class LockstepCore:
     docstring). has_work() is always True so the core loop turns without blocking; step()
     decides, with the other ranks, whether this turn is a step or an idle pause."""
 
+    # A Shutdown reaches the ranks at slightly different times: one that leaves first makes a
+    # peer's next all-reduce fail. The core loop then waits this long for its own Shutdown
+    # before calling the failure a real one (core_loop.CoreLoop.run).
+    peer_grace_s = 2.0
+
     def __init__(self, core, moes, group) -> None:
         self.core, self.moes, self.group = core, moes, group
         self.global_step = 0
