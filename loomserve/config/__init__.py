@@ -76,7 +76,8 @@ def flat_defaults() -> dict[str, Any]:
     return out
 
 
-__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION", "DTYPES", "EVICTION_POLICIES",
-           "KV_CACHE_DTYPES",           "CacheConfig", "ControlConfig", "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
+__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION",
+           "DTYPES", "EVICTION_POLICIES", "KV_CACHE_DTYPES", "CacheConfig", "ControlConfig",
+           "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
            "SchedulerConfig", "TierConfig", "flat_defaults", "flat_fields", "parse_bytes",
            "parse_memory"]
