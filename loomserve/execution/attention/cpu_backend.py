@@ -42,7 +42,7 @@ SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one t
 # socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
 # 67 MB KV and the 25 MB LM head read each step came back from DRAM.
 RESIDENT_CAP = 64 << 20
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache dtypes the kernel reads
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -224,7 +224,7 @@ def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
     """The kernel takes this call: a CPU tensor, a cache dtype it reads, [.., kv_heads,
     head_dim] rows contiguous, K and V laid out alike."""
     inner = (kv_heads * q.shape[2], q.shape[2], 1)
-    return (k_cache.dtype in _DTYPES and q.device.type == "cpu"
+    return (k_cache.dtype in KV_DTYPES and q.device.type == "cpu"
             and k_cache.stride()[1:] == inner and v_cache.stride() == k_cache.stride())
 
 

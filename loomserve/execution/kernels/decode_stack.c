@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_float.h"
+
 typedef void (*quant_matmul_fn)(const float *x, int64_t M, int64_t K, const uint8_t *w, int has_mins,
                                 int64_t N, int bits, const float *bias, float *y, int nthreads);
 typedef void (*rms_norm_fn)(const void *x, long x_stride, const void *residual, void *sum,
@@ -79,33 +81,9 @@ typedef struct {  /* the step's buffers, fp32, M rows each (sizes in the Python 
 
 int decode_stack_abi(void) { return 3; }
 
-/* fp32 -> bf16, round to nearest even as torch's .to(bfloat16) (NaN stays a quiet NaN). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* fp32 -> IEEE binary16, round to nearest even as torch's .to(float16): past 65504 rounds to
- * inf, below 2^-14 to a subnormal, NaN stays a quiet NaN. */
-static inline uint16_t to_f16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(s | 0x7e00u);
-    if (a >= 0x47800000u) return (uint16_t)(s | 0x7c00u);  /* >= 65536 (and inf): inf */
-    if (a < 0x38800000u) {  /* |f| < 2^-14: a multiple of 2^-24, rounded (exact product) */
-        float v;
-        memcpy(&v, &a, 4);
-        return (uint16_t)(s | (uint32_t)__builtin_rintf(v * 0x1p24f));
-    }
-    return (uint16_t)(s | ((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
-}
-
-/* n values through to_f16 (tests check it against torch's rounding). */
+/* n values through f32_to_f16 (tests check it against torch's rounding). */
 void decode_stack_to_f16(const float *x, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = to_f16(x[i]);
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16(x[i]);
 }
 
 /* One token's K or V row (kvs values) into its slot of a cache of `dtype` (paged_attention.c's
@@ -117,9 +95,9 @@ static void store_row(void *cache, int64_t at, const float *src, int64_t kvs, in
     }
     uint16_t *dst = (uint16_t *)cache + at;
     if (dtype == 3)
-        for (int64_t j = 0; j < kvs; j++) dst[j] = to_f16(src[j]);
+        for (int64_t j = 0; j < kvs; j++) dst[j] = f32_to_f16(src[j]);
     else
-        for (int64_t j = 0; j < kvs; j++) dst[j] = to_bf16(src[j]);
+        for (int64_t j = 0; j < kvs; j++) dst[j] = f32_to_bf16(src[j]);
 }
 
 /* y[M, n] = x[M, k] @ W^T (+ bias), with the kernel and threads the Python layer would use. */

@@ -21,15 +21,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_float.h"
+
 #define PF_LEAD 16384
 #define PF_MIN_BYTES (256 << 10)
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline float w_at(const void *w, int dtype, int64_t i) {
     return dtype ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];

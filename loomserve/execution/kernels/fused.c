@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "half_float.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -20,29 +23,14 @@
 #define PAR_MIN_ELEMS 32768L /* below this a parallel region costs more than it saves */
 #define MAX_HEAD_DIM 1024
 
-static inline float bf2f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) { /* round to nearest even, NaN kept quiet (as c10) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+static inline float round_bf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 static void load_row(const void *src, int dtype, long d, float *dst) {
     if (dtype == 0) {
         memcpy(dst, src, (size_t)d * sizeof(float));
     } else {
         const uint16_t *s = (const uint16_t *)src;
-        for (long i = 0; i < d; i++) dst[i] = bf2f(s[i]);
+        for (long i = 0; i < d; i++) dst[i] = bf16_to_f32(s[i]);
     }
 }
 
@@ -51,7 +39,7 @@ static void store_row(const float *src, int dtype, long d, void *dst) {
         memcpy(dst, src, (size_t)d * sizeof(float));
     } else {
         uint16_t *o = (uint16_t *)dst;
-        for (long i = 0; i < d; i++) o[i] = f2bf(src[i]);
+        for (long i = 0; i < d; i++) o[i] = f32_to_bf16(src[i]);
     }
 }
 

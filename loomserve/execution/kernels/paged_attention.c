@@ -22,32 +22,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_float.h"
+
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 256
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* IEEE binary16 -> float32, exactly (normal, subnormal, zero, inf, nan). */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-    float f;
-    if (e == 0x1f) {
-        u = s | 0x7f800000u | (m << 13);
-    } else if (e) {
-        u = s | ((e + 112) << 23) | (m << 13);
-    } else {  /* zero or subnormal: m x 2^-24, exact in fp32 */
-        f = (float)m * 0x1p-24f;
-        memcpy(&u, &f, sizeof u);
-        u |= s;
-    }
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Row of head_dim values as float32 (16-bit rows widened into buf). */
 static inline const float *row_f32(const void *base, int64_t off, int dtype, int d, float *buf) {

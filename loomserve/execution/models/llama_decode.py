@@ -23,12 +23,12 @@ import os
 import torch
 
 from loomserve.execution import kernels
+from loomserve.execution.attention import cpu_backend
 from loomserve.execution.attention.cpu_backend import CpuPagedBackend, load_library
 from loomserve.execution.layers import dense, fused, quant
 from loomserve.execution.layers.norm import RMSNorm
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # paged_attention.c's codes
 
 
 class _Lin(ctypes.Structure):
@@ -160,7 +160,7 @@ class DecodeStack:
         for i, (layer, a) in enumerate(zip(self.layers, self.attn_mods)):
             k, v = a.k_cache, a.v_cache
             kvs = k.shape[2] * k.shape[3]
-            if (k.dtype not in _KV_DTYPES or k.stride()[1:] != (kvs, k.shape[3], 1)
+            if (k.dtype not in cpu_backend.KV_DTYPES or k.stride()[1:] != (kvs, k.shape[3], 1)
                     or v.stride() != k.stride() or v.dtype != k.dtype):
                 return False
             qn = a.q_norm
@@ -170,7 +170,7 @@ class DecodeStack:
                 None if qn is None else qn.weight.data_ptr(), None if qn is None else a.k_norm.weight.data_ptr(),
                 k.data_ptr(), v.data_ptr(), k.stride(0), groups[i], layer.input_layernorm._kernel_flags,
                 0 if qn is None else qn._kernel_flags, 0.0 if qn is None else qn.eps,
-                _KV_DTYPES[k.dtype])
+                cpu_backend.kv_code(k.dtype, torch.float32))  # the stack's queries are fp32
             if layer.post_attention_layernorm._kernel_flags != structs[i].norm_flags:
                 return False
         self.model_struct.block_size = self.attn_mods[0].k_cache.shape[1]
