@@ -12,7 +12,10 @@ products on a CPU, the CUDA path's numerics, slowly) runs the same chat prompts:
   free-run match            the mean length of the common prefix of both models' own greedy
                             continuations (a near-tie flipped once parts them for good)
 
-Run:  python benchmarks/quant_agreement.py [--modes gguf int8 int4 fp8] [--new-tokens 32] [--prompts 8]
+A mode `kv=DTYPE` (e.g. kv=bfloat16, kv=fp8_e4m3, kv=fp8_e5m2) keeps the reference's fp32
+weights and stores K/V in DTYPE (--kv-cache-dtype): the KV cache's rounding alone.
+
+Run:  python benchmarks/quant_agreement.py [--modes gguf int8 int4 fp8 kv=fp8_e4m3] [--new-tokens 32] [--prompts 8]
 Output: a table, and benchmarks/results/quant_agreement.json.
 """
 
@@ -42,11 +45,14 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def build_runner(model: str | None, quantization: str):
+def build_runner(model: str | None, mode: str):
+    """mode: a --quantization value, or kv=DTYPE (fp32 weights, K/V stored in DTYPE)."""
     from loomserve.execution.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig.from_kwargs(model=model, dtype="float32", device="cpu",
-                                                quantization=quantization, kv_cache_memory="64MB"))
+    kv = mode.removeprefix("kv=") if mode.startswith("kv=") else "auto"
+    return ModelRunner(EngineConfig.from_kwargs(
+        model=model, dtype="float32", device="cpu", kv_cache_memory="64MB", kv_cache_dtype=kv,
+        quantization="none" if mode.startswith("kv=") else mode))
 
 
 def run_logits(r, prompt: list[int], cont: list[int] | int) -> tuple[list[int], torch.Tensor]:
@@ -108,13 +114,13 @@ def main(argv=None) -> int:
            "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "results": {}}
     refs = [run_logits(ref, p, args.new_tokens) for p in prompts]
-    print(f"{'mode':6} {'agree':>7} {'max|dl|':>8} {'mean|dl|':>9} {'rel L2':>7} {'free-run':>8} {'MB':>7}")
+    print(f"{'mode':12} {'agree':>7} {'max|dl|':>8} {'mean|dl|':>9} {'rel L2':>7} {'free-run':>8} {'MB':>7}")
     for mode in args.modes:
         q = build_runner(args.model, mode)
         rec = compare(q, prompts, refs, args.new_tokens)
         rec["weight_bytes"] = q.weight_bytes
         out["results"][mode] = rec
-        print(f"{mode:6} {rec['teacher_forced_agreement']:7.3f} {rec['max_abs_dlogit']:8.3f} "
+        print(f"{mode:12} {rec['teacher_forced_agreement']:7.3f} {rec['max_abs_dlogit']:8.3f} "
               f"{rec['mean_abs_dlogit']:9.4f} {rec['rel_l2']:7.4f} {rec['free_run_common_prefix']:8.1f} "
               f"{q.weight_bytes / 1e6:7.1f}")
         del q

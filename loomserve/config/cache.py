@@ -15,8 +15,11 @@ DEFAULT_GPU_KV_FRACTION = 0.85
 # The dtype K/V rows are stored in. auto: the model's dtype. A narrower one than the model's
 # (bfloat16 KV beside float32 weights on CPU) halves the KV bytes each decode step reads and
 # doubles the tokens a --kv-cache-memory holds; attention still computes in the model's dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# fp8_e4m3 / fp8_e5m2 (8-bit floats, no scale, saturating: attention/kv_dtype.py) quarter the
+# bytes of an fp32 KV at a larger rounding error (3 / 2 mantissa bits).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+               "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 
 @dataclass
@@ -45,7 +48,7 @@ class CacheConfig:
         self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or fp32, "
-                             f"bf16, fp16), got {self.kv_cache_dtype!r}")
+                             f"bf16, fp16, fp8), got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory, "kv-cache-memory")
         self.retention = _parse_retention(self.retention)

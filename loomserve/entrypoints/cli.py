@@ -56,9 +56,10 @@ def _add_serve(sub) -> None:
                         "(0.8) (default: 1 GiB on CPU, 0.85 on GPU)")
     p.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], metavar="DTYPE",
                    help=f"dtype of the stored K/V: {', '.join(KV_CACHE_DTYPES)} (or fp32, bf16, "
-                        "fp16); auto: the model's --dtype. bfloat16 beside float32 weights halves "
-                        "the KV bytes a decode step reads and doubles the tokens the cache holds "
-                        "(default: %(default)s)")
+                        "fp16, fp8 = fp8_e4m3); auto: the model's --dtype. bfloat16 beside float32 "
+                        "weights halves the KV bytes a decode step reads and doubles the tokens "
+                        "the cache holds; fp8 quarters them (8-bit floats, no scale, saturating; "
+                        "less exact: see the README) (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
                    help="tokens per KV block (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int,

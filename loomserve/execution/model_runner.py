@@ -38,6 +38,7 @@ from loomserve.execution.attention import (
     build_metadata,
     select_backend,
 )
+from loomserve.execution.attention.kv_dtype import cache_dtype
 from loomserve.execution.attention.metadata import to_device
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.execution.kv_pool import KVPool
@@ -69,8 +70,7 @@ class ModelRunner:
         mcfg = config.model
         self.device = mcfg.torch_device
         self.dtype = mcfg.torch_dtype
-        kvd = config.cache.kv_cache_dtype
-        self.kv_dtype = self.dtype if kvd == "auto" else getattr(torch, kvd)
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir, mcfg.quantization)
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name

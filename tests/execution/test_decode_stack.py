@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loomserve.config import EngineConfig
+from loomserve.execution.attention.kv_dtype import cache_dtype, to_cache
 from loomserve.execution.batch import ScheduledSeq
 from loomserve.execution.layers import quant
 from tests.execution.models.conftest import FIXTURES, GREEDY, Blocks, logits_of
@@ -99,15 +100,18 @@ def test_stack_equals_the_python_layers(tmp_path, name, mode):
 @needs_kernel
 @pytest.mark.parametrize("name,mode,kvd", [("tiny-llama", "int4", "bfloat16"),
                                           ("qwen3-swa", "none", "bfloat16"),
-                                          ("tiny-llama", "int8", "float16")])
-def test_stack_writes_and_reads_a_16bit_kv_cache(tmp_path, name, mode, kvd):
-    """--kv-cache-dtype bfloat16 / float16 under the fp32 model: the stack rounds the new rows as
-    torch does and reads them as the Python layers do, so the logits stay equal bit for bit."""
+                                          ("tiny-llama", "int8", "float16"),
+                                          ("tiny-llama", "none", "fp8_e4m3"),
+                                          ("qwen3-swa", "int4", "fp8_e5m2")])
+def test_stack_writes_and_reads_a_narrow_kv_cache(tmp_path, name, mode, kvd):
+    """--kv-cache-dtype bfloat16 / float16 / fp8 under the fp32 model: the stack rounds the new
+    rows as the Python layers do (kv_dtype.to_cache) and reads them alike, so the logits stay
+    equal bit for bit."""
     model = two_swa_groups(tmp_path) if name == "qwen3-swa" else str(FIXTURES / name)
     prompts = [list(range(5, 14)), list(range(20, 61)), list(range(3, 30))]
     fast, slow = (runner(model, mode, s, kvd) for s in (True, False))
     assert fast.attention.__class__.__name__ == "CpuPagedBackend"
-    assert all(g.spec.dtype == getattr(torch, kvd) for g in fast.kv_cache_config.groups)
+    assert all(g.spec.dtype == cache_dtype(kvd, torch.float32) for g in fast.kv_cache_config.groups)
     a, b = drive(fast, prompts, 12), drive(slow, prompts, 12)
     assert fast.model.decode_stack and fast.model.decode_stack.steps == 11
     for x, y in zip(a, b):
@@ -141,6 +145,39 @@ def test_fp16_rounding_equals_torch():
     lib.decode_stack_to_f16(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                             ctypes.c_int64(1))
     assert out[:1].view(torch.float16).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_rounding_equals_torch(dtype):
+    """decode_stack.c's fp32 -> 8-bit float store equals kv_dtype.to_cache (torch's round to
+    nearest even after saturating at the largest finite value): normals, ties, subnormals
+    and their ties, the normal boundary, saturation, signed zero, inf; nan stays nan."""
+    import ctypes
+
+    from loomserve.execution import kernels
+
+    lib = kernels.load("decode_stack")
+    if lib is None:
+        pytest.skip("decode stack kernel did not build")
+    g = torch.Generator().manual_seed(1)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    codes = codes[codes.isfinite()]
+    mid = (codes.sort().values[1:] + codes.sort().values[:-1]) / 2  # every tie between codes
+    x = torch.cat([torch.randn(4000, generator=g) * 10 ** torch.randint(-9, 6, (4000,), generator=g),
+                   codes, mid, mid.nextafter(torch.tensor(float("inf"))),
+                   mid.nextafter(torch.tensor(float("-inf"))),
+                   torch.tensor([1e9, 500.0, 464.0, 60000.0, 0.0, -0.0, float("inf")])]).float()
+    x = torch.cat([x, -x])
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.decode_stack_to_f8(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                           ctypes.c_int64(x.numel()), ctypes.c_int(dtype == torch.float8_e5m2))
+    want = to_cache(x, dtype).view(torch.uint8)
+    bad = (out != want).nonzero().flatten()[:5]
+    assert bad.numel() == 0, [(x[i].item(), out[i].item(), want[i].item()) for i in bad]
+    nan = torch.tensor([float("nan")])
+    lib.decode_stack_to_f8(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                           ctypes.c_int64(1), ctypes.c_int(dtype == torch.float8_e5m2))
+    assert out[:1].view(dtype).float().isnan().all()
 
 
 @needs_kernel

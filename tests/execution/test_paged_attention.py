@@ -22,6 +22,7 @@ from loomserve.execution.attention import (
 )
 
 CPU = torch.device("cpu")
+NARROW_KV = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def reference(q, keys, values, positions, window, scale, sinks):
@@ -52,8 +53,9 @@ def run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks
     need = sum((c + n + block_size - 1) // block_size for c, n in seqs)
     num_blocks = need + 7
     kv_dtype = kv_dtype or dtype
-    pages = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
+    pages = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g)
     pages[pages.abs() > 3.5] = 1e4  # garbage that would show if a stray page were read
+    pages = pages.to(kv_dtype)  # (fp8: saturated at 448 / 57344)
     order = torch.randperm(num_blocks, generator=g).tolist()
     keys, values, tables, at = [], [], [], 0
     for c, n in seqs:
@@ -109,16 +111,16 @@ def test_backend_matches_reference(name, seqs, block_size, kv_heads, group, head
 @given(seqs=st.lists(seq_st, min_size=1, max_size=5), block_size=st.sampled_from([1, 4, 16]),
        kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from([8, 12, 32]), window=st.sampled_from([None, 5, 40]),
-       with_sinks=st.booleans(), fp16=st.booleans(), seed=st.integers(0, 1000))
+       with_sinks=st.booleans(), kv_dtype=st.sampled_from(NARROW_KV), seed=st.integers(0, 1000))
 def test_narrow_kv_cache_under_fp32_queries(name, seqs, block_size, kv_heads, group, head_dim,
-                                            window, with_sinks, fp16, seed):
-    """--kv-cache-dtype bfloat16 (or float16: no CPU kernel, the torch path) beside a float32
-    model: rows are written rounded and read widened, so with values the cache dtype can hold,
-    every path gives the fp32 reference to fp32 accuracy."""
+                                            window, with_sinks, kv_dtype, seed):
+    """--kv-cache-dtype bfloat16, float16, fp8_e4m3 or fp8_e5m2 beside a float32 model: rows
+    are written rounded and read widened, so with values the cache dtype can hold, every path
+    gives the fp32 reference to fp32 accuracy."""
     backend = select_backend(name, CPU, torch.float32)
     sinks = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) if with_sinks else None
     ours, ref = run_case(backend, seqs, block_size, kv_heads, group, head_dim, window, sinks,
-                         torch.float32, seed, kv_dtype=torch.float16 if fp16 else torch.bfloat16)
+                         torch.float32, seed, kv_dtype=kv_dtype)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours.double(), ref, atol=2e-5, rtol=2e-5)
 

@@ -33,12 +33,15 @@ def lib():
                                                    (6, 128, None), (24, 32, 300), (64, 16, None)])
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                             (torch.float32, torch.bfloat16),
-                                            (torch.float32, torch.float16)],
-                         ids=["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv"])
+                                            (torch.float32, torch.float16),
+                                            (torch.float32, torch.float8_e4m3fn),
+                                            (torch.float32, torch.float8_e5m2)],
+                         ids=["fp32", "bf16", "fp32-bf16kv", "fp32-fp16kv", "fp32-e4m3kv",
+                              "fp32-e5m2kv"])
 def test_every_vector_path_equals_the_reference(lib, group, head_dim, window, dtype, kv_dtype):
     """Padded groups (5, 6, 24 -> batches of 8 / 16 lanes), batches of 16 heads (24, 64),
     windows, sinks, contexts over many chunks and splits, odd key counts per chunk; fp32, bf16,
-    and bf16 or fp16 rows under fp32 queries (--kv-cache-dtype: fp32 math, so fp32 accuracy)."""
+    and bf16, fp16 or fp8 rows under fp32 queries (--kv-cache-dtype: fp32 math, so fp32 accuracy)."""
     sinks = torch.randn(2 * group, generator=torch.Generator().manual_seed(group))
     paths = set()
     for cap in (2, 1, 0):

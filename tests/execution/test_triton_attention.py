@@ -52,10 +52,13 @@ def test_triton_matches_reference(seqs, block_size, kv_heads, group, head_dim, w
 
 
 @pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.bfloat16),
-                                             (torch.bfloat16, torch.float32)])
+                                             (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float8_e4m3fn),
+                                             (torch.bfloat16, torch.float8_e5m2)])
 def test_triton_kv_cache_dtype_other_than_the_model(dtype, kv_dtype):
     """--kv-cache-dtype narrower (or wider) than the queries: the kernels widen what they load
-    to the queries' dtype; values both dtypes hold give the reference to the queries' accuracy."""
+    to the queries' dtype (8-bit floats by bits, from uint8 views); values both dtypes hold give
+    the reference to the queries' accuracy."""
     backend = select_backend("triton", DEVICE, dtype)
     seqs = [(70, 1), (33, 1), (0, 9), (40, 6)]
     ours, ref = run_case(backend, seqs, 16, 2, 2, 32, None, None, dtype, 11, DEVICE, kv_dtype)

@@ -25,5 +25,7 @@ def test_every_kernel_variant_compiles_for_sm90():
     bad = [r for r in rows if not r["ok"]]
     assert p.returncode == 0 and not bad, (bad or p.stderr[-2000:])
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"decode_split", "decode_merge", "prefill_split"} and len(rows) == 12
+    assert kernels == {"decode_split", "decode_merge", "prefill_split"} and len(rows) == 16
     assert any(r["SPLIT"] for r in rows if r["kernel"] == "prefill_split")
+    fp8 = {(r["kernel"], r["KV_FP8"]) for r in rows if r.get("KV_FP8")}  # 8-bit caches
+    assert fp8 == {(k, c) for k in ("decode_split", "prefill_split") for c in (1, 2)}

@@ -36,32 +36,45 @@ def variants(quick: bool = False):
         prefill_config,
     )
 
-    strides = dict.fromkeys(("sq_t", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h",
-                             "s_tab"), "i32")
     combos = QUICK if quick else itertools.product(
         ("bf16", "fp32"), (False, True), ((1, 64), (4, 128), (8, 64), (2, 12), (16, 256)))
     for dt, window, (group, hd) in combos:
         ieee = dt == "fp32"
-        sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i32",
-               "lens_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", **strides,
-               "scale": "fp32", "window": "i32", "block_size": "i32", "n_split": "i32"}
-        yield k.decode_split, sig, decode_config(group, hd, window, ieee)
+        yield k.decode_split, _decode_sig(dt, dt), decode_config(group, hd, window, ieee)
         corners = ((False, False), (True, True)) if quick else \
             itertools.product((False, True), (False, True))
         for split, sink in corners:
-            part = "*fp32" if split else f"*{dt}"
-            sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "o_ptr": f"*{dt}",
-                   "table_ptr": "*i32", "tiles_ptr": "*i32", "sink_ptr": "*fp32",
-                   "part_acc": part, "part_ml": part, "sq_t": "i32", "sq_h": "i32",
-                   "so_t": "i32", "so_h": "i32", **{n: "i32" for n in strides if n[1] in "kv"},
-                   "s_tab": "i32", "scale": "fp32", "window": "i32", "block_size": "i32",
-                   "first_row": "i32", "n_split": "i32", "heads_total": "i32"}
-            yield k.prefill_split, sig, prefill_config(group, hd, window, sink, split, ieee)
+            yield (k.prefill_split, _prefill_sig(dt, dt, split),
+                   prefill_config(group, hd, window, sink, split, ieee))
         for sink in (True,) if quick else (False, True):
             sig = {"part_acc": "*fp32", "part_ml": "*fp32", "sink_ptr": "*fp32",
                    "o_ptr": f"*{dt}", "so_t": "i32", "so_h": "i32", "n_split": "i32",
                    "heads_total": "i32"}
             yield k.decode_merge, sig, merge_config(hd, sink)
+    for kv_fp8 in (1, 2):  # 8-bit caches (uint8 views, widened by bits) under bf16 queries
+        yield k.decode_split, _decode_sig("bf16", "u8"), decode_config(4, 128, False, False, kv_fp8)
+        yield (k.prefill_split, _prefill_sig("bf16", "u8", True),
+               prefill_config(4, 128, False, False, True, False, kv_fp8))
+
+
+STRIDES = dict.fromkeys(("sq_t", "sq_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h", "s_tab"),
+                        "i32")
+
+
+def _decode_sig(dt: str, kv: str) -> dict:
+    return {"q_ptr": f"*{dt}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "table_ptr": "*i32",
+            "lens_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", **STRIDES,
+            "scale": "fp32", "window": "i32", "block_size": "i32", "n_split": "i32"}
+
+
+def _prefill_sig(dt: str, kv: str, split: bool) -> dict:
+    part = "*fp32" if split else f"*{dt}"
+    return {"q_ptr": f"*{dt}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "o_ptr": f"*{dt}",
+            "table_ptr": "*i32", "tiles_ptr": "*i32", "sink_ptr": "*fp32",
+            "part_acc": part, "part_ml": part, "sq_t": "i32", "sq_h": "i32",
+            "so_t": "i32", "so_h": "i32", **{n: "i32" for n in STRIDES if n[1] in "kv"},
+            "s_tab": "i32", "scale": "fp32", "window": "i32", "block_size": "i32",
+            "first_row": "i32", "n_split": "i32", "heads_total": "i32"}
 
 
 ALIGNED_STRIDES = {"sq_t", "sq_h", "so_t", "so_h", "sk_b", "sk_o", "sk_h", "sv_b", "sv_o", "sv_h"}

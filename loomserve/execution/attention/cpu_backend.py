@@ -42,7 +42,8 @@ SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one t
 # socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
 # 67 MB KV and the 25 MB LM head read each step came back from DRAM.
 RESIDENT_CAP = 64 << 20
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # cache dtypes the kernel reads
+# cache dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -231,11 +232,10 @@ def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
 def kv_code(cache: torch.dtype, model: torch.dtype) -> int:
     """paged_attention.c's dtype code: 0 fp32 rows; bf16 rows 1 under a bf16 model (weighting V
     as torch's bf16 kernels do), 2 under an fp32 one (--kv-cache-dtype bfloat16: fp32 math);
-    3 fp16 rows (fp32 math)."""
-    if cache == torch.float32:
-        return 0
-    if cache == torch.float16:
-        return 3
+    3 fp16, 4 float8_e4m3fn, 5 float8_e5m2 rows (fp32 math)."""
+    codes = {torch.float32: 0, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+    if cache in codes:
+        return codes[cache]
     return 1 if model == torch.bfloat16 else 2
 
 

@@ -99,7 +99,9 @@ class TritonBackend:
         d, heads, hd = meta.num_decode, q.shape[1], q.shape[2]
         kv_heads = heads // group
         table, lens, splits = self._decode_plan(meta, kv_heads)
-        cfg = decode_config(group, hd, meta.sliding_window is not None, self._ieee(q.dtype))
+        cfg = decode_config(group, hd, meta.sliding_window is not None, self._ieee(q.dtype),
+                            fp8_code(k_cache.dtype))
+        k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
         hd_pad = cfg["HD_PAD"]
         acc = torch.empty((d, heads, splits, hd_pad), dtype=torch.float32, device=q.device)
         ml = torch.empty((d, heads, splits, 2), dtype=torch.float32, device=q.device)
@@ -143,7 +145,8 @@ class TritonBackend:
         tiles, table, splits = self._prefill_plan(meta, shape["BLOCK_M"] // shape["G_PAD"],
                                                   kv_heads)
         cfg = prefill_config(group, hd, meta.sliding_window is not None, sinks is not None,
-                             splits > 1, ieee)
+                             splits > 1, ieee, fp8_code(k_cache.dtype))
+        k_cache, v_cache = _bytes(k_cache), _bytes(v_cache)
         first = meta.prefills[0].start
         n = out.shape[0] - first
         part_acc = part_ml = out
@@ -163,18 +166,29 @@ class TritonBackend:
                 splits, heads, **merge_config(hd, sinks is not None))
 
 
-def decode_config(group: int, hd: int, window: bool, ieee: bool) -> dict:
+def fp8_code(cache: torch.dtype) -> int:
+    """The kernels' KV_FP8: 0 (a cache dtype Triton loads), 1 float8_e4m3fn, 2 float8_e5m2."""
+    return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(cache, 0)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float cache as uint8 (same strides): the kernels widen its codes by bits, so
+    they run alike on GPUs without native fp8 loads (sm_80) and under the interpreter."""
+    return cache.view(torch.uint8) if fp8_code(cache.dtype) else cache
+
+
+def decode_config(group: int, hd: int, window: bool, ieee: bool, kv_fp8: int = 0) -> dict:
     """decode_split's compile-time parameters: the group's query heads padded to a tl.dot's
     16 rows, the head dim to a power of two, 64-key tiles (32 for fp32 products, whose FMA
     lowering needs more registers). Compiled for sm_90 (tests/execution/triton_ahead.py):
     bf16 59-119 registers, no spills."""
     return {"GROUP": group, "G_PAD": _pow2(group), "HD": hd, "HD_PAD": _pow2(hd),
             "BLOCK_N": 32 if ieee else 64, "MIN_SPLIT": MIN_SPLIT_KEYS, "HAS_WINDOW": window,
-            "IEEE": ieee}
+            "IEEE": ieee, "KV_FP8": kv_fp8}
 
 
 def prefill_config(group: int, hd: int, window: bool, sink: bool, split: bool,
-                   ieee: bool) -> dict:
+                   ieee: bool, kv_fp8: int = 0) -> dict:
     """prefill_split's: 64 query rows (tokens x group heads; 32 for head dims over 128, at
     least one token's group), 64-key tiles; fp32 products 16 rows x 32 keys (their FMA
     lowering spills at 64 x 64); the sink in the initial state unless split (then the merge
@@ -183,7 +197,8 @@ def prefill_config(group: int, hd: int, window: bool, sink: bool, split: bool,
     rows = 16 if ieee else 64 if hd_pad <= 128 else 32
     return {"GROUP": group, "G_PAD": g_pad, "HD": hd, "HD_PAD": hd_pad,
             "BLOCK_M": max(g_pad, rows), "BLOCK_N": 32 if ieee else 64,
-            "HAS_WINDOW": window, "SINK_INIT": sink and not split, "SPLIT": split, "IEEE": ieee}
+            "HAS_WINDOW": window, "SINK_INIT": sink and not split, "SPLIT": split, "IEEE": ieee,
+            "KV_FP8": kv_fp8}
 
 
 def merge_config(hd: int, sink: bool) -> dict:

@@ -23,10 +23,25 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _widen_fp8(x, KV_FP8: tl.constexpr):
+    """8-bit float codes (uint8) -> fp32, exactly, by bits (every GPU Triton targets, and the
+    interpreter): e5m2 is a binary16's top byte; e4m3's sign, exponent and mantissa shifted into
+    a binary16's places give 2^-8 of its value, subnormals included (kernels/fp8.h)."""
+    h = x.to(tl.uint16) << 8
+    if KV_FP8 == 1:
+        h = ((h >> 1) & 0x3F80) | (h & 0x8000)
+    f = h.to(tl.float16, bitcast=True).to(tl.float32)
+    if KV_FP8 == 1:
+        f = f * 256.0
+    return f
+
+
+@triton.jit
 def _load_kv(q_ptr, k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
-             sk_b, sk_o, sk_h, sv_b, sv_o, sv_h):
+             sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, KV_FP8: tl.constexpr):
     """K and V rows [len(pos), HD_PAD] of key positions `pos`, found through a table row, in
-    the queries' dtype (a narrower --kv-cache-dtype is widened here)."""
+    the queries' dtype (a narrower --kv-cache-dtype is widened here; KV_FP8 1 / 2: the caches
+    are uint8 views of float8_e4m3fn / float8_e5m2 pages)."""
     blk = tl.load(row + pos // block_size, mask=valid, other=0).to(tl.int64)
     off = pos % block_size
     mask = valid[:, None] & dmask[None, :]
@@ -34,6 +49,8 @@ def _load_kv(q_ptr, k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
                 mask=mask, other=0.0)
     v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_o + kvh * sv_h + d[None, :],
                 mask=mask, other=0.0)
+    if KV_FP8 != 0:
+        k, v = _widen_fp8(k, KV_FP8), _widen_fp8(v, KV_FP8)
     return k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
 
 
@@ -57,7 +74,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
                  scale, window, block_size, n_split,
                  GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                  HD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """Program (decode, kv head, split): the group's query heads as rows over one split of the
     visible keys. Each decode splits its own keys, from its key count on the device: into at
     most n_split runs of whole BLOCK_N tiles, none under MIN_SPLIT keys (so no argument
@@ -91,7 +108,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_acc, part_ml,
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k, v = _load_kv(q_ptr, k_ptr, v_ptr, row, pos, valid, block_size, kvh, d, dmask,
-                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
+                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, KV_FP8)
         m, l, acc = _fold(q, k, v, valid[None, :], m, l, acc, scale, IEEE)
     base = (seq * (tl.num_programs(1) * GROUP) + heads) * n_split + split
     tl.store(part_acc + base[:, None] * HD_PAD + d[None, :], acc, mask=gmask[:, None])
@@ -137,7 +154,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
                   GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                   HD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, SINK_INIT: tl.constexpr, SPLIT: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """Program (query tile, kv head, split): tile = (first row, tokens, first position,
     chunk); its rows are the tile's tokens x the kv head's query heads (token r // G_PAD,
     head r % G_PAD), so each K/V tile is loaded once for the whole GQA group. Keys (the cached
@@ -183,7 +200,7 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
         kpos = n0 + tl.arange(0, BLOCK_N)
         kvalid = kpos < end
         k, v = _load_kv(q_ptr, k_ptr, v_ptr, row, kpos, kvalid, block_size, kvh, d, dmask,
-                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h)
+                        sk_b, sk_o, sk_h, sv_b, sv_o, sv_h, KV_FP8)
         allowed = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (kpos[None, :] > qpos[:, None] - window)

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fp8.h"
 #include "half_float.h"
 
 typedef void (*quant_matmul_fn)(const float *x, int64_t M, int64_t K, const uint8_t *w, int has_mins,
@@ -54,7 +55,7 @@ typedef struct {
     int32_t group, norm_flags;   /* the layer's KV group (index into plans); RMSNorm variant */
     int32_t qk_flags;            /* the head norms' variant */
     float qk_eps;
-    int32_t kv_dtype;            /* paged_attention.c's code: 0 fp32, 2 bf16, 3 fp16 */
+    int32_t kv_dtype;            /* paged_attention.c's code: 0 fp32, 2 bf16, 3 fp16, 4 e4m3, 5 e5m2 */
 } Layer;
 
 typedef struct {  /* a KV group's decode plan (attention/cpu_backend.py: _plan) */
@@ -86,11 +87,21 @@ void decode_stack_to_f16(const float *x, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = f32_to_f16(x[i]);
 }
 
+/* n values through f32_to_e4m3 (e5m2: 0) or f32_to_e5m2 (1), checked the same way. */
+void decode_stack_to_f8(const float *x, uint8_t *out, int64_t n, int e5m2) {
+    for (int64_t i = 0; i < n; i++) out[i] = e5m2 ? f32_to_e5m2(x[i]) : f32_to_e4m3(x[i]);
+}
+
 /* One token's K or V row (kvs values) into its slot of a cache of `dtype` (paged_attention.c's
- * code: 0 fp32, 2 bf16, 3 fp16). */
+ * code: 0 fp32, 2 bf16, 3 fp16, 4 e4m3, 5 e5m2; 8-bit stores saturate, as kv_store.py's). */
 static void store_row(void *cache, int64_t at, const float *src, int64_t kvs, int dtype) {
     if (dtype == 0) {
         memcpy((float *)cache + at, src, sizeof(float) * (size_t)kvs);
+        return;
+    }
+    if (dtype >= 4) {
+        uint8_t *d8 = (uint8_t *)cache + at;
+        for (int64_t j = 0; j < kvs; j++) d8[j] = dtype == 4 ? f32_to_e4m3(src[j]) : f32_to_e5m2(src[j]);
         return;
     }
     uint16_t *dst = (uint16_t *)cache + at;

@@ -15,28 +15,37 @@
  * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
  * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16 under a bf16 model (V weighted
  * by probabilities rounded to bf16, as torch's bf16 kernels do), 2 = bfloat16 under an fp32
- * model (--kv-cache-dtype bfloat16: rows widened, the math all fp32), 3 = float16 rows (fp32
- * math); q, out, sinks float32.
+ * model (--kv-cache-dtype bfloat16: rows widened, the math all fp32), 3 = float16 rows, 4 =
+ * float8_e4m3fn rows, 5 = float8_e5m2 rows (fp32 math); q, out, sinks float32.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "fp8.h"
 #include "half_float.h"
 
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 256
 
-/* Row of head_dim values as float32 (16-bit rows widened into buf). */
+/* Bytes of one cached value of a dtype code. */
+static inline int kv_esize(int dtype) { return dtype == 0 ? 4 : dtype <= 3 ? 2 : 1; }
+
+/* Row of head_dim values as float32 (narrower rows widened into buf). */
 static inline const float *row_f32(const void *base, int64_t off, int dtype, int d, float *buf) {
     if (dtype == 0) return (const float *)base + off;
     const uint16_t *src = (const uint16_t *)base + off;
+    const uint8_t *b8 = (const uint8_t *)base + off;
     if (dtype == 3) {
         for (int j = 0; j < d; j++) buf[j] = f16_to_f32(src[j]);
-        return buf;
-    }
+    } else if (dtype == 4) {
+        for (int j = 0; j < d; j++) buf[j] = e4m3_to_f32(b8[j]);
+    } else if (dtype == 5) {
+        for (int j = 0; j < d; j++) buf[j] = e5m2_to_f32(b8[j]);
+    } else {
 #pragma omp simd
-    for (int j = 0; j < d; j++) buf[j] = bf16_to_f32(src[j]);
+        for (int j = 0; j < d; j++) buf[j] = bf16_to_f32(src[j]);
+    }
     return buf;
 }
 
@@ -266,7 +275,7 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
                  int split_tokens, int dtype, int nthreads) {
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * kv_heads != heads || dtype < 0
-        || dtype > 3)
+        || dtype > 5)
         return -1;
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,

@@ -2,7 +2,7 @@
  * `#if defined(__AVX2__) && defined(__FMA__)`): one split of a sequence's context for one kv
  * head, in chunks of CHUNK keys. Uses paged_attention.c's scalar helpers (exp_neg, round_bf16,
  * bf16_to_f32, begin_partials, end_partials, MAX_GROUP) and paged_attention_rows.h's row
- * formats (ld8, widen16, the pairs order), included before it. */
+ * formats (ld8, widen_row, the pairs order), included before it. */
 #include <immintrin.h>
 
 /* [sum(a[0]), ..., sum(a[7])]: eight dot-product accumulators reduced at once. */
@@ -74,23 +74,23 @@ static inline int chunk_rows(const int32_t *table, int64_t block_stride, int blo
 }
 
 /* The chunk's K and V rows of the kv head at hoff (elements into each row): where they lie
- * (fp32, or 16-bit rows ld8 reads in place: fmt != 0), else 16-bit rows widened into kw / vw. */
+ * (fp32, or narrower rows ld8 reads in place: fmt != 0), else narrower rows widened into kw / vw. */
 static inline __attribute__((always_inline)) void chunk_pointers(
         const void *kb, const void *vb, const int64_t *offs, int64_t hoff, int n, int head_dim,
         int dtype, int fmt, float *kw, float *vw, const float **kr, const float **vr) {
+    const int es = kv_esize(dtype);
     for (int t = 0; t < n; t++) {
-        if (fmt) {
-            kr[t] = (const float *)((const uint16_t *)kb + offs[t] + hoff);
-            vr[t] = (const float *)((const uint16_t *)vb + offs[t] + hoff);
-        } else if (dtype) {
+        const char *k = (const char *)kb + (offs[t] + hoff) * es;
+        const char *v = (const char *)vb + (offs[t] + hoff) * es;
+        if (dtype && !fmt) {
             float *kd = kw + t * head_dim, *vd = vw + t * head_dim;
-            widen16((const uint16_t *)kb + offs[t] + hoff, kd, head_dim, dtype);
-            widen16((const uint16_t *)vb + offs[t] + hoff, vd, head_dim, dtype);
+            widen_row(k, kd, head_dim, dtype);
+            widen_row(v, vd, head_dim, dtype);
             kr[t] = kd;
             vr[t] = vd;
         } else {
-            kr[t] = (const float *)kb + offs[t] + hoff;
-            vr[t] = (const float *)vb + offs[t] + hoff;
+            kr[t] = (const float *)k;
+            vr[t] = (const float *)v;
         }
     }
 }
@@ -299,7 +299,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
         float scale, int dtype, int fmt, float *part, int64_t hstride) {
     float m[group * kv_heads], l[group * kv_heads];
     float sbuf[8 * CHUNK];  /* the scores of up to 8 heads at a time */
-    const int widen = dtype && !fmt, pairs = fmt == FMT_BF16_PAIRS;  /* widen: 16-bit rows, no ld8 */
+    const int widen = dtype && !fmt, pairs = fmt == FMT_BF16_PAIRS;  /* widen: narrow rows, no ld8 */
     float kw[widen ? CHUNK * head_dim : 1], vw[widen ? CHUNK * head_dim : 1];
     float qp[pairs ? group * kv_heads * head_dim : 1];  /* the queries in pairs order */
     int64_t offs[CHUNK];
@@ -310,7 +310,7 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
     const int fine = dtype == 0, vcalls = (group + nh - 1) / nh * (fine ? (head_dim + 63) / 64 : 1);
     PfCursor pc;
     pf_init(&pc, kb, vb, table, block_stride, block_size, row, 0, k0, k1, (int)row, group,
-            dtype ? 2 : 4);
+            kv_esize(dtype));
     pf_upto(&pc, k0);
     for (int h = 0; h < kv_heads; h++)
         begin_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
@@ -354,26 +354,31 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
 }
 
 /* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully, and the
- * row format (ld8's) a constant, so the loads carry no branch. */
+ * row format (ld8's) a constant, so the loads carry no branch. Widened per chunk (format 0):
+ * fp16 rows without F16C, and 8-bit rows: their convert (4-5 ops per 8 values) would repeat
+ * for every query head of the group; once per chunk, in process at 64K (tiny model, 4 rows per
+ * kv head): e4m3 2.67 -> 2.23 ms a step, e5m2 2.35 -> 2.10 (bf16 in pairs: 1.98-2.01). */
 #ifdef __F16C__
 #define F16_FMT FMT_F16
 #else
-#define F16_FMT FMT_F32  /* fp16 rows widened per chunk */
+#define F16_FMT FMT_F32
 #endif
 #define CHUNKED(D)                                                                            \
     static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
                                          int64_t bstride, int bsize, int kvh, int group,       \
                                          const int32_t *table, int64_t k0, int64_t k1,         \
                                          float scale, int dtype, float *part, int64_t hs) {    \
-        if (dtype == 3)                                                                        \
+        switch (dtype) {                                                                       \
+        case 0: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,  \
+                                     scale, 0, FMT_F32, part, hs); return;                     \
+        case 3: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,  \
+                                     scale, 3, F16_FMT, part, hs); return;                     \
+        case 4: case 5:                                                                        \
             split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, 3, F16_FMT, part, hs);                                 \
-        else if (dtype)                                                                        \
-            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, dtype, FMT_BF16_PAIRS, part, hs);                      \
-        else                                                                                   \
-            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, 0, 0, part, hs);                                       \
+                                 scale, dtype, FMT_F32, part, hs); return;                     \
+        default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, \
+                                      scale, dtype, FMT_BF16_PAIRS, part, hs);                 \
+        }                                                                                      \
     }
 CHUNKED(32) CHUNKED(64) CHUNKED(128)
 

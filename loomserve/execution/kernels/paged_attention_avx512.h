@@ -1,5 +1,5 @@
 /* The AVX-512 decode path of paged_attention.c (included after the AVX2 header, whose chunking
- * it shares: chunk_rows, PfCursor, widen16, CHUNK), for head_dim % 16 == 0.
+ * it shares: chunk_rows, PfCursor, widen_row, CHUNK), for head_dim % 16 == 0.
  *
  * Every query head of a kv head's group rides in one vector. The group goes in batches of up
  * to 16 heads, each batch padded to gp = a power of two; a vector's 16 lanes are gp heads x
@@ -260,7 +260,7 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
     per_pass = per_pass < 1 ? 1 : per_pass > kv_heads ? kv_heads : per_pass;
     __m512 qbuf[per_pass * nq_head];
     Batch batches[per_pass * nb];
-    float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* bf16 only */
+    float kw[dtype ? CHUNK * head_dim : 1], vw[dtype ? CHUNK * head_dim : 1];  /* narrow rows only */
     int64_t offs[CHUNK];
     const float *kr[CHUNK + 16], *vr[CHUNK];
     const int64_t row = (int64_t)kv_heads * head_dim;
@@ -271,7 +271,7 @@ static void split_attend_avx512(const float *q, const void *kb, const void *vb,
         pass_begin(batches, qbuf, q, part, hstride, h0, nkv, nb, group, head_dim, scale);
         PfCursor pc;  /* two slots per batch: before its scores and before its V */
         pf_init(&pc, kb, vb, table, block_stride, block_size, row, (int64_t)h0 * head_dim, k0, k1,
-                nkv * head_dim, group, dtype ? 2 : 4);
+                nkv * head_dim, group, kv_esize(dtype));
         pf_upto(&pc, k0);
         for (int64_t a = k0; a < k1;) {
             int n = chunk_rows(table, block_stride, block_size, row, a, k1, min_keys, offs);

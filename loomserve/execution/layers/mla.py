@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.attention.kv_dtype import as_cached, to_cache
 from loomserve.execution.attention.metadata import padded_decode_tables
 from loomserve.execution.layers.attention import AttentionMetadata
 from loomserve.execution.layers.norm import RMSNorm
@@ -124,10 +125,10 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin, half = rope
         q_pe = apply_rope(q_pe, cos, sin, half)
         k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
-        latent = torch.cat([ckv, k_pe], dim=-1)
+        latent = as_cached(torch.cat([ckv, k_pe], dim=-1), self.latent_cache.dtype)
         rows = meta.write_rows  # decode context parallelism: the rows this rank stores
-        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (
-            latent if rows is None else latent[rows]).to(self.latent_cache.dtype)
+        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = to_cache(
+            latent if rows is None else latent[rows], self.latent_cache.dtype)
         if getattr(meta.backend, "name", None) == "pcp":  # the other ranks' prefill rows
             meta.backend.exchange(latent, meta, self._write_latent)
         out = x.new_empty(n, self.heads, self.v_dim)
@@ -147,7 +148,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.view(n, self.heads * self.v_dim))
 
     def _write_latent(self, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
-        self.latent_cache[blocks, offsets, :self.latent_dim] = rows.to(self.latent_cache.dtype)
+        self.latent_cache[blocks, offsets, :self.latent_dim] = to_cache(rows, self.latent_cache.dtype)
 
     # --- decode context parallelism (loomserve.execution.parallel.context_parallel) -----------
 
