@@ -1,5 +1,6 @@
 """The default model at an agentic context: single-stream decode over a long cached prompt,
-loomserve (fp32 and bf16 KV) vs llama-server, beside the read-bandwidth limit.
+loomserve (fp32, bf16 and fp8 KV) vs llama-server (f16 and q8_0 KV), beside the read-bandwidth
+limit.
 
 At a few thousand tokens of context the KV, not the weights, is most of what a decode step of
 SmolLM2-135M reads (30 layers x 2 x 3 kv heads x 64: 46 KB a token in fp32, 23 KB in 16 bits,
@@ -8,8 +9,10 @@ against ~97 MB of Q4_1/Q8_0 weights), so the KV dtype sets the speed.
 Systems (the built-in SmolLM2-135M-Instruct Q4_1 GGUF, 2 threads each):
   loomserve         `loomserve serve GGUF --quantization gguf --dtype float32` (fp32 KV)
   loomserve-kvbf16  the same with `--kv-cache-dtype bfloat16`
+  loomserve-kvfp8   the same with `--kv-cache-dtype fp8_e4m3`
   llama-server      `llama-server -m GGUF -np 1 -c CTX+512 -t 2 -tb 2` (its default f16 KV;
                     `--no-repack` on AMX hosts only, common.llama_repack_args)
+  llama-server-kvq8 the same with `-ctk q8_0 -ctv q8_0 -fa on` (8.5 bits a value)
 
 Method: every server up at once (idle ones sleep); each prefills the same random prompt of
 --context token ids once (its TTFT is reported), then --repeats rounds, the systems rotated
@@ -34,16 +37,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from longctx.measure import random_prompt, timed_request  # noqa: E402
 
-SYSTEMS = ("loomserve", "loomserve-kvbf16", "llama-server")
-KV_BYTES = {"loomserve": 4, "loomserve-kvbf16": 2, "llama-server": 2}
+SYSTEMS = ("loomserve", "loomserve-kvbf16", "loomserve-kvfp8", "llama-server", "llama-server-kvq8")
+KV_BYTES = {"loomserve": 4, "loomserve-kvbf16": 2, "loomserve-kvfp8": 1, "llama-server": 2,
+            "llama-server-kvq8": 34 / 32}  # a value's bytes
 
 
 def argv_for(name: str, gguf: str, context: int, threads: int, port: int) -> list[str]:
-    if name == "llama-server":
+    if name.startswith("llama-server"):
+        q8 = ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"] if name == "llama-server-kvq8" else []
         return [common.ensure_llama_server(build=False), "-m", gguf, "--host", "127.0.0.1",
                 "--port", str(port), "-np", "1", "-c", str(context + 512), "-t", str(threads),
-                "-tb", str(threads), *common.llama_repack_args(), "--no-webui"]
-    extra = ["--kv-cache-dtype", "bfloat16"] if name == "loomserve-kvbf16" else []
+                "-tb", str(threads), *common.llama_repack_args(), *q8, "--no-webui"]
+    extra = {"loomserve-kvbf16": ["--kv-cache-dtype", "bfloat16"],
+             "loomserve-kvfp8": ["--kv-cache-dtype", "fp8_e4m3"]}.get(name, [])
     return [sys.executable, "-m", "loomserve", "serve", gguf, "--quantization", "gguf",
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--max-num-seqs", "4", *extra]

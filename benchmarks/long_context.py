@@ -14,6 +14,9 @@ Systems (each server alone while measured, one after another; fp32 weights and K
                     `--no-repack` on AMX hosts only)
   llama-server-kvf16  the same with `-ctk f16 -ctv f16` (its default KV type): the peer of
                     loomserve-kvbf16 (speedups of a 16-bit-KV system are against it)
+  loomserve-kvfp8   `--kv-cache-dtype fp8_e4m3` (128 B of KV a token)
+  llama-server-kvq8  `-ctk q8_0 -ctv q8_0` (its 8-bit KV: 34 B per 32 values, 136 B a token;
+                    flash attention on, as llama.cpp needs for a quantized V): loomserve-kvfp8's peer
 
 Figures (benchmarks/longctx/systems.py has the method of each phase):
   decode@100K, decode@128K   ms per generated token at that context, one stream, prompt cached
@@ -48,9 +51,14 @@ import common  # noqa: E402
 from longctx import limits, model, report, systems  # noqa: E402
 
 RESULT_NAME = "long_context.json"
-SYSTEMS = ("loomserve", "loomserve-torch", "loomserve-si8", "loomserve-kvbf16", "llama-server",
-           "llama-server-kvf16")
-KV16 = {"loomserve-kvbf16", "llama-server-kvf16"}  # 16-bit KV: half the bytes a token, own limit
+SYSTEMS = ("loomserve", "loomserve-torch", "loomserve-si8", "loomserve-kvbf16", "loomserve-kvfp8",
+           "llama-server", "llama-server-kvf16", "llama-server-kvq8")
+# Narrower KV than fp32: the fraction of fp32's bytes a token (each system's own limit), and
+# which llama-server configuration is the peer.
+KV_FRACTION = {"loomserve-kvbf16": 0.5, "llama-server-kvf16": 0.5, "loomserve-kvfp8": 0.25,
+               "llama-server-kvq8": 34 / 128}
+LLAMA_KV = {"llama-server-kvf16": "f16", "llama-server-kvq8": "q8_0"}
+PEER = {"loomserve-kvbf16": "llama-server-kvf16", "loomserve-kvfp8": "llama-server-kvq8"}
 K = 1024
 
 
@@ -79,12 +87,12 @@ def server_for(name: str, phase: str, args, folder: str, gguf: str):
     ctx_slot = (args.c64_context + args.max_tokens + 512) if many else 132 * K + args.max_tokens
     if name.startswith("llama-server"):
         return systems.llama_argv(common.ensure_llama_server(build=False), gguf, slots,
-                                  slots * ctx_slot, args.threads,
-                                  "f16" if name in KV16 else "f32")
+                                  slots * ctx_slot, args.threads, LLAMA_KV.get(name, "f32"))
     kv = args.kv_memory_c64 if many else args.kv_memory
     backend = "torch" if name == "loomserve-torch" else args.backend
     extra = {"loomserve-si8": ["--stream-interval", "8"],
-             "loomserve-kvbf16": ["--kv-cache-dtype", "bfloat16"]}.get(name, [])
+             "loomserve-kvbf16": ["--kv-cache-dtype", "bfloat16"],
+             "loomserve-kvfp8": ["--kv-cache-dtype", "fp8_e4m3"]}.get(name, [])
     return systems.loomserve_argv(sys.executable, folder, backend, kv, max(slots, 4), extra)
 
 
@@ -133,7 +141,7 @@ def summarise(payload: dict[str, Any]) -> None:
         for phase, e in phases.items():
             if phase.startswith("decode@") and e.get("decode_ms_per_token_all"):
                 ms = median(e["decode_ms_per_token_all"])
-                per_token = lim["kv_bytes_per_token"] // (2 if name in KV16 else 1)
+                per_token = lim["kv_bytes_per_token"] * KV_FRACTION.get(name, 1.0)
                 kv_lim = 1e3 * int(phase[7:]) * per_token / (lim["read_gbs"] * 1e9)
                 row[phase] = {"ms_per_token": round(ms, 3), "x_kv_limit": round(ms / kv_lim, 2)}
             elif phase == "prefill24k" and e.get("ttft_s_all"):
@@ -143,7 +151,7 @@ def summarise(payload: dict[str, Any]) -> None:
             elif phase.startswith("c") and e.get("tok_per_s"):
                 row[phase] = {"tok_per_s": e["tok_per_s"]}
     for name, row in rows.items():
-        peer = rows.get("llama-server-kvf16" if name in KV16 else "llama-server", {})
+        peer = rows.get(PEER.get(name, "llama-server"), {})
         for phase, fig in row.items():
             if not name.startswith("llama-server") and phase in peer:
                 key = "ms_per_token" if "ms_per_token" in fig else ("s" if "s" in fig else None)

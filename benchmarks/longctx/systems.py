@@ -49,6 +49,7 @@ def llama_argv(binary: str, gguf: str, slots: int, ctx_total: int, threads: int,
         return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(slots), "-c", str(ctx_total), "-t", str(threads),
                 "-tb", str(threads), "-ctk", kv_type, "-ctv", kv_type, *llama_repack_args(),
+                *(["-fa", "on"] if kv_type.startswith("q") else []),  # a quantized V needs it
                 "--no-webui", "--cache-prompt", "-cram", "0"]
     return argv
 

@@ -273,16 +273,18 @@ def test_greedy_prefix_hits_and_capacity_match_one_rank(name, interleave):
         assert attn.calls["decode_torch"] > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3"])
-def test_a_bf16_kv_cache_splits_across_ranks_as_on_one(name):
-    """--kv-cache-dtype bfloat16 under DCP: each rank rounds and reads its share of the rows
-    (MLA: its latent rows) as one rank does: the same greedy tokens and hits, the same pages
-    in half the bytes of fp32."""
+@pytest.mark.parametrize("name,kvd", [("tiny-llama", "bfloat16"), ("tiny-deepseek-v3", "bfloat16"),
+                                      ("tiny-llama", "fp8_e4m3")])
+def test_a_narrow_kv_cache_splits_across_ranks_as_on_one(name, kvd):
+    """--kv-cache-dtype bfloat16 / fp8_e4m3 under DCP: each rank rounds and reads its share of
+    the rows (MLA: its latent rows) as one rank does: the same greedy tokens and hits, each
+    rank's pages half of one rank's."""
     model = _fixture(name)
-    tokens1, cached1, _, pool1, _ = _run(model, 1, kv_cache_dtype="bfloat16")
-    tokens2, cached2, _, pool2, _ = _run(model, 2, kv_cache_dtype="bfloat16")
+    tokens1, cached1, _, pool1, _ = _run(model, 1, kv_cache_dtype=kvd)
+    tokens2, cached2, _, pool2, _ = _run(model, 2, kv_cache_dtype=kvd)
     assert tokens2 == tokens1 and cached2 == cached1
-    assert all(g.spec.dtype == torch.bfloat16 for g in pool2.groups)
+    dtype = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kvd]
+    assert all(g.spec.dtype == dtype for g in pool2.groups)
     assert pool2.page_bytes * 2 == pool1.page_bytes
 
 
