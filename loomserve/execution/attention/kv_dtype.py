@@ -25,7 +25,7 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dtype in FP8_DTYPES.values()
 
 
 def as_cached(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

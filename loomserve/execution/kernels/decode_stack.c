@@ -93,7 +93,7 @@ void decode_stack_to_f8(const float *x, uint8_t *out, int64_t n, int e5m2) {
 }
 
 /* One token's K or V row (kvs values) into its slot of a cache of `dtype` (paged_attention.c's
- * code: 0 fp32, 2 bf16, 3 fp16, 4 e4m3, 5 e5m2; 8-bit stores saturate, as kv_store.py's). */
+ * code: 0 fp32, 2 bf16, 3 fp16, 4 e4m3, 5 e5m2; 8-bit stores saturate, as kv_dtype.to_cache). */
 static void store_row(void *cache, int64_t at, const float *src, int64_t kvs, int dtype) {
     if (dtype == 0) {
         memcpy((float *)cache + at, src, sizeof(float) * (size_t)kvs);

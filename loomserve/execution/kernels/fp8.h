@@ -3,15 +3,15 @@
  * largest finite 448) and float8_e5m2 (bias 15, the top byte of an IEEE binary16, largest
  * finite 57344). Stores round to nearest even and saturate at the largest finite value, as
  * vLLM's fp8 KV writes do (torch's e4m3 cast saturates too; its e5m2 cast would give inf, so
- * the Python writes clamp first: attention/kv_store.py); NaN stays NaN. Loads are exact. */
+ * the Python writes clamp first: attention/kv_dtype.py); NaN stays NaN. Loads are exact. */
 #ifndef LOOMSERVE_FP8_H
 #define LOOMSERVE_FP8_H
 #include <stdint.h>
 #include <string.h>
 
-/* The low 8 bits of an e4m3 value's magnitude shifted into a binary16's bit positions give a
+/* An e4m3 value's 7 magnitude bits shifted into a binary16's bit positions give a
  * binary16 worth 2^-8 of it, subnormals included (bias 15 vs 7, the subnormal scales 2^-14 vs
- * 2^-6): how the vector paths widen e4m3 (F16C's convert, then x 256 or a scale folded in). */
+ * 2^-6): how the vector path widens e4m3 (F16C's convert, then x 256: paged_attention_rows.h). */
 #define E4M3_F16_SCALE 256.f
 
 static inline float e4m3_to_f32(uint8_t x) {
