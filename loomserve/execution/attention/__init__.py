@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from loomserve.execution.attention.block_tables import BlockTables, tables_from_lists
-from loomserve.execution.attention.kv_dtype import as_cached, to_cache
+from loomserve.execution.attention.kv_dtype import as_cached
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk, build_metadata
 from loomserve.execution.attention.torch_backend import GatherWorkspace, TorchBackend
 
@@ -59,9 +59,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     sinks: [heads] fp32 sink logits or None. Writes the new K/V into their slots, returns
     [tokens, heads, head_dim]."""
     rows, dt = meta.write_rows, k_cache.dtype
-    k, v = as_cached(k, dt), as_cached(v, dt)  # a narrower --kv-cache-dtype rounds them here
-    k_cache[meta.slot_blocks, meta.slot_offsets] = to_cache(k if rows is None else k[rows], dt)
-    v_cache[meta.slot_blocks, meta.slot_offsets] = to_cache(v if rows is None else v[rows], dt)
+    # A narrower --kv-cache-dtype rounds the rows here, once; the writes' casts are then exact.
+    k, v = as_cached(k, dt), as_cached(v, dt)
+    k_cache[meta.slot_blocks, meta.slot_offsets] = (k if rows is None else k[rows]).to(dt)
+    v_cache[meta.slot_blocks, meta.slot_offsets] = (v if rows is None else v[rows]).to(dt)
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
 
 

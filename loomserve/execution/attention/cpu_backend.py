@@ -233,10 +233,12 @@ def kv_code(cache: torch.dtype, model: torch.dtype) -> int:
     """paged_attention.c's dtype code: 0 fp32 rows; bf16 rows 1 under a bf16 model (weighting V
     as torch's bf16 kernels do), 2 under an fp32 one (--kv-cache-dtype bfloat16: fp32 math);
     3 fp16, 4 float8_e4m3fn, 5 float8_e5m2 rows (fp32 math)."""
-    codes = {torch.float32: 0, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
-    if cache in codes:
-        return codes[cache]
+    if cache in _KV_CODES:
+        return _KV_CODES[cache]
     return 1 if model == torch.bfloat16 else 2
+
+
+_KV_CODES = {torch.float32: 0, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
 
 def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: int):

@@ -1,7 +1,8 @@
 """The dtype K/V rows are stored in (--kv-cache-dtype) and how rows are rounded into it.
 
-Invariants: every write into a KV page goes through `to_cache`, so a row read back is the row
-rounded to the cache dtype once (nearest even), whichever path wrote it; the C decode stack's
+Invariants: every row written into a KV page was rounded by `to_cache` (directly, or through
+`as_cached` before attention, after which the write's cast is exact), so a row read back is the
+row rounded to the cache dtype once (nearest even), whichever path wrote it; the C decode stack's
 stores (kernels/decode_stack.c, fp8.h) round and saturate the same way (tested equal). Attention
 reads every key and value as the cache holds it, the step's own rows too (`as_cached`): a
 prompt prefilled in one chunk, in several, or over a cached prefix gives the same outputs.

@@ -127,8 +127,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
         latent = as_cached(torch.cat([ckv, k_pe], dim=-1), self.latent_cache.dtype)
         rows = meta.write_rows  # decode context parallelism: the rows this rank stores
-        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = to_cache(
-            latent if rows is None else latent[rows], self.latent_cache.dtype)
+        self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (
+            latent if rows is None else latent[rows]).to(self.latent_cache.dtype)  # exact: rounded
         if getattr(meta.backend, "name", None) == "pcp":  # the other ranks' prefill rows
             meta.backend.exchange(latent, meta, self._write_latent)
         out = x.new_empty(n, self.heads, self.v_dim)
