@@ -8,6 +8,10 @@
    (K and V bytes read / measured read bandwidth).
 3. A 2,048-token prefill chunk over a cached 104K context (one layer), beside the FLOP limit
    (4 * q * ctx * head_dim * heads FLOPs at a measured fp32 matmul rate).
+4. A 2,048-token prefill chunk over a cached 8K context under a sliding window (one layer), in
+   gpt-oss-20b's attention shape (64 query heads, 8 KV heads of 64, window 128, sinks) and
+   Mistral-7B-v0.1's (32 / 8 of 128, window 4096), beside the FLOP limit over the keys each
+   query sees, with the peak memory each backend adds (VmHWM over VmRSS, each in a fresh process).
 
     python benchmarks/paged_attention.py [--repeats 5] [--out benchmarks/results/paged_attention.json]
 """
@@ -15,7 +19,9 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -116,6 +122,50 @@ def prefill(repeats: int, rate: float, cached: int = 106496, n: int = 2048) -> d
     return out
 
 
+WINDOWED = {"gpt-oss-20b": (64, 8, 64, 128, True), "mistral-7b-v0.1": (32, 8, 128, 4096, False)}
+
+
+def windowed_prefill(repeats: int, rate: float, shape: str, cached: int = 8192, n: int = 2048) -> dict:
+    heads, kvh, hd, w, _ = WINDOWED[shape]
+    seen = sum(min(w, p + 1) for p in range(cached, cached + n))
+    out = {"shape": shape, "window": w, "cached": cached, "chunk": n,
+           "limit_ms": 4 * seen * hd * heads / rate * 1e3}
+    spawn = multiprocessing.get_context("spawn")
+    for name in ("cpu_paged", "torch"):  # each in a fresh process: its own peak memory
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            ms, grew = pool.submit(_windowed_run, name, shape, cached, n, max(1, repeats // 2)).result()
+        out[f"{name}_ms"], out[f"{name}_peak_growth_mb"] = ms, grew
+    return out
+
+
+def _windowed_run(name: str, shape: str, cached: int, n: int, repeats: int) -> tuple[float, float]:
+    """(median ms of one layer's chunk, growth of the process's peak RSS in MB while timing)."""
+    heads, kvh, hd, w, with_sinks = WINDOWED[shape]
+    nb = (cached + n) // BS + 2
+    pages = torch.randn(nb, 2, BS, kvh, hd)
+    table = np.random.default_rng(2).permutation(nb).astype(np.int32)
+    q, k, v = torch.randn(n, heads, hd), torch.randn(n, kvh, hd), torch.randn(n, kvh, hd)
+    sinks = torch.randn(heads) if with_sinks else None
+    be = select_backend(name, CPU, torch.float32)
+
+    def step():
+        meta, _ = build_metadata([], [(cached, n, table)], BS, CPU, torch.float32, be, w)
+        paged_attention(q, k, v, pages[:, 0], pages[:, 1], meta, hd ** -0.5, sinks)
+    before = _rss_kb(reset_peak=True)
+    ms = timed(step, repeats) * 1e3
+    return ms, (_rss_kb("VmHWM") - before) / 1024
+
+
+def _rss_kb(field: str = "VmRSS", reset_peak: bool = False) -> int:
+    """The process's resident (VmRSS) or peak resident (VmHWM) kB; reset_peak first sets the
+    peak to the current RSS (Linux: 5 > /proc/self/clear_refs)."""
+    if reset_peak:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -127,7 +177,8 @@ def main() -> None:
            "bandwidth_gb_s": bw / 1e9, "fp32_matmul_gflops": rate / 1e9,
            "metadata": metadata(args.repeats),
            "decode": [decode(args.repeats, c, bw) for c in (32768, 131072)],
-           "prefill": prefill(args.repeats, rate)}
+           "prefill": prefill(args.repeats, rate),
+           "windowed_prefill": [windowed_prefill(args.repeats, rate, s) for s in WINDOWED]}
     print(json.dumps(res, indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

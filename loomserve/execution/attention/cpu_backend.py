@@ -12,7 +12,10 @@
   dense tiles; a tile is reused by every query of the chunk, so the copy is small beside the
   FLOPs). Partial results merge by their log-sum-exp, the attention sink (gpt-oss) joining the
   denominator at the end.
-- Sliding-window prefill chunks take the torch backend (its cost is bounded by the window).
+- Sliding-window prefill chunks (where the window binds) run in query tiles of T <= window - 1
+  tokens, each over three maskless key ranges: the tile's own keys (causal), the keys every
+  query of the tile sees, and the window's trailing edge, seen by query r from key r on, which
+  is causal with queries and keys both reversed (`_windowed`). No mask, no key outside the window.
 Anything the kernel cannot take (a cache dtype or layout it lacks) falls back to the torch
 backend for that call, so results never depend on the path.
 """
@@ -28,7 +31,7 @@ import torch
 
 from loomserve.execution import kernels
 from loomserve.execution.attention import torch_backend
-from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
+from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk, first_visible
 
 TILE_TOKENS = 8192
 # A prefill chunk's cached context runs in the decode kernel (each key read once, in place) when
@@ -37,6 +40,8 @@ TILE_TOKENS = 8192
 # context, one thread): a 2-token chunk's step 350 -> 214 ms, 8 tokens even, 16 tokens 1.1x
 # slower. At most the kernel's MAX_GROUP (64).
 CONTEXT_KERNEL_QUERIES = 16
+# Query tile of a sliding-window prefill chunk, at most window - 1 (see _windowed).
+WINDOW_TILE = 512
 SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one thread
 # The most last-level cache a step's keys are assumed to keep between steps. sysfs gives the
 # socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
@@ -71,8 +76,9 @@ class CpuPagedBackend:
         self.kv_bytes_per_token = 0
         self.resident_bytes = min(kernels.llc_bytes(), RESIDENT_CAP) // 2
         self._from_dram = -1
+        # what ran (tests check the kernel really did)
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
-                      "prefill_fallback": 0, "prefill_context_kernel": 0}  # what ran (tests check the kernel really did)
+                      "prefill_fallback": 0, "prefill_context_kernel": 0, "prefill_windowed": 0}
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None) -> torch.Tensor:
@@ -196,9 +202,13 @@ class CpuPagedBackend:
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk,
                 scale: float, group: int, sinks: torch.Tensor | None) -> torch.Tensor:
-        if meta.sliding_window is not None or q.device.type != "cpu":
+        w = meta.sliding_window
+        if q.device.type != "cpu" or (w is not None and w < 2):
             self.calls["prefill_fallback"] += 1
             return torch_backend.prefill(q, k, v, k_cache, v_cache, meta, c, scale, group, sinks)
+        if w is not None and c.start_pos + c.end - c.start > w:  # the window binds
+            self.calls["prefill_windowed"] += 1
+            return _windowed(q, k_cache, v_cache, meta, c, scale, sinks)
         self.calls["prefill_tiled"] += 1
         qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
         kc = k[c.start:c.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
@@ -215,10 +225,49 @@ class CpuPagedBackend:
             kt, vt = _tile(meta, c, k_cache, v_cache, a, min(a + TILE_TOKENS, c.start_pos), q.dtype)
             ot, lt = _flash(qc, kt, vt, 0.0, False, scale=scale)
             o, lse = _merge(o, lse, ot.float(), lt)
-        if sinks is not None:
-            # softmax over [scores, sink]: scale by e^lse / (e^lse + e^sink).
-            o = o * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
-        return o[0].transpose(0, 1).to(q.dtype)
+        return _finish(o, lse, sinks, q.dtype)
+
+
+def _finish(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype):
+    """[1, heads, n, hd] partial over every visible key -> [n, heads, hd] in dtype, the sink
+    (if any) joining the softmax: scaled by e^lse / (e^lse + e^sink)."""
+    if sinks is not None:
+        o = o * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+    return o[0].transpose(0, 1).to(dtype)
+
+
+def _windowed(q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk, scale: float,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+    """A prefill chunk under a sliding window w (query at p sees keys p - w + 1 .. p), without a
+    mask. Query tile [a, a + t), t <= w - 1, sees exactly: its own keys [a, a + t) causally; keys
+    [a - w + 1 + t, a) all; and the edge [a - w + 1, a - w + 1 + t), where query r sees key j iff
+    j >= r: reversing both makes that plain top-left causal (clipped at position 0, the reversed
+    keys lose their tail, which keeps it exact). The keys [first visible, chunk end) are gathered
+    once from the pages (paged_attention wrote the chunk's own rows there first)."""
+    w, n, p0 = meta.sliding_window, c.end - c.start, c.start_pos
+    lo = first_visible(p0, w)
+    kg, vg = _tile(meta, c, k_cache, v_cache, lo, p0 + n, q.dtype)  # [1, kv_heads, keys, hd]
+    qc = q[c.start:c.end].transpose(0, 1).unsqueeze(0)
+    tile, outs, lses = min(w - 1, WINDOW_TILE), [], []
+    for i in range(0, n, tile):
+        t, a = min(tile, n - i), p0 + i
+        qt = qc[:, :, i:i + t]
+        o, lse = _flash(qt, kg[:, :, a - lo:a - lo + t], vg[:, :, a - lo:a - lo + t], 0.0, True,
+                        scale=scale)
+        o = o.float()
+        x = max(a - w + 1 + t, lo)
+        if x < a:  # every query of the tile sees these
+            o2, l2 = _flash(qt, kg[:, :, x - lo:a - lo], vg[:, :, x - lo:a - lo], 0.0, False,
+                            scale=scale)
+            o, lse = _merge(o, lse, o2.float(), l2)
+        x, y = max(a - w + 1, lo), a - w + 1 + t
+        if x < y:  # the window's trailing edge
+            o3, l3 = _flash(qt.flip(2), kg[:, :, x - lo:y - lo].flip(2),
+                            vg[:, :, x - lo:y - lo].flip(2), 0.0, True, scale=scale)
+            o, lse = _merge(o, lse, o3.float().flip(2), l3.flip(-1))
+        outs.append(o)
+        lses.append(lse)
+    return _finish(torch.cat(outs, 2), torch.cat(lses, -1), sinks, q.dtype)
 
 
 def _kernel_fits(q, k_cache, v_cache, kv_heads: int) -> bool:
