@@ -178,20 +178,22 @@ def test_prefill_tiles_cover_long_cached_context(monkeypatch):
 
 @pytest.mark.parametrize("window, tile", [(2, 512), (40, 512), (64, 16), (300, 512)])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_windowed_prefill_runs_maskless_in_tiles(monkeypatch, window, tile, bf16):
-    """Sliding-window chunks take the tiled path (not the torch fallback's dense mask): fresh
-    prompts longer than the window (clipped at position 0), chunks over a cached context,
-    tiles of window - 1 tokens and shorter ones (the all-visible keys between), a sink."""
+@pytest.mark.parametrize("path", ["tiles", "rows"])
+def test_windowed_prefill_runs_maskless(monkeypatch, window, tile, bf16, path):
+    """Sliding-window chunks take the kernel's rows or the tiles (not the torch fallback's dense
+    mask): fresh prompts longer than the window (clipped at position 0), chunks over a cached
+    context, tiles of window - 1 tokens and shorter ones (the all-visible keys between), a sink."""
     from loomserve.execution.attention import cpu_backend
     monkeypatch.setattr(cpu_backend, "WINDOW_TILE", tile)
+    monkeypatch.setattr(cpu_backend, "ROWS_WINDOW", {2: 1 << 20, 1: 1 << 20} if path == "rows" else {})
     dtype = torch.bfloat16 if bf16 else torch.float32
     backend = select_backend("cpu_paged", CPU, dtype)
     seqs = [(0, 350), (500, 130), (max(window - 3, 1), 7), (37, 1), (0, 1)]
     ours, ref = run_case(backend, seqs, 16, 2, 4, 32, window, torch.randn(8), dtype, window)
     tol = 3e-2 if bf16 else 2e-5
     torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
-    assert backend.calls["prefill_fallback"] == 0
-    assert backend.calls["prefill_windowed"] == 3 and backend.calls["prefill_tiled"] == 1
+    assert backend.calls["prefill_fallback"] == 0 and backend.calls["prefill_tiled"] == 1
+    assert backend.calls["prefill_windowed" if path == "tiles" else "prefill_windowed_rows"] == 3
 
 
 def test_decode_metadata_does_not_grow_with_context():

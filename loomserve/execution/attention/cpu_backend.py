@@ -12,10 +12,12 @@
   dense tiles; a tile is reused by every query of the chunk, so the copy is small beside the
   FLOPs). Partial results merge by their log-sum-exp, the attention sink (gpt-oss) joining the
   denominator at the end.
-- Sliding-window prefill chunks (where the window binds) run in query tiles of T <= window - 1
-  tokens, each over three maskless key ranges: the tile's own keys (causal), the keys every
-  query of the tile sees, and the window's trailing edge, seen by query r from key r on, which
-  is causal with queries and keys both reversed (`_windowed`). No mask, no key outside the window.
+- Sliding-window prefill chunks (where the window binds): under a short window, one decode
+  kernel call with a row per token (its key count, the window applied in the kernel), each row
+  reading its window's keys in place; otherwise query tiles of T <= window - 1 tokens, each
+  over three maskless key ranges: the tile's own keys (causal), the keys every query of the
+  tile sees, and the window's trailing edge, seen by query r from key r on, which is causal
+  with queries and keys both reversed (`_windowed`). No mask, no key outside the window.
 Anything the kernel cannot take (a cache dtype or layout it lacks) falls back to the torch
 backend for that call, so results never depend on the path.
 """
@@ -42,6 +44,12 @@ TILE_TOKENS = 8192
 CONTEXT_KERNEL_QUERIES = 16
 # Query tile of a sliding-window prefill chunk, at most window - 1 (see _windowed).
 WINDOW_TILE = 512
+# The longest window whose prefill chunks run as one decode-kernel row per token, by the kernel's
+# vector path (paged_decode_path: 2 AVX-512, 1 AVX2). Measured against the tiles (Intel Xeon VM,
+# 2 threads, a 2,048-token chunk over 8K, fp32): AVX-512 (groups > 4) 2.0-2.4x faster at window
+# 128, 1.35-1.8x at 256-512, 1.06x at 1024, 0.73x at 4096; AVX2 1.07-1.75x at 128, 0.78-1.08x
+# at 256, 0.9x at 512.
+ROWS_WINDOW = {2: 512, 1: 128}
 SERIAL_WORK = 4096  # keys x query heads below which a decode call runs on one thread
 # The most last-level cache a step's keys are assumed to keep between steps. sysfs gives the
 # socket's whole L3 (480 MiB on the Intel benchmark VM, shared with other tenants), yet there a
@@ -78,7 +86,8 @@ class CpuPagedBackend:
         self._from_dram = -1
         # what ran (tests check the kernel really did)
         self.calls = {"decode_kernel": 0, "decode_fallback": 0, "prefill_tiled": 0,
-                      "prefill_fallback": 0, "prefill_context_kernel": 0, "prefill_windowed": 0}
+                      "prefill_fallback": 0, "prefill_context_kernel": 0, "prefill_windowed": 0,
+                      "prefill_windowed_rows": 0}
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None) -> torch.Tensor:
@@ -207,6 +216,10 @@ class CpuPagedBackend:
             self.calls["prefill_fallback"] += 1
             return torch_backend.prefill(q, k, v, k_cache, v_cache, meta, c, scale, group, sinks)
         if w is not None and c.start_pos + c.end - c.start > w:  # the window binds
+            out = self._windowed_rows(q, k_cache, v_cache, c, w, scale, group, sinks)
+            if out is not None:
+                self.calls["prefill_windowed_rows"] += 1
+                return out
             self.calls["prefill_windowed"] += 1
             return _windowed(q, k_cache, v_cache, meta, c, scale, sinks)
         self.calls["prefill_tiled"] += 1
@@ -226,6 +239,24 @@ class CpuPagedBackend:
             ot, lt = _flash(qc, kt, vt, 0.0, False, scale=scale)
             o, lse = _merge(o, lse, ot.float(), lt)
         return _finish(o, lse, sinks, q.dtype)
+
+    def _windowed_rows(self, q, k_cache, v_cache, c: PrefillChunk, w: int, scale: float,
+                       group: int, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """A windowed chunk as one decode-kernel call, a row per token with its own key count:
+        each row reads its window's keys in place. None where the kernel's path is slower than
+        the tiles at this window (ROWS_WINDOW) or cannot take the call."""
+        heads, hd = q.shape[1], q.shape[2]
+        kv_heads = heads // group
+        if (w > ROWS_WINDOW.get(self.lib.paged_decode_path(hd, group), 0)
+                or not _kernel_fits(q, k_cache, v_cache, kv_heads)):
+            return None
+        n = c.end - c.start
+        lens = np.arange(c.start_pos + 1, c.start_pos + n + 1, dtype=np.int32)
+        plan = _plan([c.table] * n, lens, w, kv_heads, heads)
+        # fp32 queries: fp32 math on any rows (as the tiles' flash kernel and merges do), not the
+        # bf16 decode's weighting of V in bf16
+        out = self._run(q[c.start:c.end].float(), k_cache, v_cache, plan, w, scale, sinks)
+        return None if out is None else out.to(q.dtype)
 
 
 def _finish(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype):
