@@ -21,19 +21,32 @@ from tests.entrypoints.server.conftest import TINY_LLAMA, running_server
 from .conftest import require_mooncake, require_redis
 
 KILL_AFTER = 15  # measured requests completed before the store is killed
+# The engine's paths (chunking, batching, cached or recomputed prefixes) agree to ~1e-5 in the
+# logits, not bit for bit: a greedy pick whose top two logprobs are closer than this may go
+# either way. Seen once in ~30 CI runs (one output of 309); the fixture's 1,200 picks on random
+# prompts had one gap under 1e-4 (1.6e-5), five under 1e-3.
+NEAR_TIE = 1e-4
 
 
-def reference_outputs(records) -> list[str]:
+def reference_outputs(records) -> tuple[list[str], list[float]]:
+    """Per record: the offline engine's greedy text, and the smallest gap between its top two
+    logprobs over the generated tokens."""
     from loomserve import LLM, SamplingParams
 
     llm = LLM(TINY_LLAMA, kv_cache_memory="8MiB", dtype="float32")
     try:
         outs = llm.generate([r["prompt_ids"] for r in records],
                             [SamplingParams(temperature=0, max_tokens=r["max_tokens"],
-                                            ignore_eos=True) for r in records])
+                                            ignore_eos=True, logprobs=2) for r in records])
     finally:
         llm.close()
-    return [o.text for o in outs]
+    gaps = [min(_gap(top) for _, top in o.logprobs) for o in outs]
+    return [o.text for o in outs], gaps
+
+
+def _gap(top: list[tuple[int, float]]) -> float:
+    first, second = sorted((lp for _, lp in top), reverse=True)[:2]
+    return first - second
 
 
 @pytest.mark.parametrize("store", ["redis", "mooncake"])
@@ -86,11 +99,15 @@ def test_store_killed_mid_replay(store, tmp_path):
     # the pool served hits before it died
     assert m["tokens"]["cached_by_source"].get(store, 0) > 0, m["tokens"]["cached_by_source"]
     # the same greedy outputs as without tiers
-    want = reference_outputs(records)
+    want, gaps = reference_outputs(records)
     got = [r["output_text"] for r in records]
     bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    assert not bad, f"{len(bad)} of {len(records)} outputs differ, e.g. {got[bad[0]]!r} vs " \
-                    f"{want[bad[0]]!r}"
+    # A differing output passes only where the reference itself nearly tied (a page of wrong KV
+    # changes outputs without one), and only rarely.
+    real = [i for i in bad if gaps[i] >= NEAR_TIE]
+    assert not real and len(bad) <= 2, \
+        f"{len(bad)} of {len(records)} outputs differ ({len(real)} without a near-tie), e.g. " \
+        f"{got[(real or bad)[0]]!r} vs {want[(real or bad)[0]]!r}"
     # and the tier is reported down
     assert healthy == {f'tier="{store}"': 0.0}, healthy
     assert faults[f'tier="{store}"'] >= 1
