@@ -216,7 +216,7 @@ class CpuPagedBackend:
             self.calls["prefill_fallback"] += 1
             return torch_backend.prefill(q, k, v, k_cache, v_cache, meta, c, scale, group, sinks)
         if w is not None and c.start_pos + c.end - c.start > w:  # the window binds
-            out = self._windowed_rows(q, k_cache, v_cache, c, w, scale, group, sinks)
+            out = self._windowed_rows(q, k_cache, v_cache, meta, c, scale, group, sinks)
             if out is not None:
                 self.calls["prefill_windowed_rows"] += 1
                 return out
@@ -240,19 +240,22 @@ class CpuPagedBackend:
             o, lse = _merge(o, lse, ot.float(), lt)
         return _finish(o, lse, sinks, q.dtype)
 
-    def _windowed_rows(self, q, k_cache, v_cache, c: PrefillChunk, w: int, scale: float,
-                       group: int, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    def _windowed_rows(self, q, k_cache, v_cache, meta: AttentionMetadata, c: PrefillChunk,
+                       scale: float, group: int, sinks: torch.Tensor | None) -> torch.Tensor | None:
         """A windowed chunk as one decode-kernel call, a row per token with its own key count:
         each row reads its window's keys in place. None where the kernel's path is slower than
         the tiles at this window (ROWS_WINDOW) or cannot take the call."""
-        heads, hd = q.shape[1], q.shape[2]
+        heads, hd, w = q.shape[1], q.shape[2], meta.sliding_window
         kv_heads = heads // group
         if (w > ROWS_WINDOW.get(self.lib.paged_decode_path(hd, group), 0)
                 or not _kernel_fits(q, k_cache, v_cache, kv_heads)):
             return None
-        n = c.end - c.start
-        lens = np.arange(c.start_pos + 1, c.start_pos + n + 1, dtype=np.int32)
-        plan = _plan([c.table] * n, lens, w, kv_heads, heads)
+        key = ("cpu_window_rows", c.start, kv_heads, heads)
+        plan = meta.derived.get(key)
+        if plan is None:  # once per step and chunk, shared by its layers
+            n = c.end - c.start
+            lens = np.arange(c.start_pos + 1, c.start_pos + n + 1, dtype=np.int32)
+            plan = meta.derived[key] = _plan([c.table] * n, lens, w, kv_heads, heads)
         # fp32 queries: fp32 math on any rows (as the tiles' flash kernel and merges do), not the
         # bf16 decode's weighting of V in bf16
         out = self._run(q[c.start:c.end].float(), k_cache, v_cache, plan, w, scale, sinks)

@@ -166,9 +166,12 @@ class TritonBackend:
                 splits, heads, **merge_config(hd, sinks is not None))
 
 
+_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
 def fp8_code(cache: torch.dtype) -> int:
     """The kernels' KV_FP8: 0 (a cache dtype Triton loads), 1 float8_e4m3fn, 2 float8_e5m2."""
-    return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(cache, 0)
+    return _FP8_CODES.get(cache, 0)
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loomserve.execution.attention.kv_dtype import as_cached, to_cache
+from loomserve.execution.attention.kv_dtype import as_cached
 from loomserve.execution.attention.metadata import padded_decode_tables
 from loomserve.execution.layers.attention import AttentionMetadata
 from loomserve.execution.layers.norm import RMSNorm
@@ -148,7 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.view(n, self.heads * self.v_dim))
 
     def _write_latent(self, blocks: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> None:
-        self.latent_cache[blocks, offsets, :self.latent_dim] = to_cache(rows, self.latent_cache.dtype)
+        # exact: every rank rounded its latents (as_cached) before the exchange
+        self.latent_cache[blocks, offsets, :self.latent_dim] = rows.to(self.latent_cache.dtype)
 
     # --- decode context parallelism (loomserve.execution.parallel.context_parallel) -----------
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loomserve.execution.attention.kv_dtype import to_cache
 from loomserve.execution.attention.metadata import AttentionMetadata, PrefillChunk
 
 
@@ -129,9 +128,9 @@ class PcpBackend:
                 sinks: torch.Tensor | None) -> torch.Tensor:
         hd = k.shape[-1]
 
-        def write(blocks, offsets, rows):
-            k_cache[blocks, offsets] = to_cache(rows[..., :hd], k_cache.dtype)
-            v_cache[blocks, offsets] = to_cache(rows[..., hd:], v_cache.dtype)
+        def write(blocks, offsets, rows):  # exact casts: every rank's paged_attention rounded them
+            k_cache[blocks, offsets] = rows[..., :hd].to(k_cache.dtype)
+            v_cache[blocks, offsets] = rows[..., hd:].to(v_cache.dtype)
         self.exchange(torch.cat([k, v], dim=-1), meta, write)
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, sinks)
 
