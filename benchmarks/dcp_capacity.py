@@ -42,7 +42,7 @@ from common.host import host_info  # noqa: E402
 
 
 def _engine(model: str | None, dcp: int, memory: str, tp: int = 1):
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     return LLM(model, decode_context_parallel_size=dcp, kv_cache_memory=memory, dtype="float32",
                tensor_parallel_size=tp)
 

@@ -38,7 +38,7 @@ from common.host import host_info  # noqa: E402
 
 
 def _engine(model: str, tp: int, executor: str | None, streams: int, prompt_len: int):
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     if executor:
         os.environ["LOOMSERVE_EXECUTOR"] = executor
     else:

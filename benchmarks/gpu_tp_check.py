@@ -29,7 +29,7 @@ from common.host import host_info  # noqa: E402
 
 def run(model: str, tp: int, device: str, dtype: str, prompts: list[list[int]], max_tokens: int
         ) -> dict:
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     from loomserve.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()

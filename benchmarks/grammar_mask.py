@@ -50,9 +50,9 @@ CALL = ('<tool_call>\n{"name": "get_weather", "arguments": '
 
 def tokenizer():
     from loomserve.config import EngineConfig
-    from loomserve.entrypoints.tokenizer import Tokenizer
-    from loomserve.execution.models.default import default_model_path
-    from loomserve.execution.models.gguf_loader import cached_conversion
+    from loomserve.engine.tokenizer import Tokenizer
+    from loomserve.execution.models.loading.default import default_model_path
+    from loomserve.execution.models.loading.gguf import cached_conversion
 
     cfg = EngineConfig.from_kwargs(model=None)
     folder = cached_conversion(default_model_path(), cfg.model.resolved_cache_dir)

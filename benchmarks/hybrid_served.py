@@ -41,7 +41,7 @@ class SimRequest:
 
 def simulate(records: list[dict], config, chunk: int, seed: int = 0) -> dict:
     """The replay's requests through the KV manager alone, as the engine would drive it."""
-    from loomserve.execution.core import EngineCore, flop_model, retention_config
+    from loomserve.engine.core import EngineCore, flop_model, retention_config
     from loomserve.kv.cache_manager import KVCacheManager
 
     runner = EngineCore(config).runner  # only for its KV config and FLOP model: no step runs

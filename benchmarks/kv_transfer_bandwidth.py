@@ -114,7 +114,7 @@ def handshake(model: str | None, prompt_tokens: int, reps: int) -> dict:
     import random
 
     from loomserve import LLM, SamplingParams
-    from loomserve.entrypoints.processor import RequestState
+    from loomserve.engine.processor import RequestState
 
     kw = dict(kv_transfer_backend="mooncake", kv_cache_memory="512MiB")
     a, b = LLM(model, role="prefill", **kw), LLM(model, role="decode", **kw)

@@ -1,4 +1,4 @@
-"""Weight layout vs matmul speed on the CPU: what loomserve.execution.models.weight_layout chooses, and why.
+"""Weight layout vs matmul speed on the CPU: what loomserve.execution.models.loading.weight_layout chooses, and why.
 
 For the default model's matrix shapes (SmolLM2-135M: per layer qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536, times 30 layers, plus the 49152x576 LM head), one pass of

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from loomserve.entrypoints.tokenizer import Tokenizer
+    from loomserve.engine.tokenizer import Tokenizer
 
     ref = build_runner(args.model, "none")
     tok = Tokenizer.from_folder(ref.model_folder, ref.model_config.eos_token_ids)

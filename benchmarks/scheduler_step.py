@@ -35,8 +35,8 @@ import torch
 from loomserve.config import EngineConfig
 from loomserve.execution import model_runner as model_runner_mod
 from loomserve.execution.model_runner import ModelRunner
-from loomserve.execution.request import Request
-from loomserve.execution.scheduler import Scheduler
+from loomserve.engine.sched.request import Request
+from loomserve.engine.sched.scheduler import Scheduler
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.sampling_params import SamplingParams
 

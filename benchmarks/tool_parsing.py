@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.host import host_info  # noqa: E402
 from common.results import format_table, write_json  # noqa: E402
 
-from loomserve.entrypoints.chat.output_parser import ChatOutputParser  # noqa: E402
-from loomserve.entrypoints.reasoning import get_reasoning_parser  # noqa: E402
-from loomserve.entrypoints.tool_parsers import get_tool_parser  # noqa: E402
+from loomserve.api.chat.output_parser import ChatOutputParser  # noqa: E402
+from loomserve.api.reasoning import get_reasoning_parser  # noqa: E402
+from loomserve.api.tool_parsers import get_tool_parser  # noqa: E402
 
 WORDS = ("the of and to in is that for it as with was on be by this are or from at which "
          "request cache token model server weather function value result parse stream block "

@@ -119,4 +119,4 @@ def which_loomserve() -> list[str]:
     """argv prefix that runs the loomserve CLI (the console script, else ``-m``)."""
     exe = shutil.which("loomserve", path=os.path.dirname(sys.executable) + os.pathsep
                        + os.environ.get("PATH", ""))
-    return [exe] if exe else [sys.executable, "-m", "loomserve.entrypoints.cli"]
+    return [exe] if exe else [sys.executable, "-m", "loomserve.cli"]

@@ -46,7 +46,7 @@ def model_paths() -> tuple[str, str]:
 
 def _smollm2_folder() -> str:
     from loomserve.config.model import ModelConfig
-    from loomserve.execution.models.loader import resolve_model
+    from loomserve.execution.models.loading.loader import resolve_model
 
     folder, _ = resolve_model(None, ModelConfig().resolved_cache_dir)
     return folder

@@ -6,7 +6,7 @@ rendezvous: master_addr:master_port (port 0 = a free port, single node only). Wi
 the ranks are split evenly over the nodes; node 0 runs the engine core (rank 0, the driver),
 every other node runs `loomserve serve --node-rank K` as headless workers.
 data_parallel_size engine cores (each its own scheduler, KV pool and process) serve behind one
-front end, which places each request on one core (loomserve.entrypoints.dp_client);
+front end, which places each request on one core (loomserve.engine.dp_client);
 data_parallel_rank is the core's index, set by the front end in each core's copy of the config.
 DP x TP: each DP engine core runs its own tensor-parallel group (its own workers and
 rendezvous); on CUDA a node's d-th core's ranks take its devices d x TP .. d x TP + TP - 1.
@@ -15,7 +15,7 @@ DP over nodes (nnodes > 1 with data_parallel_size > 1): the D cores split evenly
 runs the front end and binds two ZMQ sockets per remote core at master_addr, on ports
 master_port + 1 + 2r and master_port + 2 + 2r (r the core's DP rank); DEP's group meets at
 master_addr:master_port. Nodes > 0 run `loomserve serve --node-rank K` headless
-(loomserve.entrypoints.dp_remote). Expert parallelism with TP is refused for now.
+(loomserve.engine.dp_remote). Expert parallelism with TP is refused for now.
 decode_context_parallel_size D > 1 (DCP; loomserve.execution.parallel.context_parallel) runs D
 ranks that each hold 1/D of every sequence's KV (token t on rank (t // I) % D, I =
 dcp_kv_cache_interleave_size): with tensor_parallel_size 1 each rank holds the whole model

@@ -13,7 +13,7 @@ class SchedulerConfig:
     # Most requests waiting for admission; beyond it new requests are refused (HTTP 429).
     # None: one per KV block of the pool (more could never all be admitted at once).
     max_waiting_requests: int | None = None
-    # Admission order of waiting requests (loomserve.execution.waiting_queue): cache_aware
+    # Admission order of waiting requests (loomserve.engine.sched.waiting_queue): cache_aware
     # (priority, then warm sessions, then least uncached work, with aging), priority (vLLM's:
     # the request's priority, then arrival), fcfs (arrival; preempted first).
     scheduling_policy: str = "cache_aware"

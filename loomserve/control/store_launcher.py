@@ -4,7 +4,7 @@ MooncakeService runs a `mooncake_master` (metadata) and one standalone `mooncake
 owns the pool memory (its global segment), TCP transport, peer-to-peer handshake (no etcd);
 engines connect to the master as pure requesters (MooncakeTier, global_segment_size=0).
 RedisService runs one redis-server without persistence. Both bind one address (127.0.0.1 by
-default). `add_store_parser` registers the subcommand (loomserve/entrypoints/cli.py calls it);
+default). `add_store_parser` registers the subcommand (loomserve/cli.py calls it);
 tests and benchmarks start the services directly. Imports nothing else from loomserve.
 
 The transfer engine inside mooncake_client also opens a handshake port and a TCP data port on

@@ -41,9 +41,9 @@ from loomserve.execution.attention import (
 from loomserve.execution.attention.kv_dtype import cache_dtype
 from loomserve.execution.attention.metadata import to_device
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
-from loomserve.execution.kv_pool import KVPool
+from loomserve.execution.kv_buffer import KVPool
 from loomserve.execution.layers.state import StateBatch, StateSeq
-from loomserve.execution.models.loader import load_model
+from loomserve.execution.models.loading.loader import load_model
 from loomserve.execution.parallel import prefill_context_parallel as pcp
 from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
 from loomserve.execution.parallel.state import get_pcp, get_tp

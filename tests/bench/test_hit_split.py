@@ -16,7 +16,7 @@ from loomserve.bench import replay as replay_mod
 from loomserve.bench import report
 from loomserve.bench.metrics import RequestRecord, compute_metrics
 from loomserve.bench.trace import load_traces
-from tests.entrypoints.server.conftest import running_server
+from tests.api.server.conftest import running_server
 
 PAGE = 8192  # tiny-llama, float32, 16-token blocks: bytes per block
 

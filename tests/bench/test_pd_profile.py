@@ -22,7 +22,7 @@ from loomserve.bench.pd_profile.model import (
 )
 from loomserve.bench.pd_profile.report import markdown, plot, summarize
 from loomserve.bench.pd_profile.runner import Level, Workload
-from loomserve.entrypoints.cli import build_parser
+from loomserve.cli import build_parser
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY_LLAMA = os.path.join(ROOT, "tests", "fixtures", "tiny-llama")

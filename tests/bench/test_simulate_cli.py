@@ -24,7 +24,7 @@ def _write_trace(path, tid: str, n_turns: int) -> None:
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str]:
-    from loomserve.entrypoints.cli import build_parser
+    from loomserve.cli import build_parser
     args = build_parser().parse_args(["bench", "simulate", *argv])
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from loomserve.control.cluster.spec import spec_from_dict
-from loomserve.entrypoints.cli import build_parser
+from loomserve.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "kubernetes"

@@ -17,7 +17,7 @@ import pytest
 
 from loomserve.control.kv_events import KVEventSubscriber, endpoints_from_info
 from loomserve.kv.event_wire import MEDIUM_GPU, BlockStored
-from tests.entrypoints.server.conftest import TINY_LLAMA
+from tests.api.server.conftest import TINY_LLAMA
 from tests.ports import free_port
 
 

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.server.conftest import TINY_LLAMA
+from tests.api.server.conftest import TINY_LLAMA
 from tests.ports import free_port
 
 pytest.importorskip("mooncake.engine")

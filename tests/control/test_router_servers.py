@@ -226,7 +226,7 @@ def test_router_api_key_in_each_api_shape(cluster):
     from fastapi.testclient import TestClient
 
     from loomserve.control.router.cli import build_from_args
-    from loomserve.entrypoints.cli import build_parser
+    from loomserve.cli import build_parser
     args = build_parser().parse_args(["router", "--api-key", "sekret", "--log-level", "warning"]
                                      + [a for p in cluster.instances for a in ("--instance",
                                                                                 p.url)])
@@ -264,7 +264,7 @@ def test_unreachable_choice_is_retried_on_the_next(cluster):
     from fastapi.testclient import TestClient
 
     from loomserve.control.router.cli import build_from_args
-    from loomserve.entrypoints.cli import build_parser
+    from loomserve.cli import build_parser
     fake_url, srv, thread = _fake_instance()
     args = build_parser().parse_args([
         "router", "--policy", "round_robin", "--health-interval", "60", "--instance", fake_url,

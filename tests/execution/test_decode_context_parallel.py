@@ -217,7 +217,7 @@ def test_a_block_it_cannot_split_fails_before_any_process_starts():
 
 def _run(model: str, dcp: int, interleave: int = 1, tp: int = 1, kv_cache_dtype: str = "auto"):
     """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32",
               dcp_kv_cache_interleave_size=interleave, tensor_parallel_size=tp,
               kv_cache_dtype=kv_cache_dtype)

@@ -198,7 +198,7 @@ def test_stack_switch(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("mode", ["gguf", "none"])
 def test_default_model_stack_equals_the_python_layers(mode):
-    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.loading.default import default_model_path
 
     try:
         default_model_path()

@@ -15,7 +15,7 @@ from torch import nn
 from loomserve.config import EngineConfig
 from loomserve.execution.layers import fp8
 from loomserve.execution.layers.fp8 import FP8, Fp8Linear, quantize_fp8
-from loomserve.execution.models.checkpoint import check_quantization_config, dequantize_fp8
+from loomserve.execution.models.loading.checkpoint import check_quantization_config, dequantize_fp8
 from tests.execution.models.conftest import FIXTURES, ref_logits
 from tests.execution.test_quant_models import forced_logits
 
@@ -87,7 +87,7 @@ def test_fp8_mode_on_tiny_llama_is_close_to_fp32():
 
 
 def test_default_model_fp8_agrees_with_fp32():
-    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.loading.default import default_model_path
     from tests.execution.test_quant_models import greedy_agreement
 
     try:

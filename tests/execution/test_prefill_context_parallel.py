@@ -41,7 +41,7 @@ def test_split_gives_every_row_to_one_rank_in_contiguous_pieces(decodes, sizes, 
 
 
 def _run(model: str, pcp: int):
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     # 48-token steps: the 150-token prompt prefills in chunks beside the others' decodes
     llm = LLM(model, prefill_context_parallel_size=pcp, kv_cache_memory="2MiB",
               dtype="float32", max_num_batched_tokens=48)

@@ -41,7 +41,7 @@ def forced_logits(r, prompt: list[int], cont: list[int] | int) -> tuple[list[int
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1])
 def test_gguf_blocks_decode_exactly(qtype):
-    from loomserve.execution.models.gguf_quant import from_gguf_blocks
+    from loomserve.execution.models.loading.gguf_quant import from_gguf_blocks
 
     w = np.random.default_rng(int(qtype)).standard_normal((6, 96)).astype(np.float32)
     w[0] += 3.0  # one row all positive: a min far from zero
@@ -58,7 +58,7 @@ def test_gguf_blocks_decode_exactly(qtype):
 
 
 def test_gguf_q4_k_blocks_within_fp16_scale_rounding():
-    from loomserve.execution.models.gguf_quant import from_gguf_blocks
+    from loomserve.execution.models.loading.gguf_quant import from_gguf_blocks
 
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (4 * 2, 144), dtype=np.uint8)  # 4 rows of 512 values
@@ -73,7 +73,7 @@ def test_gguf_q4_k_blocks_within_fp16_scale_rounding():
 
 @pytest.fixture(scope="module")
 def smol():
-    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.loading.default import default_model_path
 
     try:
         default_model_path()
@@ -96,7 +96,7 @@ def test_default_gguf_model_keeps_its_blocks(smol):
 
 
 def _chat_prompts(r) -> list[list[int]]:
-    from loomserve.entrypoints.tokenizer import Tokenizer
+    from loomserve.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(r.model_folder, r.model_config.eos_token_ids)
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))

@@ -10,7 +10,7 @@ import pytest
 
 from loomserve import SamplingParams
 from loomserve.config import EngineConfig
-from loomserve.entrypoints.async_llm import AsyncLLM
+from loomserve.engine.async_llm import AsyncLLM
 from loomserve.sampling_params import StructuredOutputs
 from tests.execution.conftest import TINY_LLAMA, make_llm
 

@@ -102,7 +102,7 @@ def test_invalid_schema_is_a_value_error_from_generate(llm):
 def compiler():
     import xgrammar as xgr
 
-    from loomserve.entrypoints.tokenizer import Tokenizer
+    from loomserve.engine.tokenizer import Tokenizer
     hf = Tokenizer.from_folder(TINY_LLAMA).hf
     return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=512))
 
@@ -212,7 +212,7 @@ def test_abort_frees_the_matcher(llm):
 def test_grammar_that_fails_to_compile_ends_its_request(llm):
     # Past the front end's validation (a message built by hand): the core aborts it, twice
     # (the second time from the cached failure), and keeps serving.
-    from loomserve.execution.messages import EngineCoreRequest
+    from loomserve.engine.messages import EngineCoreRequest
     bad = SamplingParams(max_tokens=5, structured=StructuredOutputs(regex="a(b"))
     finished = {}
     for rid in ("bad-1", "bad-2"):

@@ -26,7 +26,7 @@ from loomserve.execution.parallel.step_message import (
     encode,
 )
 from loomserve.sampling_params import SamplingParams
-from tests.entrypoints.server.conftest import running_server
+from tests.api.server.conftest import running_server
 from tests.execution.tp_util import FIXTURES, GREEDY, SYSTEM, _fixture, _run, one_thread_per_rank  # noqa: F401
 
 
@@ -72,7 +72,7 @@ def test_replicated_kv_head_and_padded_vocab_match_one_rank(one_kv_head_odd_voca
 def test_one_rank_keeps_todays_path():
     """tp 1: the in-process executor, no process group, no parallel layer, no step message."""
     from loomserve.config import EngineConfig
-    from loomserve.execution.executor import UniProcExecutor, make_executor
+    from loomserve.engine.executor import UniProcExecutor, make_executor
     from loomserve.execution.layers.parallel_linear import RowParallelLinear
     from loomserve.execution.parallel.state import get_tp
     ex = make_executor(EngineConfig.from_kwargs(model=_fixture("tiny-llama"),
@@ -83,7 +83,7 @@ def test_one_rank_keeps_todays_path():
 
 
 def test_unsupported_family_is_refused_before_any_process_starts():
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     from loomserve.execution.parallel.tensor_parallel import check_supported
     with pytest.raises(NotImplementedError, match="Llama family"):  # e.g. a registered plugin
         check_supported(type("PluginForCausalLM", (), {}), None, 2, "none")
@@ -96,8 +96,8 @@ def test_unsupported_family_is_refused_before_any_process_starts():
 
 
 def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
-    from loomserve.entrypoints.llm import LLM
-    from loomserve.execution.parallel.multiproc_executor import WorkerDied
+    from loomserve.engine.llm import LLM
+    from loomserve.engine.executor.multiproc import WorkerDied
     monkeypatch.setenv("LOOMSERVE_WORKER_FAIL_AT_START", "1")
     t0 = time.monotonic()
     with pytest.raises(WorkerDied, match="rank 1 .* failed to start"):
@@ -126,7 +126,7 @@ def test_data_parallel_with_tensor_parallel_config():
 
 
 def test_cli_parallel_flags():
-    from loomserve.entrypoints.cli import build_parser, engine_config_from_args
+    from loomserve.cli import build_parser, engine_config_from_args
     args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "2", "--nnodes",
                                       "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                                       "--master-port", "29500"])
@@ -222,10 +222,10 @@ def test_two_nodes_rendezvous_at_master_addr_and_port():
     import subprocess
     import sys
 
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     from loomserve.execution.parallel.state import free_port
     model, port = _fixture("tiny-llama"), free_port()
-    node1 = subprocess.Popen([sys.executable, "-m", "loomserve.entrypoints.cli", "serve", model,
+    node1 = subprocess.Popen([sys.executable, "-m", "loomserve.cli", "serve", model,
                               "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
                               "--master-port", str(port), "--kv-cache-memory", "2MiB",
                               "--dtype", "float32"])

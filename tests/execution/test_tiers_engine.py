@@ -189,7 +189,7 @@ def test_untiered_layer_kind_disables_tiers(caplog, monkeypatch):
 
 
 def test_serve_flags_reach_engine_config(tmp_path):
-    from loomserve.entrypoints.cli import build_parser, engine_config_from_args
+    from loomserve.cli import build_parser, engine_config_from_args
     args = build_parser().parse_args([
         "serve", "--host-cache-memory", "1GiB", "--disk-cache-dir", str(tmp_path),
         "--disk-cache-size", "2GiB", "--remote-cache", "mooncake://127.0.0.1:50051",

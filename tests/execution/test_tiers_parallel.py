@@ -27,7 +27,7 @@ OTHERS = [prompt(s) for s in range(10, 16)]  # 42+ blocks: A leaves any pool of 
 
 
 def run(model: str, pool: int, **parallel) -> list:
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     llm = LLM(model, dtype="float32", block_size=16, kv_cache_memory=str(pool),
               host_cache_memory="8MiB", **parallel)
     try:
@@ -41,7 +41,7 @@ def run(model: str, pool: int, **parallel) -> list:
 
 
 def page_bytes(model: str) -> int:
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     llm = LLM(model, dtype="float32", block_size=16, kv_cache_memory="1MiB")
     try:
         return llm.core.runner.kv_cache_config.page_bytes

@@ -28,7 +28,7 @@ def _fixture(name: str) -> str:
 
 def _run(model: str, tp: int) -> tuple[list, list, int, int]:
     """Greedy outputs and cached tokens of two rounds sharing a prefix, plus (blocks, page)."""
-    from loomserve.entrypoints.llm import LLM
+    from loomserve.engine.llm import LLM
     llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="2MiB", dtype="float32")
     try:
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)

@@ -260,8 +260,8 @@ def test_pin_budget_drops_oldest_session():
 
 
 def test_scheduler_passes_state_directives():
-    from loomserve.execution.request import Request
-    from loomserve.execution.scheduler import Scheduler
+    from loomserve.engine.sched.request import Request
+    from loomserve.engine.sched.scheduler import Scheduler
     from loomserve.sampling_params import SamplingParams
     kv = KVCacheManager(make_hybrid_config(64))
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4)

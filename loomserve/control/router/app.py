@@ -42,8 +42,8 @@ from loomserve.control.router.tokens import (
     API_MESSAGES,
     API_RESPONSES,
 )
-from loomserve.entrypoints.server.auth import APIKeyMiddleware
-from loomserve.entrypoints.server.errors import error_response, install_error_handlers
+from loomserve.api.auth import APIKeyMiddleware
+from loomserve.api.errors import error_response, install_error_handlers
 
 logger = logging.getLogger("loomserve.control.router")
 ROUTES = {"/v1/chat/completions": API_CHAT, "/v1/completions": API_COMPLETIONS,

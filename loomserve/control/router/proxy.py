@@ -21,8 +21,8 @@ import httpx
 
 from loomserve.control.router.instances import Instance, Lease
 from loomserve.control.router.tokens import API_MESSAGES, API_RESPONSES
-from loomserve.entrypoints.server.errors import anthropic_error_body, error_body
-from loomserve.entrypoints.server.handler import ClosingStreamingResponse
+from loomserve.api.errors import anthropic_error_body, error_body
+from loomserve.api.handler import ClosingStreamingResponse
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",

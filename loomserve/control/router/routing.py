@@ -1,7 +1,7 @@
 """The router's decisions, apart from HTTP: the session of a request, the instance it goes to
 (through the policy), and whether its prompt is prefilled elsewhere first.
 
-Sessions are read as the instances read them (loomserve.entrypoints.server.handler.session_of):
+Sessions are read as the instances read them (loomserve.api.handler.session_of):
 the X-Session-ID header, else the API body's field (prompt_cache_key for Chat Completions,
 Completions and Responses, metadata.user_id for Messages), else a client's own session header
 (Claude Code's X-Claude-Code-Session-Id, Codex's session_id). A subagent names its parent in
@@ -33,7 +33,7 @@ from loomserve.control.router.tokens import API_MESSAGES, API_RESPONSES, PromptK
 
 logger = logging.getLogger("loomserve.control.router")
 MAX_REMEMBERED_RESPONSES = 100_000
-# The instances' order (loomserve.entrypoints.server.handler, which this package may not import:
+# The instances' order (loomserve.api.handler, which this package may not import:
 # it pulls in the engine client).
 SESSION_HEADERS = ("x-session-id",)
 FALLBACK_SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id")

@@ -1,7 +1,7 @@
 """A request's prompt as the instance will see it: token ids and their block-hash chain.
 
 The router renders and tokenizes with the same chat layer the instances use
-(loomserve.entrypoints.chat: the model's template, the Hermes fallback for tools) and hashes
+(loomserve.api.chat: the model's template, the Hermes fallback for tools) and hashes
 with the same function (loomserve.kv.hashing.hash_chain, the request's cache_salt mixed into
 block 0), so the keys it looks up are the keys the instances publish in their KV events.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from loomserve.entrypoints.chat.render import ChatRenderer
-from loomserve.entrypoints.chat.validate import ChatInputError, check_messages, check_tools
-from loomserve.entrypoints.server.errors import APIError
+from loomserve.api.chat.render import ChatRenderer
+from loomserve.api.chat.validate import ChatInputError, check_messages, check_tools
+from loomserve.api.errors import APIError
 from loomserve.kv.hashing import hash_chain
 
 API_CHAT, API_COMPLETIONS, API_MESSAGES, API_RESPONSES = (
@@ -120,7 +120,7 @@ class PromptKeys:
     @classmethod
     def from_folder(cls, folder: str, block_size: int,
                     chat_template: str | None = None) -> "PromptKeys":
-        from loomserve.entrypoints.tokenizer import Tokenizer
+        from loomserve.engine.tokenizer import Tokenizer
         return cls(Tokenizer.from_folder(folder), block_size, chat_template=chat_template)
 
     def forget(self, session: str) -> None:
@@ -218,15 +218,15 @@ def _chat_parts(api: str, body: dict) -> tuple[list | None, list | None, dict]:
     """(neutral messages, neutral tools, template kwargs) of a chat-style body, converted by
     the instances' own protocol classes; messages None when the history is not in the body."""
     if api == API_CHAT:
-        from loomserve.entrypoints.server.openai_protocol import ChatCompletionRequest
+        from loomserve.api.openai_protocol import ChatCompletionRequest
         req = ChatCompletionRequest.model_validate(body).to_chat_request()
         return req.messages, req.tools, dict(req.template_kwargs)
     if api == API_MESSAGES:
-        from loomserve.entrypoints.server.anthropic_protocol import MessagesRequest
+        from loomserve.api.anthropic_protocol import MessagesRequest
         req, _ = MessagesRequest.model_validate(body).to_chat_request()
         return req.messages, req.tools, dict(req.template_kwargs)
     if api == API_RESPONSES:
-        from loomserve.entrypoints.server.responses_protocol import (
+        from loomserve.api.responses_protocol import (
             ResponsesRequest,
             convert_tools,
             to_messages,

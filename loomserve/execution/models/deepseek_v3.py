@@ -33,7 +33,7 @@ from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding
 from loomserve.execution.models.arch_config import _rope, eos_token_ids
-from loomserve.execution.models.weight_layout import lm_head_logits
+from loomserve.execution.models.loading.weight_layout import lm_head_logits
 from loomserve.kv.spec import KVCacheSpec, MLAAttentionSpec
 
 

@@ -23,7 +23,7 @@ from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import ArchConfig
 from loomserve.execution.models.llama_decode import DecodeStack
-from loomserve.execution.models.weight_layout import lm_head_logits
+from loomserve.execution.models.loading.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 

@@ -30,7 +30,7 @@ from loomserve.execution.layers.mlp import ReluSquaredMLP
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import eos_token_ids
 from loomserve.execution.models.qwen3_next import layer_groups, pick
-from loomserve.execution.models.weight_layout import lm_head_logits
+from loomserve.execution.models.loading.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 
 _KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}

@@ -33,7 +33,7 @@ from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import eos_token_ids
-from loomserve.execution.models.weight_layout import lm_head_logits
+from loomserve.execution.models.loading.weight_layout import lm_head_logits
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 
 # Weights stored around 0: the scale is 1 + w, applied in fp32.

@@ -28,7 +28,7 @@ partials; their decodes take the torch partial (the C kernel's window would coun
 Linear-state (Qwen3-Next) and Mamba (Nemotron-H) layers run replicated: every rank keeps the
 whole state in its pages (a page is sized by the larger of its groups, so where the state
 outweighs half a block's attention, DCP adds no capacity).
-TP x DCP (tensor_parallel_size = D, the same ranks): MLA models only (layers/mla_tp_dcp.py).
+TP x DCP (tensor_parallel_size = D, the same ranks): MLA models only (layers/mla.py, tp_dcp_attention).
 Refused at start: model classes outside SUPPORTED (TP_SUPPORTED under TP x DCP).
 """
 
@@ -53,7 +53,7 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full layers,
 # gpt-oss's sinks and MoE replicated per rank); Qwen3-Next and Nemotron-H (linear-state / Mamba
 # layers replicated per rank: their state is not split); DeepSeek-V3 (MLA: layers/mla.py).
-TP_SUPPORTED = ("DeepseekV3ForCausalLM",)  # TP x DCP: layers/mla_tp_dcp.py
+TP_SUPPORTED = ("DeepseekV3ForCausalLM",)  # TP x DCP: layers/mla.py, tp_dcp_attention
 SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
              "GptOssForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
@@ -281,7 +281,7 @@ def preflight(config) -> None:
     import json
     import os
 
-    from loomserve.execution.models.loader import resolve_model
+    from loomserve.execution.models.loading.loader import resolve_model
     from loomserve.execution.models.registry import resolve
     pc = config.parallel
     DcpLayout(0, pc.decode_context_parallel_size, config.cache.block_size,

@@ -1,7 +1,7 @@
 """DEP: data-parallel engine cores of an MoE model stepping in lockstep, experts sharded
 across them (`--data-parallel-size N --enable-expert-parallel`).
 
-Each DP rank is its own engine core process (loomserve.entrypoints.dp_client). With expert
+Each DP rank is its own engine core process (loomserve.engine.dp_client). With expert
 parallelism every MoE layer's forward is a collective over the DP ranks' gloo group
 (loomserve.execution.layers.moe), so all ranks must run the same number of forwards:
 

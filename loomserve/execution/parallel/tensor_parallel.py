@@ -61,7 +61,7 @@ def preflight(config) -> None:
     import json
     import os
 
-    from loomserve.execution.models.loader import resolve_model
+    from loomserve.execution.models.loading.loader import resolve_model
     from loomserve.execution.models.registry import resolve
     mcfg = config.model
     folder, _ = resolve_model(mcfg.model, mcfg.resolved_cache_dir)

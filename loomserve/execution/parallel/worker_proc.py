@@ -87,7 +87,6 @@ def run_worker(spec: WorkerSpec) -> int:
 
 def main() -> None:
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
-    from loomserve.execution.core_proc import die_with_parent
     die_with_parent(spec.parent_pid)
     logging.basicConfig(level=os.environ.get("LOOMSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s")

@@ -25,7 +25,7 @@ Engine (mooncake.py; TCP, RDMA where present) and an in-process one for tests.
 # Lazy exports: the front end validates kv_transfer_params (params.py) without importing the
 # backends' torch (~2 s of every front end's start).
 _EXPORTS = {"InProcTransfer": "backend", "KVTransfer": "backend", "TransferFailed": "backend",
-            "make_transfer": "backend", "KVTransferConnector": "connector",
+            "make_transfer": "connector", "KVTransferConnector": "connector",
             "TransferParams": "params", "is_prefill_leg": "params", "parse": "params",
             "validate": "params", "PeerTier": "peer_tier", "StagingArena": "source",
             "TransferSource": "source"}

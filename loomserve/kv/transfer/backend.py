@@ -145,13 +145,3 @@ class InProcTransfer(KVTransfer):
     def close(self) -> None:
         with InProcTransfer._lock:
             InProcTransfer._engines.pop(self.session_id, None)
-
-
-def make_transfer(backend: str, host: str = "127.0.0.1") -> KVTransfer:
-    """The configured backend (ControlConfig.kv_transfer_backend)."""
-    if backend == "inproc":
-        return InProcTransfer()
-    if backend == "mooncake":
-        from loomserve.kv.transfer.mooncake import MooncakeTransfer
-        return MooncakeTransfer(host)
-    raise ValueError(f"unknown KV transfer backend {backend!r}")

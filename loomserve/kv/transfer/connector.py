@@ -23,7 +23,7 @@ import logging
 import threading
 
 from loomserve.kv.tiers.base import copy_page
-from loomserve.kv.transfer.backend import make_transfer
+from loomserve.kv.transfer.backend import InProcTransfer, KVTransfer
 from loomserve.kv.transfer.params import is_prefill_leg, parse
 from loomserve.kv.transfer.peer_tier import PeerTier
 from loomserve.kv.transfer.source import TransferSource
@@ -218,3 +218,13 @@ class KVTransferConnector:
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None
+
+
+def make_transfer(backend: str, host: str = "127.0.0.1") -> KVTransfer:
+    """The configured backend (ControlConfig.kv_transfer_backend)."""
+    if backend == "inproc":
+        return InProcTransfer()
+    if backend == "mooncake":
+        from loomserve.kv.transfer.mooncake import MooncakeTransfer  # optional: mooncake
+        return MooncakeTransfer(host)
+    raise ValueError(f"unknown KV transfer backend {backend!r}")

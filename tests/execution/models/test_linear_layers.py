@@ -28,7 +28,7 @@ from tests.execution.models.conftest import FIXTURES
 # --- harness ---------------------------------------------------------------------------------------
 
 def load_fixture(name: str, model_cls, config_cls):
-    from loomserve.execution.models.checkpoint import iter_safetensors
+    from loomserve.execution.models.loading.checkpoint import iter_safetensors
 
     with open(FIXTURES / name / "config.json") as f:
         cfg = config_cls.from_hf(json.load(f))

@@ -10,8 +10,8 @@ import torch
 
 from loomserve import LLM
 from loomserve.config import EngineConfig
-from loomserve.execution.core import EngineCore
-from loomserve.execution.request import Request
+from loomserve.engine.core import EngineCore
+from loomserve.engine.sched.request import Request
 from loomserve.kv.spec import SlidingWindowSpec
 from loomserve.sampling_params import SamplingParams
 from tests.execution.models.conftest import FIXTURES

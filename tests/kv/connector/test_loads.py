@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from loomserve.execution.request import RequestStatus
+from loomserve.engine.sched.request import RequestStatus
 from loomserve.kv.connector import loads
 from loomserve.kv.hashing import hash_chain
 from loomserve.kv.tiers import DiskTier, TieredStore, codec

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from loomserve.control.store_launcher import free_port, parse_size
-from loomserve.entrypoints.cli import build_parser
+from loomserve.cli import build_parser
 
 from .conftest import PAGE, block_hashes, pages, require_mooncake, require_redis
 

@@ -16,7 +16,7 @@ import pytest
 from loomserve.bench import replay as replay_mod
 from loomserve.control.store_launcher import MooncakeService, RedisService
 from tests.bench.test_hit_split import PAGE, replay_args, scrape, write_traces
-from tests.entrypoints.server.conftest import TINY_LLAMA, running_server
+from tests.api.server.conftest import TINY_LLAMA, running_server
 
 from .conftest import require_mooncake, require_redis
 

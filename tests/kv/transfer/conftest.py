@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loomserve import LLM, SamplingParams
-from loomserve.entrypoints.output import RequestOutput
-from loomserve.entrypoints.processor import RequestState
+from loomserve.engine.output import RequestOutput
+from loomserve.engine.processor import RequestState
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -1,0 +1,366 @@
+"""The engine core: schedule, run, postprocess. Token ids in, token ids out.
+
+It owns the scheduler, the KV cache manager (data plane) and the executor (the model on every
+rank), and is driven by exactly one thread: the core loop (core_loop.py), in its own process
+or, for debugging and `LLM`, in the caller's. With KV tiers, a TierConnector (loomserve.kv.
+connector) sits beside the KV manager: the scheduler asks it about waiting requests, each step
+offers it the blocks just computed and polls it; its I/O runs on the tier store's threads.
+Invariants: every request added gets exactly one finished CoreOutput (a rejection included);
+at most `max_waiting_requests` requests wait for admission.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelOutput
+from loomserve.engine.executor import Executor, make_executor
+from loomserve.engine.messages import (
+    REJECTED,
+    CoreOutput,
+    CoreReady,
+    EngineCoreRequest,
+    EngineStats,
+)
+from loomserve.execution.model_runner import ModelRunner
+from loomserve.engine.sched.request import Request, RequestStatus
+from loomserve.engine.sched.scheduler import Scheduler
+from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
+from loomserve.engine.step_trace import StepTrace
+from loomserve.execution.structured import StructuredManager
+from loomserve.kv.cache_manager import KVCacheManager
+from loomserve.kv.connector import (
+    TierConnector,
+    build_tiered_store,
+    model_identity,
+    tiers_supported,
+)
+from loomserve.kv.event_publisher import KVEventPublisher
+from loomserve.kv.eviction import FlopModel
+from loomserve.kv.retention import RetentionConfig
+from loomserve.kv.spec import LinearStateSpec
+from loomserve.kv.transfer import KVTransferConnector
+
+log = logging.getLogger("loomserve.engine")
+
+
+def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager
+                        ) -> TierConnector | None:
+    """The KV tiers the config asks for, connected to the pool; None when off or unsupported."""
+    if not config.tier.enabled:
+        return None
+    if not config.cache.enable_prefix_caching:
+        log.warning("KV tiers need prefix caching; tiers disabled")
+        return None
+    if not tiers_supported(runner.kv_cache_config):
+        kinds = sorted({g.spec.kind for g in runner.kv_cache_config.groups})
+        log.warning("KV tiers disabled: no tier support for one of this model's layer kinds "
+                    "(%s)", ", ".join(kinds))
+        return None
+    store = build_tiered_store(config.tier, runner.tier_page_bytes)
+    log.info("KV tiers: %s", " -> ".join(t.name for t in store.tiers))
+    return TierConnector(kv, store, runner.tier_pages, tier_model_id(config, runner),
+                         config.tier.tier_max_inflight)
+
+
+def tier_model_id(config: EngineConfig, runner: ModelRunner) -> str:
+    """The weights' identity plus the rank layout of a logical page (tier fingerprint)."""
+    from loomserve.execution.parallel.shared_pool import layout_id
+    return model_identity(runner.model_name, runner.model_folder,
+                          config.model.resolved_cache_dir) + layout_id(config)
+
+
+def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
+                         tiers: TierConnector | None) -> KVEventPublisher | None:
+    """The KV event publisher when --kv-events-endpoint is set, fed by the pool and tiers."""
+    c = config.control
+    if not c.kv_events_endpoint:
+        return None
+    pub = KVEventPublisher(c.kv_events_endpoint, c.kv_events_replay_endpoint,
+                           runner.kv_cache_config, c.kv_events_topic, c.kv_events_buffer_steps)
+    kv.subscribe(pub.on_pool_event)
+    if tiers is not None:
+        pub.watch_tiers(tiers)
+    log.info("KV events: PUB %s, replay %s", pub.endpoint, pub.replay_endpoint)
+    return pub
+
+
+def make_transfer_connector(core: "EngineCore") -> KVTransferConnector:
+    """Prefill/decode hooks (loomserve.kv.transfer); the backend starts at the first transfer."""
+    r, c = core.runner, core.config
+    kc = r.kv_cache_config
+    identity = lambda: model_identity(r.model_name, r.model_folder,  # noqa: E731
+                                      c.model.resolved_cache_dir)
+    attach = core.attach_tiers if tiers_supported(kc) else None
+    return KVTransferConnector(c.control, core.kv, r.kv_buffer, identity, attach,
+                               lambda: core.tiers)
+
+
+def retention_config(config: EngineConfig) -> RetentionConfig:
+    c = config.cache
+    return RetentionConfig(interval="interval" in c.retention, every_n_tokens=c.checkpoint_every,
+                           marconi="marconi" in c.retention,
+                           max_checkpoints_per_path=c.max_checkpoints_per_path,
+                           pin_ttl_s=c.session_pin_ttl, pin_budget_bytes=c.session_pin_budget)
+
+
+def flop_model(runner: ModelRunner) -> FlopModel:
+    """FLOPs to recompute a prefix: 2 per parameter per token, plus the quadratic attention term
+    of the attention layers (what FLOP-aware eviction weighs a block or checkpoint by)."""
+    mc = runner.model_config
+    attn_layers = sum(len(g.layer_ids) for g in runner.kv_cache_config.groups
+                      if not isinstance(g.spec, LinearStateSpec))
+    return FlopModel(linear_flops_per_token=2.0 * runner.num_params,
+                     attn_flops_per_pair=4.0 * attn_layers * mc.num_heads * mc.head_dim)
+
+
+def step_cost_model(runner: ModelRunner) -> StepCostModel:
+    """The online step-time model, its prior from the model's FLOPs at a rough device rate
+    (100 GFLOP/s on CPU, 100 TFLOP/s on an accelerator); measured steps correct it within
+    a few steps (loomserve.engine.sched.step_cost)."""
+    mc = runner.model_config
+    layout = ModelLayout.from_kv_config(runner.kv_cache_config)
+    rate = 1e11 if str(runner.device).startswith("cpu") else 1e14
+    return StepCostModel(prior_seconds_per_unit(layout, runner.num_params,
+                                                mc.num_heads * mc.head_dim, rate))
+
+
+def _shape(inp) -> str:
+    """A step's batch for the slow-step log: sequences, new tokens, longest context."""
+    seqs = inp.seqs
+    new = sum(len(s.token_ids) for s in seqs) if seqs else 0
+    ctx = max((s.start_pos + len(s.token_ids) for s in seqs), default=0)
+    return f"seqs={len(seqs)} new_tokens={new} max_context={ctx}"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or make_executor(config)
+        self.runner = self.executor.driver_runner
+        self.kv = KVCacheManager(self.runner.kv_cache_config,
+                                 enable_caching=config.cache.enable_prefix_caching,
+                                 retention=retention_config(config), eviction=config.cache.eviction,
+                                 flop_model=flop_model(self.runner))
+        self.tiers = make_tier_connector(config, self.runner, self.kv)
+        self.transfer = make_transfer_connector(self)
+        sc = config.scheduler
+        self.cost_model = step_cost_model(self.runner)
+        self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                   sc.long_prefill_threshold, self.tiers,
+                                   policy=sc.scheduling_policy, cost_model=self.cost_model,
+                                   target_step_ms=sc.target_step_ms,
+                                   max_postpone_ms=sc.max_postpone_ms,
+                                   prefill_schedule_interval=sc.prefill_schedule_interval)
+        self.scheduler.transfer = self.transfer
+        capacity = self.runner.kv_cache_config.capacity_tokens
+        if capacity < config.cache.block_size:
+            raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
+        max_len = config.model.max_model_len
+        if max_len and max_len > capacity:
+            raise ValueError(f"--max-model-len {max_len} exceeds the KV cache capacity "
+                             f"of {capacity} tokens: raise --kv-cache-memory")
+        # A request must fit in the pool alone, or preemption could never make room for it.
+        self.max_model_len = min(self.runner.max_model_len, capacity)
+        # A waiting request holds no block, but more of them than blocks could never all run.
+        self.max_waiting_requests = (sc.max_waiting_requests if sc.max_waiting_requests
+                                     is not None else self.kv.num_blocks)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_rejected = 0
+        self.structured: StructuredManager | None = None
+        self.trace = StepTrace()
+        # Last: its sockets are bound only once nothing else in the constructor can fail.
+        self.events = make_event_publisher(config, self.runner, self.kv, self.tiers)
+
+    def add(self, msg: EngineCoreRequest) -> CoreOutput | None:
+        """Queue a front end's request; a finished REJECTED output when the queue is full."""
+        if len(self.scheduler.waiting) >= self.max_waiting_requests:
+            self.num_rejected += 1
+            return CoreOutput(msg.request_id, [], True, REJECTED, 0)
+        req = Request.from_message(msg)
+        if req.sampling.structured is not None:
+            self.structured_manager().attach(req)
+        self.add_request(req)
+        return None
+
+    def structured_manager(self) -> StructuredManager:
+        """Made at the first structured request (it loads the tokenizer's vocabulary)."""
+        if self.structured is None:
+            r = self.runner
+            self.structured = StructuredManager(r.model_folder, r.vocab_size,
+                                                list(r.model_config.eos_token_ids))
+        return self.structured
+
+    def add_request(self, req: Request) -> None:
+        self.transfer.on_add(req)
+        self.scheduler.add(req)
+        self.prompt_tokens += req.num_prompt_tokens
+
+    def abort(self, request_id: str,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """End a request early (client gone, or a stop string the front end matched)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, status)
+        return True
+
+    def end_session(self, session_id: str) -> None:
+        """The agent session is over: release its pinned blocks and its prefix-hash memo."""
+        self.kv.end_session(session_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[CoreOutput]:
+        trace = self.trace
+        trace.begin()
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.poll()
+        self.transfer.poll()
+        trace.mark("poll")
+        outputs = self._grammar_failures() if self.structured is not None else []
+        sched = self.scheduler.schedule()
+        inp = sched.model_input
+        if self.structured is not None:
+            self.structured.fill_bitmask(inp, self.scheduler.requests)
+        trace.mark("schedule")
+        # Finished ids go to the workers even in a step without seqs (their per-request state).
+        if inp.seqs:
+            t0 = time.perf_counter()
+            result = self.executor.execute_model(inp)
+            self.cost_model.observe(sched.features, time.perf_counter() - t0)
+        else:
+            result = (self.executor.execute_model(inp)
+                      if inp.finished_request_ids else ModelOutput({}))
+        trace.mark("execute")
+        if tiers is not None:
+            tiers.after_execute()
+            if not sched.model_input.seqs:
+                tiers.wait_io(0.005)  # only tier I/O is pending: do not spin
+        if not inp.seqs and self.structured is not None:
+            self.structured.wait(0.005)  # only grammars are compiling: do not spin
+        trace.mark("after")
+        logprobs = result.logprobs
+        for req, tokens in self.scheduler.update(sched, result.sampled):
+            self.generation_tokens += len(tokens)
+            done = req.status.finished
+            lp = logprobs.get(req.request_id)
+            outputs.append(CoreOutput(req.request_id, tokens, done,
+                                      req.status.value if done else None, req.num_cached_tokens,
+                                      req.num_tier_cached_tokens, None if lp is None else [lp],
+                                      getattr(req, "kv_transfer_result", None) if done else None))
+        if self.events is not None:
+            self.events.flush()
+        trace.mark("update")
+        if trace.enabled:
+            trace.end(_shape(inp))
+        return outputs
+
+    def _grammar_failures(self) -> list[CoreOutput]:
+        """End the requests whose grammar failed to compile (the front end validated the spec,
+        so this is rare: e.g. a schema feature xgrammar only rejects when compiling)."""
+        outputs = []
+        for req, error in self.structured.poll():
+            log.warning("request %s: grammar failed to compile: %s", req.request_id, error)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(CoreOutput(req.request_id, [], True, req.status.value, 0))
+        return outputs
+
+    def attach_tiers(self, store, max_inflight: int | None = None) -> TierConnector:
+        """Connect a ready-made TieredStore (e.g. with custom tiers) to this engine's pool."""
+        if self.tiers is not None:
+            raise RuntimeError("this engine already has KV tiers")
+        runner = self.runner
+        self.tiers = TierConnector(self.kv, store, runner.tier_pages,
+                                   tier_model_id(self.config, runner),
+                                   max_inflight or self.config.tier.tier_max_inflight)
+        self.scheduler.tiers = self.tiers
+        if self.events is not None:
+            self.events.watch_tiers(self.tiers)
+        return self.tiers
+
+    def idle(self) -> None:
+        """No request to run: notice a dead worker rank (so an idle engine reports it within
+        the loop's idle wait, not at the next request), release finished tier writes and
+        start due prefetches."""
+        self.trace.idle()
+        self.executor.check_health()
+        if self.tiers is not None:
+            self.tiers.poll()
+        self.transfer.poll()
+        if self.events is not None:
+            self.events.flush()
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.transfer.close()
+        if self.structured is not None:
+            self.structured.close()
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+            self.scheduler.tiers = None
+        if self.events is not None:
+            self.events.close()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        p50, p90 = self.cost_model.error_quantiles()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_queried_tokens=kv.stats.prefix_queried_tokens,
+            prefix_hit_tokens=kv.stats.prefix_hit_tokens,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_by_cause=dict(self.scheduler.preemptions_by_cause),
+            target_step_ms=(self.scheduler.last_target_s or 0.0) * 1000.0,
+            step_cost_error_p50=p50, step_cost_error_p90=p90,
+            step_cost_samples=self.cost_model.num_samples,
+            num_rejected=self.num_rejected,
+            prefix_hit_tokens_by_source=(
+                self.tiers.hit_tokens_by_source()
+                if self.tiers is not None else {"device": kv.stats.prefix_hit_tokens}),
+            tiers=self.tiers.stats() if self.tiers is not None else {},
+            tier_snapshots=self.tier_snapshots(),
+        )
+
+    def ready(self) -> CoreReady:
+        """What the front end learns once the model is loaded (see CoreReady)."""
+        r = self.runner
+        kc = r.kv_cache_config
+        return CoreReady(
+            model_name=self.config.model.served_model_name or r.model_name,
+            model_folder=r.model_folder, eos_token_ids=list(r.model_config.eos_token_ids),
+            max_model_len=self.max_model_len, vocab_size=r.vocab_size,
+            block_size=self.config.cache.block_size, kv_capacity_tokens=kc.capacity_tokens,
+            kv_blocks_total=kc.num_blocks, max_waiting_requests=self.max_waiting_requests,
+            num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
+            dtype=self.config.model.resolved_dtype,
+            kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."),
+            tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
+            pid=os.getpid(), role=self.config.control.role,
+            **(self.events_ready() if self.events is not None else {}))
+
+    def events_ready(self) -> dict:
+        e = self.events
+        return {"kv_events_endpoint": e.endpoint, "kv_events_replay_endpoint": e.replay_endpoint,
+                "kv_events_topic": e.topic}
+
+    def tier_snapshots(self) -> list[dict]:
+        """Each tier's counters, health and latency histograms, as plain data."""
+        if self.tiers is None:
+            return []
+        # to_builtins: the same plain data whether the snapshot crosses a socket or not
+        return [msgspec.to_builtins(s.snapshot()) for s in self.tiers.store.stats()]
