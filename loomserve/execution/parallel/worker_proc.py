@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from loomserve.config import EngineConfig
+from loomserve.execution.process import die_with_parent
 
 log = logging.getLogger("loomserve.execution.worker")
 
