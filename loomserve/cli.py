@@ -1,8 +1,9 @@
-"""Command line: `loomserve serve [MODEL] [options]`, `loomserve bench ...`, `loomserve store`,
-`loomserve router`, `loomserve cluster`.
+"""Command line: `loomserve serve [MODEL] [options]`, `loomserve router`, `loomserve cluster`,
+`loomserve store`, `loomserve bench ...`.
 
-Subcommands keep room for `loomserve bench ...`. Option defaults are read from EngineConfig so
-the numbers live in one place.
+The one module that imports every plane. Option defaults are read from EngineConfig so the
+numbers live in one place. Help strings stay short: docs/usage/ explains each option, and
+docs/usage/cli.md is generated from these parsers (docs/gen_cli.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import argparse
 import os
 import sys
 
+from loomserve.api.response_store import DEFAULT_MAX_SIZE as DEFAULT_STORE_SIZE
+from loomserve.api.response_store import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
+from loomserve.bench.cli import add_bench_parser
 from loomserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -21,8 +25,9 @@ from loomserve.config import (
     flat_defaults,
     flat_fields,
 )
-from loomserve.api.response_store import DEFAULT_MAX_SIZE as DEFAULT_STORE_SIZE
-from loomserve.api.response_store import DEFAULT_TTL_S as DEFAULT_STORE_TTL_S
+from loomserve.control.cluster.cli import add_cluster_parser
+from loomserve.control.router.cli import add_router_parser
+from loomserve.control.store_launcher import add_store_parser
 
 _DEFAULTS = flat_defaults()
 _DEFAULTS["retention"] = ",".join(_DEFAULTS["retention"]) or "none"
@@ -39,171 +44,162 @@ def _target_ms(value: str) -> float | None:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a model over an OpenAI-compatible HTTP API.")
+    p = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs",
+                       description="Serve a model over the OpenAI (Chat Completions, Completions, "
+                                   "Responses) and Anthropic (Messages) HTTP APIs. Each option "
+                                   "is explained in docs/usage/.")
     p.add_argument("model", nargs="?", default=_DEFAULTS["model"],
-                   help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    p.add_argument("--served-model-name", dest="served_model_names", nargs="+", metavar="NAME",
+                   help="HF model folder or .gguf file (default: the built-in "
+                        "SmolLM2-135M-Instruct)")
+    _add_server(p)
+    _add_model(p)
+    _add_kv_cache(p)
+    _add_scheduling(p)
+    _add_tiers(p)
+    _add_parallel(p)
+    _add_chat(p)
+    _add_control(p)
+    p.set_defaults(func=_serve)
+
+
+def _add_server(p) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument("--served-model-name", dest="served_model_names", nargs="+", metavar="NAME",
                    default=None,
-                   help="names clients may send as `model` (one or more; the first is the one "
-                        "responses report and /v1/models lists first) (default: from the model)")
-    p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
-                   help="context length (default: the model's own, capped at the KV capacity)")
-    p.add_argument("--kv-cache-memory", default=_DEFAULTS["kv_cache_memory"],
-                   help="KV cache size: bytes (2GiB, 500MB) or a fraction of free GPU memory "
-                        "(0.8) (default: 1 GiB on CPU, 0.85 on GPU)")
-    p.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], metavar="DTYPE",
-                   help=f"dtype of the stored K/V: {', '.join(KV_CACHE_DTYPES)} (or fp32, bf16, "
-                        "fp16, fp8 = fp8_e4m3); auto: the model's --dtype. bfloat16 beside float32 "
-                        "weights halves the KV bytes a decode step reads and doubles the tokens "
-                        "the cache holds; fp8 quarters them (8-bit floats, no scale, saturating; "
-                        "less exact: see the README) (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
-                   help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=_DEFAULTS["max_num_batched_tokens"], help="token budget per step (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
-                   help="most requests in the running batch (default: %(default)s)")
-    p.add_argument("--long-prefill-threshold", type=int,
-                   default=_DEFAULTS["long_prefill_threshold"],
-                   help="per-request prefill tokens per step (0 disables the cap) (default: %(default)s)")
-    p.add_argument("--scheduling-policy", choices=["cache_aware", "priority", "fcfs"],
-                   default=_DEFAULTS["scheduling_policy"],
-                   help="waiting requests' admission order: cache_aware (request priority, then "
-                        "warm sessions and least uncached work, with aging), priority (request "
-                        "priority, then arrival), fcfs (arrival) (default: %(default)s)")
-    p.add_argument("--target-step-ms", type=_target_ms, default=_DEFAULTS["target_step_ms"],
-                   help="step-time budget: long prefills are cut so a step's predicted time "
-                        "stays within it; auto: 2.5x the learned cost of the running decodes; 0: "
-                        "off, the token budget only (default: 0; see README)")
-    p.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
-                   help="aging: a request waiting longer goes to the front of the admission "
-                        "order (default: %(default)s)")
-    p.add_argument("--prefill-schedule-interval", type=int, metavar="N",
-                   default=_DEFAULTS["prefill_schedule_interval"],
-                   help="admit new prefill work only every N steps (decodes and running prefill "
-                        "chunks continue every step), so data-parallel ranks prefill on the same "
-                        "steps (default: %(default)s = every step)")
-    p.add_argument("--stream-interval", type=int, metavar="N",
-                   default=_DEFAULTS["stream_interval"],
-                   help="send a request's tokens to the client N at a time (its first and last at "
-                        "once): fewer wake-ups per token for the API process and the client, "
-                        "chunkier streams (default: %(default)s = every token)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
-                   help="weights and activations dtype (and the KV cache's, unless "
-                        "--kv-cache-dtype); auto: bfloat16 on CUDA, float32 on CPU "
+                   help="names clients may send as `model`; the first is the one reported "
+                        "(default: the model's folder or file name)")
+    g.add_argument("--api-key", default=os.environ.get("LOOMSERVE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every "
+                        "route but /health and /metrics (default: $LOOMSERVE_API_KEY, else none)")
+    g.add_argument("--max-waiting-requests", type=int, metavar="N",
+                   default=_DEFAULTS["max_waiting_requests"],
+                   help="most requests waiting for admission; more get HTTP 429 "
+                        "(default: one per KV block)")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core in a thread of the server's process, not its own "
+                        "process (for debugging)")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level (default: %(default)s)")
+
+
+def _add_model(p) -> None:
+    g = p.add_argument_group("model and device")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
+                   help="weights and activations; auto: bfloat16 on CUDA, float32 on CPU "
                         "(default: %(default)s)")
-    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=_DEFAULTS["quantization"],
-                   help="weight quantization: none, gguf (keep a .gguf file's own blocks), int8 or "
-                        "int4 (weight-only, quantized at load), fp8 (e4m3 weights, fp8 matmuls on "
-                        "CUDA sm_89+) (default: %(default)s)")
-    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+    g.add_argument("--quantization", choices=list(QUANTIZATIONS),
+                   default=_DEFAULTS["quantization"],
+                   help="gguf: run a .gguf file's own blocks; int8, int4: weight-only, "
+                        "quantized at load; fp8: e4m3 weights (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
+                   metavar="TOKENS",
+                   help="context length, prompt and output (default: the model's own, capped "
+                        "at the KV capacity)")
+    g.add_argument("--device", default=_DEFAULTS["device"],
+                   help="auto, cpu, cuda, cuda:1, ...; auto: CUDA when present "
+                        "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+                   help="seed of sampling without a per-request seed (default: %(default)s)")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
                    default=_DEFAULTS["attention_backend"],
-                   help="auto: in-place paged kernels where the device has them, else torch "
+                   help="auto: the in-place paged kernels where the device has them (C on CPU, "
+                        "Triton on CUDA), else torch (default: %(default)s)")
+    g.add_argument("--cuda-graphs", action="store_true", default=_DEFAULTS["cuda_graphs"],
+                   help="replay decode steps as CUDA graphs (one CUDA rank, triton attention; "
+                        "off until measured on a GPU)")
+
+
+def _add_kv_cache(p) -> None:
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-cache-memory", default=_DEFAULTS["kv_cache_memory"], metavar="SIZE",
+                   help="KV pool size: bytes (2GiB, 500MB) or a fraction of memory (0.8), per "
+                        "rank (default: 1 GiB on CPU, 0.85 on GPU)")
+    g.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], metavar="DTYPE",
+                   help=f"dtype K/V rows are stored in: {', '.join(KV_CACHE_DTYPES)} (or fp32, "
+                        "bf16, fp16, fp8 = fp8_e4m3); auto: the model's --dtype "
                         "(default: %(default)s)")
-    p.add_argument("--cuda-graphs", action="store_true", default=_DEFAULTS["cuda_graphs"],
-                   help="capture decode steps as CUDA graphs (one CUDA rank, triton attention, "
-                        "no linear-state layers; off until measured on a GPU)")
-    p.add_argument("--device", default=_DEFAULTS["device"],
-                   help="auto, cpu, cuda, cuda:1, ... (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
-                   help="random seed (default: %(default)s)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=_DEFAULTS["enable_prefix_caching"], help="disable prefix caching")
-    p.add_argument("--retention", default=_DEFAULTS["retention"],
-                   help="hybrid models: state checkpoints to keep besides sequence ends, a comma "
-                        "list of interval (end of each turn's prompt) and marconi (where a prefix "
-                        "is reused without one), or none (default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=_DEFAULTS["checkpoint_every"],
-                   help="with interval retention, also a checkpoint every N tokens (0: off)")
-    p.add_argument("--max-checkpoints-per-path", type=int,
+    g.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], metavar="TOKENS",
+                   help="tokens per KV block, the prefix-cache granularity (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=_DEFAULTS["enable_prefix_caching"], help="turn prefix caching off")
+    g.add_argument("--eviction", choices=EVICTION_POLICIES, default=_DEFAULTS["eviction"],
+                   help="which cached block goes first: lru, or flop_aware (recency and FLOPs "
+                        "saved per byte) (default: %(default)s)")
+    g.add_argument("--retention", default=_DEFAULTS["retention"], metavar="LIST",
+                   help="hybrid models: state checkpoints kept besides sequence ends: a comma list "
+                        "of interval and marconi, or none (default: %(default)s)")
+    g.add_argument("--checkpoint-every", type=int, default=_DEFAULTS["checkpoint_every"],
+                   metavar="TOKENS",
+                   help="with interval retention, also a checkpoint every N tokens "
+                        "(default: %(default)s = off)")
+    g.add_argument("--max-checkpoints-per-path", type=int, metavar="N",
                    default=_DEFAULTS["max_checkpoints_per_path"],
                    help="most state checkpoints one request keeps (default: %(default)s)")
-    p.add_argument("--eviction", choices=EVICTION_POLICIES, default=_DEFAULTS["eviction"],
-                   help="which cached block goes first: least recently used, or lowest recency + "
-                        "FLOPs-saved-per-byte utility (default: %(default)s)")
-    p.add_argument("--session-pin-ttl", type=float, default=_DEFAULTS["session_pin_ttl"],
-                   help="keep a session's latest prefix through tool pauses for this many seconds "
-                        "(0: off; needs --session-pin-budget)")
-    p.add_argument("--session-pin-budget", default=_DEFAULTS["session_pin_budget"],
-                   help="most KV bytes pinned for sessions in all, e.g. 512MiB")
-    t = p.add_argument_group("KV tiers", "pages below the device pool; all off by default")
-    t.add_argument("--host-cache-memory", default=_DEFAULTS["host_cache_memory"],
-                   help="host memory for KV pages evicted from the device, e.g. 8GiB (default: off)")
-    t.add_argument("--disk-cache-dir", default=_DEFAULTS["disk_cache_dir"],
-                   help="local disk tier directory; pages survive a restart (default: off)")
-    t.add_argument("--disk-cache-size", default=_DEFAULTS["disk_cache_size"],
-                   help="bytes the disk tier may use (default: %(default)s)")
-    t.add_argument("--remote-cache", default=_DEFAULTS["remote_cache"],
-                   help="shared pool: mooncake://HOST:PORT (the master, see `loomserve store`) "
-                        "or redis://HOST:PORT (default: off)")
-    t.add_argument("--tier-write-after-seen", type=int,
-                   default=_DEFAULTS["tier_write_after_seen"],
-                   help="write a block down once computed or hit this many times "
+    g.add_argument("--session-pin-ttl", type=float, default=_DEFAULTS["session_pin_ttl"],
+                   metavar="SECONDS",
+                   help="keep each session's latest prefix through tool pauses this long; needs "
+                        "--session-pin-budget (default: 0 = off)")
+    g.add_argument("--session-pin-budget", default=_DEFAULTS["session_pin_budget"],
+                   metavar="SIZE",
+                   help="most KV bytes pinned for sessions in all, e.g. 512MiB (default: 0)")
+
+
+def _add_scheduling(p) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   default=_DEFAULTS["max_num_batched_tokens"],
+                   help="token budget of one engine step (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
+                   help="most requests running at once (default: %(default)s)")
+    g.add_argument("--long-prefill-threshold", type=int, metavar="N",
+                   default=_DEFAULTS["long_prefill_threshold"],
+                   help="most prefill tokens one request takes per step; 0: no cap "
                         "(default: %(default)s)")
-    t.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
+    g.add_argument("--scheduling-policy", choices=["cache_aware", "priority", "fcfs"],
+                   default=_DEFAULTS["scheduling_policy"],
+                   help="admission order of waiting requests (default: %(default)s)")
+    g.add_argument("--target-step-ms", type=_target_ms, default=_DEFAULTS["target_step_ms"],
+                   metavar="MS",
+                   help="step-time budget long prefills are cut to fit: auto, a number of ms, "
+                        "or 0 (off: the token budget only) (default: 0)")
+    g.add_argument("--max-postpone-ms", type=float, default=_DEFAULTS["max_postpone_ms"],
+                   metavar="MS",
+                   help="a request waiting longer goes to the front of the admission order "
+                        "(default: %(default)s)")
+    g.add_argument("--prefill-schedule-interval", type=int, metavar="N",
+                   default=_DEFAULTS["prefill_schedule_interval"],
+                   help="admit new prefill work only every N steps (default: %(default)s = "
+                        "every step)")
+    g.add_argument("--stream-interval", type=int, metavar="N",
+                   default=_DEFAULTS["stream_interval"],
+                   help="send a request's tokens to the client N at a time (default: "
+                        "%(default)s = every token)")
+
+
+def _add_tiers(p) -> None:
+    g = p.add_argument_group("KV tiers", "pages below the device pool; all off by default")
+    g.add_argument("--host-cache-memory", default=_DEFAULTS["host_cache_memory"],
+                   metavar="SIZE",
+                   help="host memory for KV pages evicted from the device, e.g. 8GiB "
+                        "(default: off)")
+    g.add_argument("--disk-cache-dir", default=_DEFAULTS["disk_cache_dir"], metavar="DIR",
+                   help="local disk tier; its pages survive a restart (default: off)")
+    g.add_argument("--disk-cache-size", default=_DEFAULTS["disk_cache_size"], metavar="SIZE",
+                   help="bytes the disk tier may use (default: 16 GiB)")
+    g.add_argument("--remote-cache", default=_DEFAULTS["remote_cache"], metavar="URL",
+                   help="shared pool: mooncake://HOST:PORT (see `loomserve store`) or "
+                        "redis://HOST:PORT (default: off)")
+    g.add_argument("--tier-write-after-seen", type=int, metavar="N",
+                   default=_DEFAULTS["tier_write_after_seen"],
+                   help="write a block down once computed or hit N times (default: %(default)s)")
+    g.add_argument("--tier-max-inflight", type=int, default=_DEFAULTS["tier_max_inflight"],
+                   metavar="N",
                    help="most requests with a tier lookup or load in flight "
                         "(default: %(default)s)")
-    _add_parallel(p)
-    a = p.add_argument_group("admission and access")
-    a.add_argument("--max-waiting-requests", type=int, default=_DEFAULTS["max_waiting_requests"],
-                   help="most requests waiting for admission; more get HTTP 429 with "
-                        "Retry-After (default: one per KV block of the pool)")
-    a.add_argument("--api-key", default=os.environ.get("LOOMSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every "
-                        "route but /health and /metrics (default: $LOOMSERVE_API_KEY, else none)")
-    c = p.add_argument_group("chat", "how chat requests are rendered and their output parsed")
-    c.add_argument("--chat-template", default=None, metavar="PATH",
-                   help="a Jinja chat template file used instead of the model's")
-    c.add_argument("--tool-call-parser", default="auto", metavar="NAME",
-                   help="tool-call format: auto (from the chat template and model type), none, "
-                        "or one of hermes, qwen3_coder, llama3_json, mistral, deepseek_v3, "
-                        "kimi_k2, glm45, harmony (default: %(default)s)")
-    c.add_argument("--reasoning-parser", default="auto", metavar="NAME",
-                   help="reasoning format: auto, none, or one of qwen3, deepseek_r1, gpt_oss "
-                        "(default: %(default)s)")
-    c.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE, metavar="N",
-                   help="most responses kept for previous_response_id (default: %(default)s)")
-    c.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S, metavar="SECONDS",
-                   help="how long a stored response stays usable (default: %(default)s)")
-    d = p.add_argument_group("control plane", "KV events for routers, prefill/decode roles")
-    d.add_argument("--role", choices=["both", "prefill", "decode"], default=_DEFAULTS["role"],
-                   help="prefill: compute prompts and hand their KV to decode instances; decode: "
-                        "import that KV and generate; both: everything (default: %(default)s)")
-    d.add_argument("--kv-events-endpoint", default=_DEFAULTS["kv_events_endpoint"], metavar="ZMQ",
-                   help="publish KV block stored/removed events (vLLM's wire format) on this "
-                        "ZMQ PUB address, e.g. tcp://*:5557 (default: off)")
-    d.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
-                   help="ZMQ ROUTER address answering replay requests for missed events "
-                        "(default: the events port + 1)")
-    d.add_argument("--kv-events-buffer-steps", type=int,
-                   default=_DEFAULTS["kv_events_buffer_steps"], metavar="N",
-                   help="event batches kept for replay (default: %(default)s)")
-    d.add_argument("--kv-events-topic", default=_DEFAULTS["kv_events_topic"],
-                   help="topic frame of every event message (default: empty)")
-    d.add_argument("--kv-transfer-backend", choices=["mooncake", "inproc"],
-                   default=_DEFAULTS["kv_transfer_backend"],
-                   help="how KV moves between prefill and decode instances: mooncake (Transfer "
-                        "Engine over TCP, RDMA where present) (default: %(default)s)")
-    d.add_argument("--kv-transfer-host", default=_DEFAULTS["kv_transfer_host"],
-                   help="address peer instances reach this one's KV transfers at "
-                        "(default: %(default)s)")
-    d.add_argument("--kv-transfer-buffer", default=_DEFAULTS["kv_transfer_buffer"], metavar="BYTES",
-                   help="host memory a prefill instance stages finished prompts' KV in for their "
-                        "decode instances, e.g. 4GiB (default: 1 GiB, at most the pool's size)")
-    d.add_argument("--kv-transfer-timeout", type=float, default=_DEFAULTS["kv_transfer_timeout"],
-                   metavar="SECONDS",
-                   help="how long a prefilled KV waits for its decode instance, and the most a "
-                        "transfer may take before the decode side recomputes (default: %(default)s)")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine core in a thread of the server's process instead of its "
-                        "own process (one process to debug; the HTTP side then shares its GIL)")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="(default: %(default)s)")
-    p.set_defaults(func=_serve)
 
 
 def _add_parallel(p) -> None:
@@ -211,71 +207,100 @@ def _add_parallel(p) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=_DEFAULTS["tensor_parallel_size"], metavar="N",
                    help="ranks that run the model together, each with 1/N of the weights and KV "
-                        "heads; --kv-cache-memory is per rank (default: %(default)s)")
+                        "heads (default: %(default)s)")
     g.add_argument("--data-parallel-size", type=int, default=_DEFAULTS["data_parallel_size"],
-                   metavar="N", help="engine cores (each its own scheduler and KV pool) "
-                   "behind one front end, which places requests by session, cached prefix and "
-                   "load; --kv-cache-memory is per core (default: %(default)s)")
+                   metavar="N",
+                   help="engine cores, each with its own scheduler and KV pool, behind one "
+                        "front end (default: %(default)s)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    default=_DEFAULTS["enable_expert_parallel"],
-                   help="with --data-parallel-size N on an MoE model: each DP rank holds 1/N of "
-                        "the experts, the ranks step in lockstep (idle ones run dummy steps) and "
-                        "exchange tokens at every MoE layer")
+                   help="MoE models with --data-parallel-size N: each core holds 1/N of the "
+                        "experts (DEP)")
     g.add_argument("--decode-context-parallel-size", "-dcp", type=int,
                    default=_DEFAULTS["decode_context_parallel_size"], metavar="D",
-                   help="ranks that each hold the whole model and 1/D of every sequence's KV "
-                        "(token t on rank (t // I) %% D), attention merged across them by "
-                        "log-sum-exp: D x the context per rank's --kv-cache-memory. With "
-                        "--tensor-parallel-size 1 only; the Llama family and DeepSeek-V3 "
+                   help="ranks that each hold 1/D of every sequence's KV: D x the context "
                         "(default: %(default)s)")
     g.add_argument("--dcp-kv-cache-interleave-size", type=int,
                    default=_DEFAULTS["dcp_kv_cache_interleave_size"], metavar="I",
-                   help="consecutive tokens a DCP rank stores before the next rank's turn; "
-                        "I x D must divide --block-size (default: %(default)s)")
+                   help="consecutive tokens a DCP rank stores before the next rank's turn "
+                        "(default: %(default)s)")
     g.add_argument("--prefill-context-parallel-size", "-pcp", type=int,
                    default=_DEFAULTS["prefill_context_parallel_size"], metavar="N",
-                   help="N ranks (processes), each with the whole model and a KV replica, "
-                        "that split every prefill chunk's tokens (PCP: prefill latency, not "
-                        "capacity); alone only (default: %(default)s)")
-    g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"],
-                   help="nodes the ranks are spread over (default: %(default)s)")
-    g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"],
-                   help="this node's index; node 0 serves HTTP, the others run workers only "
-                        "(default: %(default)s)")
-    g.add_argument("--master-addr", default=_DEFAULTS["master_addr"],
+                   help="ranks that split every prefill chunk's tokens, each with the whole "
+                        "model and a KV replica (default: %(default)s)")
+    g.add_argument("--nnodes", type=int, default=_DEFAULTS["nnodes"], metavar="K",
+                   help="nodes the ranks or engine cores are spread over (default: %(default)s)")
+    g.add_argument("--node-rank", type=int, default=_DEFAULTS["node_rank"], metavar="R",
+                   help="this node's index; node 0 serves HTTP (default: %(default)s)")
+    g.add_argument("--master-addr", default=_DEFAULTS["master_addr"], metavar="ADDR",
                    help="address of node 0 for the rendezvous (default: %(default)s)")
-    g.add_argument("--master-port", type=int, default=_DEFAULTS["master_port"],
-                   help="rendezvous port on node 0; 0 picks a free one (one node only) "
+    g.add_argument("--master-port", type=int, default=_DEFAULTS["master_port"], metavar="PORT",
+                   help="rendezvous port on node 0; required with --nnodes > 1 "
+                        "(default: a free port)")
+
+
+def _add_chat(p) -> None:
+    g = p.add_argument_group("chat", "how chat requests are rendered and their output parsed")
+    g.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file used instead of the model's")
+    g.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="tool-call format: auto, none, hermes, qwen3_coder, llama3_json, "
+                        "mistral, deepseek_v3, kimi_k2, glm45, harmony (default: %(default)s)")
+    g.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   help="reasoning format: auto, none, qwen3, deepseek_r1, gpt_oss "
                         "(default: %(default)s)")
+    g.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE, metavar="N",
+                   help="most responses kept for previous_response_id (default: %(default)s)")
+    g.add_argument("--responses-store-ttl", type=float, default=DEFAULT_STORE_TTL_S,
+                   metavar="SECONDS",
+                   help="how long a stored response stays usable (default: %(default)s)")
 
 
-def _add_store(sub) -> None:
-    from loomserve.control.store_launcher import add_store_parser  # imports no backend
-    add_store_parser(sub)
-
-
-def _add_optional(sub, module_name: str, adder: str) -> None:
-    """A subcommand whose module may not exist yet in a partial checkout."""
-    import importlib
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if not module_name.startswith(exc.name or "\0"):
-            raise
-        return
-    getattr(module, adder)(sub)
+def _add_control(p) -> None:
+    g = p.add_argument_group("prefill/decode and KV events",
+                             "what routers and other instances see of this one")
+    g.add_argument("--role", choices=["both", "prefill", "decode"], default=_DEFAULTS["role"],
+                   help="this instance's part in prefill/decode disaggregation "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-events-endpoint", default=_DEFAULTS["kv_events_endpoint"],
+                   metavar="ZMQ",
+                   help="publish KV block events (vLLM's format) on this ZMQ PUB address, "
+                        "e.g. tcp://*:5557 (default: off)")
+    g.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
+                   help="ZMQ ROUTER address answering replay requests for missed events "
+                        "(default: the events port + 1)")
+    g.add_argument("--kv-events-buffer-steps", type=int,
+                   default=_DEFAULTS["kv_events_buffer_steps"], metavar="N",
+                   help="event batches kept for replay (default: %(default)s)")
+    g.add_argument("--kv-events-topic", default=_DEFAULTS["kv_events_topic"], metavar="TOPIC",
+                   help="topic frame of every event message (default: empty)")
+    g.add_argument("--kv-transfer-backend", choices=["mooncake", "inproc"],
+                   default=_DEFAULTS["kv_transfer_backend"],
+                   help="how KV moves between prefill and decode instances; inproc: engines "
+                        "in one process (tests) (default: %(default)s)")
+    g.add_argument("--kv-transfer-host", default=_DEFAULTS["kv_transfer_host"], metavar="ADDR",
+                   help="address peers reach this instance's KV transfers at "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-transfer-buffer", default=_DEFAULTS["kv_transfer_buffer"],
+                   metavar="SIZE",
+                   help="host memory a prefill instance stages prompts' KV in "
+                        "(default: 1 GiB, at most the pool's size)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=_DEFAULTS["kv_transfer_timeout"],
+                   metavar="SECONDS",
+                   help="how long staged KV waits for its decode instance, and the most one "
+                        "pull may take (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `loomserve` parser with every subcommand; builds it, runs nothing."""
     parser = argparse.ArgumentParser(prog="loomserve",
                                      description="An LLM serving engine for agentic traffic.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(sub)
-    from loomserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
-    _add_store(sub)
-    _add_optional(sub, "loomserve.control.router.cli", "add_router_parser")
-    _add_optional(sub, "loomserve.control.cluster", "add_cluster_parser")
+    add_store_parser(sub)
+    add_router_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

@@ -236,18 +236,20 @@ def add_store_parser(sub) -> None:
                                    "stops it. Mooncake: a master plus a standalone storage client "
                                    "that owns the memory. Redis: one redis-server.")
     p.add_argument("--backend", choices=["mooncake", "redis"], default="mooncake",
-                   help="(default: %(default)s)")
+                   help="Mooncake Store (master + storage client) or one redis-server "
+                        "(default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=int, default=None, metavar="PORT",
                    help="mooncake master RPC port / redis port (default: 50051 / 6379)")
-    p.add_argument("--client-port", type=int, default=50052,
+    p.add_argument("--client-port", type=int, default=50052, metavar="PORT",
                    help="mooncake storage client port (default: %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="mooncake master metrics port (default: a free one)")
-    p.add_argument("--segment-size", default="4GB",
+    p.add_argument("--segment-size", default="4GB", metavar="SIZE",
                    help="pool memory: mooncake storage segment / redis maxmemory "
                         "(default: %(default)s)")
-    p.add_argument("--log-dir", default=None, help="mooncake logs (default: a temp dir)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="mooncake logs (default: a temp dir)")
     p.set_defaults(func=run_store)
 
 

@@ -58,12 +58,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm start: random start point plus a one-token primer (default: on)")
     p.add_argument("--seed", type=int, default=None, help="seed for the warm-start points")
     p.add_argument("--pull-in", type=float, default=10.0,
-                   help="when nothing is in flight, send the next request within this many s")
+                   help="when nothing is in flight, send the next request within this many s "
+                        "(default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="after --duration, wait this long for in-flight requests (default: 60)")
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--devices", type=int, default=1, help="accelerators behind the endpoint")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="accelerators behind the endpoint (default: %(default)s)")
     p.add_argument("--device-price-per-hour", type=float, default=None,
                    help="$ per device-hour, for tokens per dollar")
     p.add_argument("--price-cached-input", type=float, default=DEFAULT_PRICES["cached_input"],
@@ -86,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scrape these servers' /metrics for the hit split by source instead of "
                         "the endpoint's (e.g. the instances behind a router)")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 

@@ -37,20 +37,28 @@ def add_cluster_parser(sub) -> None:
                                   "router when it is the router's node)")
     p.add_argument("--instances", type=int, default=None, metavar="N",
                    help="N instances of role both (default without --config: 2)")
-    p.add_argument("--prefill", type=int, default=0, metavar="N", help="N prefill instances")
-    p.add_argument("--decode", type=int, default=0, metavar="N", help="N decode instances")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="N instances of role prefill (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="N instances of role decode (default: %(default)s)")
     p.add_argument("--model", help="model folder or .gguf for every instance (default: the "
-                                   "file's, else the built-in model)")
+                                   "cluster file's, else the built-in model)")
     p.add_argument("--host", default="127.0.0.1", help="flags mode: address to listen on "
                                                        "(default: %(default)s)")
-    p.add_argument("--base-port", type=int, default=8100, help="(default: %(default)s)")
-    p.add_argument("--kv-events-base-port", type=int, default=5557,
-                   help="0 turns KV events off (default: %(default)s)")
-    p.add_argument("--router-port", type=int, default=9000, help="(default: %(default)s)")
-    p.add_argument("--policy", default="default", help="router policy (default: %(default)s)")
+    p.add_argument("--base-port", type=int, default=8100, metavar="PORT",
+                   help="flags mode: instance i listens on PORT + i (default: %(default)s)")
+    p.add_argument("--kv-events-base-port", type=int, default=5557, metavar="PORT",
+                   help="flags mode: instance i publishes KV events on PORT + 2i, replay on the "
+                        "next port; 0: off (default: %(default)s)")
+    p.add_argument("--router-port", type=int, default=9000, metavar="PORT",
+                   help="the router's port (default: %(default)s)")
+    p.add_argument("--policy", default="default",
+                   help="the router's --policy (default: %(default)s)")
     p.add_argument("--no-router", action="store_true", help="start the instances only")
-    p.add_argument("--restart", action="store_true", help="restart an instance that exits")
-    p.add_argument("--log-dir", help="one log per process (default: a new temp dir)")
+    p.add_argument("--restart", action="store_true",
+                   help="restart an instance that exits (after 1, 2, 4, ... 30 s)")
+    p.add_argument("--log-dir", help="one log per process and cluster.json "
+                                     "(default: a new temp dir)")
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="most time an instance may take to be healthy (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")

@@ -1,4 +1,4 @@
-"""`loomserve router`: the command line of the router (see README, "Router")."""
+"""`loomserve router`: the command line of the router (docs/usage/cluster-and-router.md)."""
 
 from __future__ import annotations
 
@@ -25,43 +25,44 @@ def add_router_parser(sub) -> None:
                         "instance; role, block size and KV events are read from its /info)")
     p.add_argument("--policy", choices=POLICIES, default="default",
                    help="default: sticky sessions placed by KV overlap and load; kv_aware: "
-                        "lowest KV cost per request; session: consistent hashing of sessions; "
+                        "lowest KV cost per request; session: consistent hashing; "
                         "least_loaded; round_robin (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    p.add_argument("--port", type=int, default=9000, help="(default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=9000, help="port (default: %(default)s)")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="model folder whose tokenizer and chat template the router renders "
                         "prompts with (default: the first instance's model_folder)")
     p.add_argument("--chat-template", metavar="PATH",
-                   help="the Jinja chat template file the instances were started with "
-                        "(their --chat-template), so the router renders prompts as they do")
-    p.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT,
-                   help="weight of a block to prefill against a block decoding in the KV "
-                        "cost (default: %(default)s)")
-    p.add_argument("--overload-factor", type=float, default=OVERLOAD_FACTOR,
-                   help="default policy: a session leaves its instance when that one's active "
-                        "blocks exceed this x the mean of the healthy instances, now and "
-                        "averaged over ~30 s... (default: %(default)s)")
+                   help="the instances' own --chat-template file, so the router renders "
+                        "prompts as they do (default: the model's)")
+    p.add_argument("--overlap-weight", type=float, default=OVERLAP_WEIGHT, metavar="W",
+                   help="KV cost of a block to prefill against a block decoding "
+                        "(default: %(default)s)")
+    p.add_argument("--overload-factor", type=float, default=OVERLOAD_FACTOR, metavar="X",
+                   help="default policy: an instance is overloaded when its active blocks "
+                        "exceed this x the healthy instances' mean, now and over ~30 s "
+                        "(default: %(default)s)")
     p.add_argument("--overload-min-requests", type=int, default=OVERLOAD_MIN_REQUESTS,
-                   metavar="N", help="...and it has at least N requests in flight "
-                   "(default: %(default)s)")
+                   metavar="N", help="default policy: ... and has at least N requests in "
+                   "flight (default: %(default)s)")
     p.add_argument("--pd-threshold-tokens", type=int, default=DEFAULT_PD_THRESHOLD_TOKENS,
-                   metavar="N", help="with prefill-role instances: disaggregate a request "
+                   metavar="N", help="with prefill-role instances: prefill a request there "
                    "when more than N of its prompt tokens are not cached on its decode "
                    "instance (default: %(default)s)")
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require this key of clients (repeatable; default: none)")
+                   help="require this key of clients; repeatable (default: none)")
     p.add_argument("--instance-api-key", metavar="KEY",
-                   help="key the router sends to instances (default: the client's own "
-                        "Authorization is forwarded)")
+                   help="key the router sends to instances (default: the client's "
+                        "Authorization, forwarded)")
     p.add_argument("--read-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="longest silence from an instance before a request fails "
                         "(default: %(default)s)")
     p.add_argument("--health-interval", type=float, default=0.5, metavar="SECONDS",
-                   help="seconds between health checks of each instance (default: %(default)s)")
+                   help="time between health checks of each instance (default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
-                   help="(default: %(default)s)")
+                   help="log level (default: %(default)s)")
     p.set_defaults(func=run_router)
 
 
