@@ -1,3 +1,6 @@
-"""Data plane: the KV cache (block pool, per-layer-type managers, prefix hashing, retention,
-eviction, planning), the tiers below the device (tiers/) and the connector between them
-(connector/). Imports nothing from execution/, entrypoints/ or control/."""
+"""Data plane: the KV cache (block pool, per-layer-type managers, prefix hashing, the hybrid
+coordinator, retention, eviction, planning), its events and their publisher, the tiers below the
+device (tiers/), the connector between pool and tiers (connector/) and the KV hand-over between
+prefill and decode instances (transfer/). Imports only loomserve.config. Design:
+docs/design/kv-cache.md, tiers.md, pd-disaggregation.md.
+"""

@@ -5,7 +5,7 @@ and for each later chunk or decode step (False: the pool is too small, nothing c
 when it finishes, aborts or is preempted. state_directives says what the runner does with a
 hybrid model's recurrent states in the step just allocated; the "packed pages and tiers"
 methods are the tier connector's only way into the pool. The call pattern, the packed layout
-and subagents: docs/architecture.md, "Details by module".
+and subagents: docs/design/kv-cache.md.
 
 Invariants:
 - A hit handle is valid until the next allocate_slots/free/reset call; allocate_slots raises

@@ -4,7 +4,7 @@ Each group serves a prefix hit its own way (full attention the leading cached bl
 window the window before the boundary, linear/SSM state a checkpoint exactly at it); the
 coordinator iterates them to a fixed point, the longest length every group can serve, and
 allocates every group's blocks together. The fixed point, the Marconi signal (`attn_blocks`)
-and the allocation order: docs/architecture.md, "Details by module".
+and the allocation order: docs/design/kv-cache.md.
 
 Invariants:
 - Allocation is all or nothing: every group's hits are claimed and new blocks allocated, or

@@ -4,8 +4,7 @@ LRU needs nothing here: it is the free queue's own order (BlockPool with evictor
 FLOP-aware policy (after Marconi, arXiv 2411.19379) evicts first the hashed free block of
 lowest utility, normalized recency + alpha * normalized FLOPs saved per byte held. Utility is
 fixed when the block enters the queue, so a binary heap with lazy updates serves it in
-O(log n) without rescans. The formula and the heap's bookkeeping: docs/architecture.md,
-"Details by module".
+O(log n) without rescans. The formula and the heap's bookkeeping: docs/design/kv-cache.md.
 
 Invariant: every hashed block in the free queue has exactly one live heap entry (the one whose
 version equals its evict_ver), whose key is <= the block's current utility. Live entries of

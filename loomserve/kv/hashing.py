@@ -4,7 +4,7 @@ A block's key is H(parent key, its token ids, extra keys) with xxh3-128, a 16-by
 only extra key is the request's `cache_salt`, mixed into block 0, so requests with different
 salts never share a block. `BlockHasher` extends `req.block_hashes` only as far as asked, and a
 new turn of a session takes the previous request's chain for the blocks it left unchanged.
-The encoding and the session memo: docs/architecture.md, "Details by module".
+The encoding and the session memo: docs/design/kv-cache.md.
 
 Invariants:
 - Only BlockHasher appends to req.block_hashes; all_token_ids and block_hashes are

@@ -5,7 +5,7 @@ Mechanism only: the pool knows nothing of attention types; group ids only tag ca
 decided by the managers. Free and evictable are one intrusive queue: freed unhashed blocks go
 to the front (reused first), hashed ones to the back (LRU), unless an evictor
 (loomserve.kv.eviction) ranks the hashed ones. Queue mechanics, eviction and the null block:
-docs/architecture.md, "Details by module".
+docs/design/kv-cache.md.
 
 Invariants:
 - A freed block keeps its hash and stays hittable until it is popped for reuse; then its hash

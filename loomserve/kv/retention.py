@@ -6,7 +6,7 @@ The state at a freed request's last crossed boundary is always kept; `interval` 
 every n tokens) and `marconi` (where a full-attention hit outran every checkpoint) add
 checkpoints, at most `max_checkpoints_per_path` per request. Pinning keeps a session's latest
 hit boundary referenced until the session ends, the TTL runs out or the byte budget needs the
-room. The policies in detail: docs/architecture.md, "Details by module".
+room. The policies in detail: docs/design/kv-cache.md.
 
 Invariants:
 - A session holds at most one pin set: a new one replaces the old.

@@ -4,7 +4,7 @@ Every request has `num_tokens - num_computed_tokens` tokens left to compute (a f
 preempted request's prompt + outputs, or one decode token). Each step serves running requests
 first, preempting by recompute when the pool cannot hold them, then admits waiting ones, each
 claiming its longest cached prefix (asking the TierConnector first when there is one); more in
-docs/architecture.md, "Scheduling" and "Details by module".
+docs/design/scheduler.md.
 
 Policies (each in its own module): the waiting queue's admission order and aging
 (waiting_queue.py: fcfs, priority, cache_aware), the preemption victim (preemption.py: the

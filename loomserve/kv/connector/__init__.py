@@ -3,8 +3,7 @@
 The scheduler asks (`prepare`: GO / WAIT / FULL; `on_add` / `on_admit` / `on_finish`), the
 engine calls `after_execute()` after each forward pass and `poll()` once per step and while
 idle; each call goes to the part that owns it: loads.py (scheduler side), stores.py (store
-side), hits.py (accounting), factory.py (setup). The contract: docs/architecture.md, "Tiers
-and the connector"; the parts: "Details by module".
+side), hits.py (accounting), factory.py (setup). The contract and the parts: docs/design/tiers.md.
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash.

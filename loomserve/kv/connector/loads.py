@@ -4,7 +4,7 @@
 in the background, then claims rows and loads the pages of the largest boundary every group
 can serve (`best_boundary`); once the load is done it caches what loaded, and the scheduler's
 normal admission hits those pages on the device. The state machine step by step:
-docs/architecture.md, "Details by module".
+docs/design/tiers.md.
 
 Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash.

@@ -3,7 +3,7 @@
 StoreSide collects the pool's BlockStored events and offers those pages to the store once the
 step that computed them has run; when a request of a session finishes, it writes down the
 pages a hit at its end reads and registers them for a prefetch before the session returns.
-When each offer happens and the session write-down: docs/architecture.md, "Details by module".
+When each offer happens and the session write-down: docs/design/tiers.md.
 
 Invariants:
 - A row being stored is not reused before the store's handle is done: one reference per block

@@ -5,7 +5,7 @@ updated in place by the runner. A prefix hit claims a kept checkpoint (`init`) t
 directive copies into `running`; the retention policy picks checkpoints to save inside a step,
 and a reused `tail` page keeps the state at the last crossed boundary, hashed as a checkpoint
 when the request is freed. A hit needs a checkpoint exactly at its boundary, so hits are not
-prefix-closed. Pages, deferred hashing and hits in detail: docs/architecture.md.
+prefix-closed. Pages, deferred hashing and hits in detail: docs/design/kv-cache.md.
 
 Invariants:
 - A request holds one reference on each of running, init, tail and each pending save page,

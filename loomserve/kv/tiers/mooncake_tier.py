@@ -4,7 +4,7 @@ A `mooncake_master` keeps the metadata and a standalone `mooncake_client` owns t
 memory (see `loomserve store`); the engine connects with `global_segment_size=0`, so it only
 reads and writes, and an engine restart loses nothing. Pages move zero-copy through two
 registered staging buffers (reads, writes), one codec record (header + page) per object.
-Deployment, staging and Mooncake's return codes: docs/architecture.md, "Details by module".
+Deployment, staging and Mooncake's return codes: docs/design/tiers.md.
 
 Invariants:
 - A loaded record's length and checksum are checked in staging before a byte reaches the

@@ -4,8 +4,7 @@ prefetch.py) live beside it.
 
 Stores are queued; lookups, loads and prefetches run on a small pool of I/O threads and return
 a TierHandle at once. Reads walk the tiers top-down, and a page found in a lower tier is also
-put into the host tier. The parts, the read path and the write policy: docs/architecture.md,
-"Details by module".
+put into the host tier. The parts, the read path and the write policy: docs/design/tiers.md.
 
 Invariants:
 - Nothing here blocks the engine loop: a request waits only for its own handle.
