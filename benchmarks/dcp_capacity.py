@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 
 
 def _engine(model: str | None, dcp: int, memory: str, tp: int = 1):
@@ -153,9 +154,7 @@ def main() -> None:
     result.update(host=host_info(), date=started, args=vars(args),
                   command="nice -n -15 python benchmarks/dcp_capacity.py " + " ".join(sys.argv[1:]),
                   threads_per_rank=int(os.environ["LOOMSERVE_NUM_THREADS"]))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     for d, r in result["runs"].items():
         print(f"D={d}: {r['capacity']}  long prompt served: {r['long_prompt'].get('served')}  "

@@ -43,7 +43,7 @@ Run:
     python benchmarks/decode_throughput.py                       # everything, C = 1 8 32
     python benchmarks/decode_throughput.py --only llama hf --concurrency 1 8 --max-tokens 32 --repeats 1
 Options: --only {loomserve,loomserve-fp32,loomserve-bf16,loomserve-gguf,llama,hf} ..., --concurrency,
-    --max-tokens, --repeats, --threads, --model, --no-save, ... (see --help).
+    --max-tokens, --repeats, --threads, --model, ... (see --help).
 Output: a table on stdout, benchmarks/results/decode_throughput.json (merged with what is
     already there, so systems can be measured in separate runs; each entry has its own
     timestamp), and the loomserve/llama-server ratios at each C.
@@ -219,7 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--cached-bandwidth", action="store_true",
                     help="reuse results/membw.json instead of measuring before and after the systems")
-    ap.add_argument("--no-save", action="store_true", help="don't write the results JSON")
     args = ap.parse_args(argv)
 
     from membw import measure_read_bandwidth
@@ -278,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bw = bw_used
 
     path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
-    payload = load_previous(path) if not args.no_save else {}
+    payload = load_previous(path)
     systems = payload.get("systems", {})
     for name, entry in fresh.items():  # merge per concurrency: old C values stay unless re-run
         old = systems.get(name)
@@ -291,8 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "model": gguf_path, "model_facts": facts.__dict__, "bandwidth_gbs": bw,
                "systems": systems}
     payload["ratios"] = ratios(systems)
-    if not args.no_save:
-        print("wrote", common.write_json(RESULT_NAME, payload), file=sys.stderr)
+    print("wrote", common.write_json(RESULT_NAME, payload), file=sys.stderr)
     print_report(payload)
     return 0 if len(fresh) == len(selected) else 1
 

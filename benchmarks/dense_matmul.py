@@ -16,7 +16,6 @@ the read bandwidth (benchmarks/membw.py, same host).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 from membw import measure_read_bandwidth  # noqa: E402
 
 from loomserve.execution.layers import dense  # noqa: E402
@@ -102,11 +102,9 @@ def main() -> None:
                 im = f"{ms['torch-in-major']:.2f}" if "torch-in-major" in ms else "-"
                 print(f"| {model} | {dt} | {rows} | {ms['kernel']:.2f} ({gbs['kernel']:.1f}) | "
                       f"{ms['torch']:.2f} ({gbs['torch']:.1f}) | {im} |", flush=True)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"host": host_info(), "read_gbs": bw, "threads": torch.get_num_threads(),
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "results": results}, f, indent=1)
+    write_json(a.out, {"host": host_info(), "read_gbs": bw, "threads": torch.get_num_threads(),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "results": results})
     print(f"wrote {a.out}")
 
 

@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, host_info  # noqa: E402
+from common import RESULTS_DIR, host_info, write_json  # noqa: E402
 from common.agent_cluster import env  # noqa: E402
 from common.servers import ServerProcess  # noqa: E402
 from pd_agentx import stream  # noqa: E402
@@ -92,8 +92,7 @@ def main() -> int:
            "decode_step_bytes_formula": per_rank_streams * ranks[0][4] * formula,
            "decode_step_bytes_measured": [round(per_rank_streams * x["moe_layers"]
                                                 * x["bytes_per_token_layer"]) for x in rows]}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(a.out, out)
     print(json.dumps(out["ranks"], indent=1))
     print(f"formula {formula:.1f} B per token and MoE layer (k={k}, hidden={hidden}, "
           f"N={a.dp}); decode step of {per_rank_streams:g} streams per rank: "

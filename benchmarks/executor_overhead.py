@@ -35,6 +35,7 @@ sys.path.insert(0, HERE)
 FIXTURE = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "tiny-llama")
 
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 
 
 def _engine(model: str, tp: int, executor: str | None, streams: int, prompt_len: int):
@@ -202,10 +203,7 @@ def main() -> int:
     if args.tp > 1:
         result["communication"] = communication(args)
     print(json.dumps(result, indent=2))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
     return 0
 
 

@@ -240,7 +240,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--micro", action="store_true")
     ap.add_argument("--micro-only", action="store_true", help="only --micro; saved as fused_ops-micro.json")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default=None,
+                    help="result file (default: fused_ops-t<threads>[-bf16].json, fused_ops-micro.json)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -249,8 +250,7 @@ def main() -> None:
               .isoformat(timespec="seconds"), "host": host_info(), "threads": torch.get_num_threads(), "dtype": args.dtype}
     if args.micro_only:
         result["micro"] = run_micro(args)
-        if not args.no_save:
-            print(write_json("fused_ops-micro.json", result))
+        print(write_json(args.out or "fused_ops-micro.json", result))
         return
     rows, facts = run_model(args)
     result["rows"] = rows
@@ -274,9 +274,8 @@ def main() -> None:
     if "limit" in result:
         print(f"weights read once per step: {result['limit']['weights_read_ms']} ms at "
               f"{result['limit']['membw_read_gbs']} GB/s")
-    if not args.no_save:
-        bf16 = "-bf16" if args.dtype == "bfloat16" else ""
-        print(write_json(f"fused_ops-t{result['threads']}{bf16}.json", result))
+    bf16 = "-bf16" if args.dtype == "bfloat16" else ""
+    print(write_json(args.out or f"fused_ops-t{result['threads']}{bf16}.json", result))
 
 
 if __name__ == "__main__":

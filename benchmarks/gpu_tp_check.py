@@ -25,6 +25,7 @@ sys.path.insert(0, HERE)
 FIXTURE = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "tiny-llama")
 
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 
 
 def run(model: str, tp: int, device: str, dtype: str, prompts: list[list[int]], max_tokens: int
@@ -56,7 +57,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--cpu", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="result file (default: gpu_tp_check.json, gpu_tp_check-cpu.json with --cpu)")
     args = p.parse_args()
     if args.cpu:
         device, dtype, model = "cpu", "float32", args.model or FIXTURE
@@ -83,9 +85,7 @@ def main() -> int:
               "generate_s": {"tp1": one["generate_s"], f"tp{args.tp}": many["generate_s"]},
               "start_s": {"tp1": one["start_s"], f"tp{args.tp}": many["start_s"]}}
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out or ("gpu_tp_check-cpu.json" if args.cpu else "gpu_tp_check.json"), result)
     return 0 if agree == 1.0 and result["cached_equal"] else 1
 
 

@@ -10,6 +10,8 @@ output token by token (fill, then accept), so the masks are those of a real gene
 
 --step-ms: the decode step at 32 streams to compare against (default 350 ms: the default model
 fp32 on the 2-core AMD EPYC decodes 85-100 tok/s at 32 streams, BENCHMARKS.md).
+Writes benchmarks/results/grammar_mask.json (grammar_mask-engine.json with --engine; --out NAME:
+another file).
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -202,11 +208,12 @@ def engine_steps(streams: int, steps: int, structured) -> float:
 ENGINE: dict = {}
 
 
-def engine_main(steps: int) -> None:
+def engine_main(steps: int) -> list[dict]:
     from loomserve.sampling_params import StructuredOutputs
 
     # A grammar that never ends early: every step of every stream is constrained.
     spec = StructuredOutputs(regex="[a-zA-Z ,.]{0,400}")
+    rows = []
     for streams in (1, 32):
         engine_steps(streams, 2, spec)  # warm-up: model, grammar compiler, compile
         (plain, plain_cpu), (con, con_cpu) = (engine_steps(streams, steps, None),
@@ -214,6 +221,10 @@ def engine_main(steps: int) -> None:
         print(f"engine, {streams:2d} streams, median decode step: plain {plain:7.1f} ms wall /"
               f" {plain_cpu:7.1f} ms CPU, constrained {con:7.1f} / {con_cpu:7.1f} ms "
               f"(CPU {(con_cpu / plain_cpu - 1) * 100:+5.1f}%)")
+        rows.append({"streams": streams, "steps": steps, "plain_ms": plain,
+                     "plain_cpu_ms": plain_cpu, "constrained_ms": con,
+                     "constrained_cpu_ms": con_cpu})
+    return rows
 
 
 def main() -> None:
@@ -224,10 +235,14 @@ def main() -> None:
                     help="instead: the engine's decode step, plain vs grammar-constrained, "
                          "default model fp32, 1 and 32 streams, STEPS steps each; process CPU "
                          "time too (robust on a shared host with LOOMSERVE_NUM_THREADS=1)")
+    ap.add_argument("--out", default=None,
+                    help="result file (default: grammar_mask.json, grammar_mask-engine.json)")
     args = ap.parse_args()
     if args.engine:
-        engine_main(args.engine)
+        rows = engine_main(args.engine)
+        write_json(args.out or "grammar_mask-engine.json", {"engine_decode_steps": rows})
         return
+    results = []
     hf = tokenizer()
     vocab = 49152
     texts = {"json": json.dumps(VALUE, separators=(", ", ": ")), "tool call": CALL}
@@ -248,6 +263,12 @@ def main() -> None:
                       f" accept {accept:5.2f} apply {apply:5.2f} (engine's {ours:5.2f}) ms/step;"
                       f" fill+accept+engine apply {total:5.2f} ms = "
                       f"{total / args.step_ms * 100:4.1f}% of a step")
+                results.append({"library": lib.name, "grammar": kind, "compile_ms": compile_ms,
+                                "streams": n, "fill_ms": fill, "accept_ms": accept,
+                                "apply_ms": apply, "engine_apply_ms": ours,
+                                "share_of_given_step": total / args.step_ms})
+    write_json(args.out or "grammar_mask.json",
+               {"step_ms_given": args.step_ms, "tokens": args.tokens, "results": results})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ import time
 from loomserve.bench.hybrid_eval import Workload, evaluate
 from loomserve.bench.trace import load_traces
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,8 +80,7 @@ def main() -> None:
             "wall_s": round(time.time() - t0, 1)}
         out["summary"] = _summary(out["sets"])
         out["wall_s"] = round(time.time() - t_all, 1)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)
     print(json.dumps(out["summary"], indent=1))
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -28,6 +29,9 @@ import torch
 from loomserve.kv import events as ev
 from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
 
 BS = 16
 
@@ -91,9 +95,7 @@ def main() -> None:
            "process_cpu_us_per_step": round(cpu, 2),
            "payload_bytes_per_step": runs[-1][3], "load_avg_1m": os.getloadavg()[0]}
     print(json.dumps(out, indent=1))
-    path = os.path.join(os.path.dirname(__file__), "results", "kv_events_cost.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json("kv_events_cost.json", out)
 
 
 if __name__ == "__main__":

@@ -282,9 +282,10 @@ def main() -> None:
               f"{ratio:>11.1f}x")
         print("    last-8 phases ms: " + ", ".join(
             f"{k} {v:.2f}" for k, v in r["last8_phase_median_ms"].items()))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    sys.path.insert(0, HERE)  # here, not at the top: vLLM's venv runs this file as a driver
+    from common.results import write_json
+
+    write_json(args.out, results)
     print(f"wrote {args.out}")
 
 

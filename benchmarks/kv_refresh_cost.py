@@ -7,17 +7,24 @@ another is refreshed (`refresh_prefix`: hashing + lookup + touch and re-free of 
 block). The difference is what the refresh adds to a request's arrival.
 
     python benchmarks/kv_refresh_cost.py [--tokens 131072] [--repeats 7]
+
+Writes benchmarks/results/kv_refresh_cost.json (--out NAME: another file).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 # The simulator's manager (token-level spec) and request stand-in: nothing here is new.
 from loomserve.bench.simulate.policies import _make_manager
 from loomserve.bench.simulate.workload import _KVReq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -25,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default="kv_refresh_cost.json", help="result file")
     a = ap.parse_args()
     kv = _make_manager(a.tokens // a.block_size + 64, a.block_size, 1)
     prompt = list(range(a.tokens))
@@ -46,6 +54,13 @@ def main() -> None:
     p, r = statistics.median(probe) * 1e3, statistics.median(refresh) * 1e3
     print(f"{a.tokens} tokens, {n} hit blocks: probe {p:.2f} ms, refresh {r:.2f} ms "
           f"(adds {r - p:.2f} ms; medians of {a.repeats})")
+    write_json(a.out, {"tokens": a.tokens, "block_size": a.block_size, "repeats": a.repeats,
+                       "hit_blocks": n, "probe_ms": as_ms(probe), "refresh_ms": as_ms(refresh),
+                       "probe_ms_median": p, "refresh_ms_median": r})
+
+
+def as_ms(seconds: list[float]) -> list[float]:
+    return [round(s * 1e3, 4) for s in seconds]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--page-bytes", type=int, default=256 << 10)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="kv_transfer_bandwidth.json", help="result file")
     ap.add_argument("--handshake", action="store_true",
                     help="also time a decode leg that imports its prompt's KV vs computes it")
     ap.add_argument("--model", default=None, help="for --handshake (default: the default model)")
@@ -199,9 +200,7 @@ def main() -> None:
     result = {"cpu": host_info()["cpu"], "cores": os.cpu_count(), "page_bytes": args.page_bytes,
               "reps": args.reps, "date": time.strftime("%Y-%m-%d"), "rows": rows,
               "handshake": hs}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default="matmul_layout.json", help="result file")
     args = ap.parse_args(argv)
     from membw import measure_read_bandwidth
     bw = measure_read_bandwidth()
@@ -80,8 +80,7 @@ def main(argv=None) -> int:
                        "gbs": nbytes / t / 1e9, "speedup": base / t}
                 out["results"].append(rec)
                 print(f"{rec['dtype']:9} {rows:>5} {name:12} {rec['ms']:8.2f} {rec['gbs']:6.1f} {rec['speedup']:8.2f}")
-    if not args.no_save:
-        write_json("matmul_layout.json", out)
+    print("wrote", write_json(args.out, out))
     return 0
 
 

@@ -139,13 +139,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--refresh", action="store_true", help="ignore the cached result")
-    ap.add_argument("--no-save", action="store_true", help="measure, print, don't cache")
     args = ap.parse_args()
-    data = None if args.refresh or args.no_save else _cached(args.gib, args.threads)
+    data = None if args.refresh else _cached(args.gib, args.threads)
     if data is None:
         data = run_all(gib=args.gib, threads=args.threads, repeats=args.repeats)
-        if not args.no_save:
-            print("wrote", write_json(RESULT_NAME, data), file=sys.stderr)
+        print("wrote", write_json(RESULT_NAME, data), file=sys.stderr)
     else:
         print("(cached result; --refresh to measure again)", file=sys.stderr)
     for k, v in data["gbs"].items():

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common.host import host_info  # noqa: E402
+from benchmarks.common.results import write_json  # noqa: E402
 from loomserve.execution.attention.metadata import PrefillChunk  # noqa: E402
 from loomserve.execution.layers.attention import build_metadata  # noqa: E402
 from loomserve.execution.layers.mla import MultiHeadLatentAttention  # noqa: E402
@@ -96,8 +97,7 @@ def main() -> None:
            "shape": {"heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "nope": NOPE, "v": V, "dtype": "float32"},
            "decode_one_layer": rows, "cache": cache}
     print(json.dumps(res, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common.host import host_info  # noqa: E402
+from benchmarks.common.results import write_json  # noqa: E402
 from loomserve.execution.attention import (  # noqa: E402
     BlockTables,
     build_metadata,
@@ -180,9 +181,7 @@ def main() -> None:
            "prefill": prefill(args.repeats, rate),
            "windowed_prefill": [windowed_prefill(args.repeats, rate, s) for s in WINDOWED]}
     print(json.dumps(res, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, host_info  # noqa: E402
+from common import RESULTS_DIR, host_info, write_json  # noqa: E402
 
 
 def mm_gflops(threads: int) -> float:
@@ -89,10 +89,8 @@ def main() -> int:
         r = run(layout, pcp, threads, a)
         print(json.dumps(r), flush=True)
         runs.append(r)
-    with open(a.out, "w") as f:
-        json.dump({"host": host_info(), "args": vars(a), "loadavg_end": os.getloadavg(),
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs},
-                  f, indent=1)
+    write_json(a.out, {"host": host_info(), "args": vars(a), "loadavg_end": os.getloadavg(),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs})
     print(f"{'layout':>8} {'median s':>9} {'tok/s':>8} {'FLOP limit s':>13}")
     for r in runs:
         print(f"{r['layout']:>8} {r['median_s']:>9} {r['tok_s']:>8} {r['flop_limit_s']:>13}")

@@ -35,7 +35,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, host_info  # noqa: E402
+from common import RESULTS_DIR, host_info, write_json  # noqa: E402
 from common.agent_cluster import env  # noqa: E402
 from common.servers import ServerProcess  # noqa: E402
 from pd_agentx import pct, stream  # noqa: E402
@@ -135,8 +135,7 @@ def main() -> int:
         r = run_interval(a, interval, 24600 + 10 * i)
         print(json.dumps(r), flush=True)
         runs.append(r)
-    with open(a.out, "w") as f:
-        json.dump({"host": host_info(), "args": vars(a), "runs": runs}, f, indent=1)
+    write_json(a.out, {"host": host_info(), "args": vars(a), "runs": runs})
     print(f"{'interval':>8} {'wall s':>7} {'TPGS':>7} {'dummy':>6} {'ITL p50/p99 ms':>16} "
           f"{'cold TTFT p50':>13} errors")
     for r in runs:

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (numerics only here; 1 avoids OpenMP waits on a busy host)")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default="quant_agreement.json", help="result file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from loomserve.engine.tokenizer import Tokenizer
@@ -125,8 +125,7 @@ def main(argv=None) -> int:
               f"{q.weight_bytes / 1e6:7.1f}")
         del q
     out["reference_weight_bytes"] = ref.weight_bytes
-    if not args.no_save:
-        write_json("quant_agreement.json", out)
+    print("wrote", write_json(args.out, out))
     return 0
 
 

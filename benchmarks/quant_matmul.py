@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch (and kernel) threads; 1 measures a core without OpenMP waits")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default=None,
+                    help="result file (default: quant_matmul.json, quant_matmul-t1.json with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,8 +134,8 @@ def main(argv=None) -> int:
         rec = distinct_pass(rows, args.repeats, bw)
         out["results"].append(rec)
         _row(rec)
-    if not args.no_save:
-        write_json("quant_matmul-t1.json" if args.threads == 1 else "quant_matmul.json", out)
+    name = args.out or ("quant_matmul-t1.json" if args.threads == 1 else "quant_matmul.json")
+    print("wrote", write_json(name, out))
     return 0
 
 

@@ -27,7 +27,6 @@ Writes benchmarks/results/router_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.host import host_info  # noqa: E402
+from common.results import write_json  # noqa: E402
 
 from loomserve.control.router.instances import InstanceSet
 from loomserve.control.router.kv_index import KVIndex
@@ -169,8 +169,7 @@ def main() -> None:
               f"reasons {r['reasons']}")
     print(f"{report['sessions']} sessions, {report['prompt_tokens']} prompt tokens, "
           f"{report['cpu']}")
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

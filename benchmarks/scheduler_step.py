@@ -40,6 +40,9 @@ from loomserve.engine.sched.scheduler import Scheduler
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.sampling_params import SamplingParams
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "tiny-llama")
 BLOCK_SIZE = 16
@@ -194,7 +197,7 @@ def main() -> None:
                          "LOOMSERVE_NUM_THREADS)")
     ap.add_argument("--no-runner", dest="runner", action="store_false",
                     help="time schedule() + update() only, no model runner")
-    ap.add_argument("--out", default=None, help="also write the result JSON here")
+    ap.add_argument("--out", default="scheduler_step.json", help="result file")
     args = ap.parse_args()
     context = (args.context, args.context) if args.context else (1024, 4096)
     if args.threads:
@@ -227,10 +230,7 @@ def main() -> None:
         print(f"{c['running']} running, context {c['context_tokens'][0]}-"
               f"{c['context_tokens'][1]}: {line}", file=sys.stderr)
     print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ convert the GGUF into the weight cache; the following starts are the warm figure
 Targets: ready in < 15 s with cached weights; RSS < 2 GB at default settings.
 
     python benchmarks/server_startup.py [--repeats 3] [--dtype float32] [--engine-in-process] [--json]
+
+Writes benchmarks/results/server_startup.json (--out NAME: another file).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import sys
 import time
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.results import write_json  # noqa: E402
 
 
 def free_port() -> int:
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="server_startup.json", help="result file")
     ap.add_argument("--engine-in-process", action="store_true",
                     help="time the one-process layout (the engine core in a thread)")
     args = ap.parse_args()
@@ -105,9 +111,10 @@ def main() -> None:
         "warm_peak_rss_mb_median": statistics.median(w["peak_rss_mb"] for w in warm),
         "warm_core_rss_mb_median": statistics.median(w["core_rss_mb"] for w in warm),
         "repeats": args.repeats, "cpus": os.cpu_count(),
-        "targets": {"ready_s": 15, "rss_mb": 2000},
+        "targets": {"ready_s": 15, "rss_mb": 2000}, "warm": warm,
     }
     print(json.dumps(result, indent=None if args.json else 2))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

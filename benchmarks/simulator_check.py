@@ -78,6 +78,9 @@ sys.path.insert(0, str(ROOT))
 from loomserve.bench.simulate import Workload, run_infinite, run_lru, run_optimal  # noqa: E402
 from loomserve.bench.trace import load_traces  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common.results import write_json  # noqa: E402
+
 VENV = ROOT / "benchmarks" / ".peers" / "kvcache-sim-venv"
 CLI = VENV / "bin" / "kvcache-simulator"
 MODEL = "llama-3.1-8b"
@@ -204,8 +207,7 @@ def main() -> int:
                       "infinite_hit_rate": inf.token_hit_rate},
         "points": rows, "max_lru_diff_pp": worst, "within_1pp": ok,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     log(f"wrote {args.out}")
     return 0 if ok else 1
 

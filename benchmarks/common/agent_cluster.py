@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.paths import REPO_ROOT
+from common.results import envelope, write_json
 from common.servers import ServerProcess
 
 __all__ = ["env", "coarsen_trace", "prepare_traces", "session_working_set", "KV_BYTES_FP32",
@@ -357,7 +358,8 @@ def metric_counters(url: str, *prefixes: str) -> dict:
 
 
 class ResultStore:
-    """A JSON file of finished runs keyed by name, rewritten after each run (resumable)."""
+    """A JSON file of finished runs keyed by name, rewritten after each run (resumable); each
+    run carries its own envelope (results.envelope), since one file collects several runs."""
 
     def __init__(self, path: str, meta: dict) -> None:
         self.path = path
@@ -372,12 +374,8 @@ class ResultStore:
         return key in self.data["runs"]
 
     def put(self, key: str, value: dict) -> None:
-        self.data["runs"][key] = value
+        self.data["runs"][key] = {"envelope": envelope(), **value}
         self.save()
 
     def save(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data)

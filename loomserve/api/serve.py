@@ -128,7 +128,7 @@ def _run_loop(main) -> None:
     """Run the server on uvloop where it is installed (a dependency on Linux and macOS), as
     vLLM and SGLang do, else on asyncio's own loop. With uvicorn's httptools parser (picked
     when installed) it cuts the API process's CPU per streamed token, which on a small host
-    competes with the decode (BENCHMARKS.md, issue 12 "Session 20")."""
+    competes with the decode (docs/design/scheduler.md)."""
     try:
         import uvloop
     except ImportError:

@@ -21,8 +21,8 @@ class SchedulerConfig:
     # (token budget only); the token budget stays the upper bound. Off by default: on the
     # 2-core test CPU the auto budget cut stream stalls (worst gap 7.8 -> 1.8 s beside a cold
     # 6K prefill) but stretched cold prefills 5.6x, and on equal-work AgentX replays it cost
-    # 5-9% of TPGS (ITL p99/p50 4.88 -> 4.22 at 16 sessions, 2.76 -> 3.31 at 4; BENCHMARKS.md
-    # "Mixed traffic"); opt in with --target-step-ms auto (or a number).
+    # 5-9% of TPGS (ITL p99/p50 4.88 -> 4.22 at 16 sessions, 2.76 -> 3.31 at 4;
+    # docs/design/scheduler.md); opt in with --target-step-ms auto (or a number).
     target_step_ms: float | None = 0.0
     # Aging: a request waiting longer than this goes to the front of the admission order.
     max_postpone_ms: float = 10_000.0
@@ -33,7 +33,7 @@ class SchedulerConfig:
     # the front end once N have gathered; its first token, its last and any output while a
     # stats snapshot goes out (every few tens of ms) go at once. 1 = every token. Larger
     # values save the per-token hops (core -> API process -> client), which a small host pays
-    # out of the decode (BENCHMARKS.md, issue 12 "Session 20").
+    # out of the decode (docs/design/scheduler.md).
     stream_interval: int = 1
 
     def __post_init__(self) -> None:

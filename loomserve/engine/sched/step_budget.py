@@ -12,7 +12,7 @@ first long chunk gets at least one block, so a long prefill never starves. A sho
 turn: a tool result over a cached context) goes whole, as without a target: cutting it would
 stretch its TTFT about mult / (mult - 1)x, and its stall stays bounded by the long-prefill cap.
 Holding a short one that does not fit for a later step was tried and measured worse (16-session
-AgentX replay: TPGS -13% instead of -5.5%, ITL p99/p50 4.4 instead of 4.2; BENCHMARKS.md).
+AgentX replay: TPGS -13% instead of -5.5%, ITL p99/p50 4.4 instead of 4.2; docs/design/scheduler.md).
 
 Invariant: chunk() is at most n; a step exceeds the predicted target only by its short prefills
 and one block of its first long one.
