@@ -198,19 +198,27 @@ def test_unsupported_combinations_fail_at_start():
     # TP x DCP: the same two ranks split the weights and the KV
     assert ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).world_size == 2
     from loomserve.config import EngineConfig
+    from loomserve.execution.models.llama import LlamaForCausalLM
     from loomserve.execution.parallel.context_parallel import preflight
     with pytest.raises(NotImplementedError, match="MLA models"):
         preflight(EngineConfig.from_kwargs(model=_fixture("tiny-llama"), tensor_parallel_size=2,
-                                           decode_context_parallel_size=2))
+                                           decode_context_parallel_size=2), LlamaForCausalLM)
+    with pytest.raises(NotImplementedError, match="supports_dcp"):  # a plugin, or a subclass
+        preflight(EngineConfig.from_kwargs(model=_fixture("tiny-llama"),
+                                           decode_context_parallel_size=2),
+                  type("PluginForCausalLM", (LlamaForCausalLM,), {}))
 
 
 def test_a_block_it_cannot_split_fails_before_any_process_starts():
     from loomserve.config import EngineConfig
+    from loomserve.engine.llm import LLM
+    from loomserve.execution.models.llama import LlamaForCausalLM
     from loomserve.execution.parallel.context_parallel import preflight
-    cfg = EngineConfig.from_kwargs(model=_fixture("tiny-llama"), decode_context_parallel_size=2,
-                                   block_size=16, dcp_kv_cache_interleave_size=16)
+    kw = dict(decode_context_parallel_size=2, block_size=16, dcp_kv_cache_interleave_size=16)
     with pytest.raises(ValueError, match="multiple of"):
-        preflight(cfg)
+        preflight(EngineConfig.from_kwargs(model=_fixture("tiny-llama"), **kw), LlamaForCausalLM)
+    with pytest.raises(ValueError, match="multiple of"):  # the engine calls it before its ranks
+        LLM(_fixture("tiny-llama"), **kw)
 
 
 # --- the engine at D = 2 ----------------------------------------------------------------------

@@ -85,8 +85,11 @@ def test_one_rank_keeps_todays_path():
 def test_unsupported_family_is_refused_before_any_process_starts():
     from loomserve.engine.llm import LLM
     from loomserve.execution.parallel.tensor_parallel import check_supported
-    with pytest.raises(NotImplementedError, match="Llama family"):  # e.g. a registered plugin
+    with pytest.raises(NotImplementedError, match="declares none"):  # e.g. a registered plugin
         check_supported(type("PluginForCausalLM", (), {}), None, 2, "none")
+    from loomserve.execution.models.llama import LlamaForCausalLM
+    with pytest.raises(NotImplementedError, match="declares none"):  # a plan is not inherited
+        check_supported(type("PluginForCausalLM", (LlamaForCausalLM,), {}), None, 2, "none")
     with pytest.raises(ValueError, match="must divide"):  # 4 heads over 3 ranks
         LLM(_fixture("tiny-qwen3-next"), tensor_parallel_size=3, kv_cache_memory="2MiB")
     with pytest.raises(NotImplementedError, match="quantization int8"):

@@ -24,6 +24,7 @@ from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.engine.executor.abstract import Executor
 from loomserve.execution.worker import Worker
+from loomserve.execution.models.loading.loader import resolve_config
 from loomserve.execution.parallel import shared_pool
 from loomserve.execution.parallel.context_parallel import preflight as dcp_preflight
 from loomserve.execution.parallel.state import (
@@ -39,7 +40,7 @@ from loomserve.execution.parallel.step_message import (
     broadcast_step,
     encode,
 )
-from loomserve.execution.parallel.tensor_parallel import preflight
+from loomserve.execution.parallel.tensor_parallel import check_supported
 from loomserve.execution.parallel.worker_proc import WorkerSpec, agree_on_kv_plan
 
 log = logging.getLogger("loomserve.engine")
@@ -113,10 +114,14 @@ class MultiprocExecutor(Executor):
             config = dataclasses.replace(config, parallel=dataclasses.replace(
                 pc, shared_kv_fd=shared_pool.create()))
             pc = config.parallel
-        if pc.tensor_parallel_size > 1:
-            preflight(config)  # refuse an unsupported model before any process starts
-        if pc.decode_context_parallel_size > 1:
-            dcp_preflight(config)
+        if pc.tensor_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+            # refuse an unsupported model before any process starts
+            mc = config.model
+            model_cls, cfg = resolve_config(mc.model, mc.resolved_cache_dir)
+            if pc.tensor_parallel_size > 1:
+                check_supported(model_cls, cfg, pc.tensor_parallel_size, mc.quantization)
+            if pc.decode_context_parallel_size > 1:
+                dcp_preflight(config, model_cls)
         device = config.model.torch_device
         if device.type == "cuda" and pc.world_size > 1:
             import torch

@@ -28,6 +28,8 @@ from torch.nn import functional as F
 
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.state import StateBatch, StateSeq
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import part
 
 CHUNK = 64
 
@@ -270,6 +272,26 @@ class GatedDeltaNet(nn.Module):
     def hf_param_keys(self) -> set[str]:
         keys = {n for n, _ in self.named_parameters()} - {"in_proj.weight"}
         return keys | {"in_proj.weight#qkvz", "in_proj.weight#ba"}
+
+
+def tp_slice(name: str, t: torch.Tensor, tp: TPGroup, key_heads: int, value_heads: int,
+             key_head_dim: int, value_head_dim: int) -> torch.Tensor:
+    """This rank's slice of one HF Gated DeltaNet tensor (`name` relative to the layer) under
+    tensor parallelism: key heads split with the value heads they serve, so a rank's conv
+    channels, decay and recurrent state are its heads' only. HF's fused projections are grouped
+    per key head, so a rank's key heads are one contiguous slice of the per-key-head view."""
+    hk, hv = key_heads, value_heads
+    if name in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+        return part(t.view(hk, -1, t.shape[-1]), 0, hk, tp).reshape(-1, t.shape[-1])
+    if name == "conv1d.weight":  # channels [q (hk*dk) | k (hk*dk) | v (hv*dv)]
+        ks, vs = hk * key_head_dim, hv * value_head_dim
+        q, k, v = t.split([ks, ks, vs], dim=0)
+        return torch.cat([part(q, 0, hk, tp), part(k, 0, hk, tp), part(v, 0, hv, tp)])
+    if name in ("dt_bias", "A_log"):
+        return part(t, 0, hv, tp)
+    if name == "out_proj.weight":
+        return part(t, 1, hv, tp)
+    return t  # the per-head norm
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -30,6 +30,8 @@ from loomserve.execution.layers.gated_deltanet import (
 )
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.state import StateBatch
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import bias_once, part
 
 CHUNK = 64
 
@@ -157,3 +159,24 @@ class Mamba2Mixer(nn.Module):
 
     def hf_param_keys(self) -> set[str]:
         return {n for n, _ in self.named_parameters()}
+
+
+def tp_slice(name: str, t: torch.Tensor, tp: TPGroup, heads: int, head_dim: int, groups: int,
+             state_size: int) -> torch.Tensor:
+    """This rank's slice of one HF Mamba2 tensor (`name` relative to the mixer) under tensor
+    parallelism: heads split, and with them their groups (B and C rows), so a rank's conv
+    channels, grouped norm and SSM state are its heads' only. in_proj rows [z | x | B | C | dt]."""
+    h, g = heads, groups
+    inner, bc = h * head_dim, g * state_size
+    if name in ("in_proj.weight", "in_proj.bias"):
+        z, x, b, c, dt = t.split([inner, inner, bc, bc, h], dim=0)
+        return torch.cat([part(z, 0, h, tp), part(x, 0, h, tp), part(b, 0, g, tp),
+                          part(c, 0, g, tp), part(dt, 0, h, tp)])
+    if name in ("conv1d.weight", "conv1d.bias"):  # channels [x | B | C]
+        x, b, c = t.split([inner, bc, bc], dim=0)
+        return torch.cat([part(x, 0, h, tp), part(b, 0, g, tp), part(c, 0, g, tp)])
+    if name == "out_proj.weight":
+        return part(t, 1, h, tp)
+    if name == "out_proj.bias":
+        return bias_once(t, tp)
+    return part(t, 0, h, tp)  # dt_bias, A_log, D, the grouped norm's weight [inner]

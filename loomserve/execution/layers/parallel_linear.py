@@ -32,7 +32,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         if linear.bias is not None:
             # it would be summed N times; the Llama split has none (gpt-oss's biased o_proj
-            # goes through tp_families' hooks, its bias loaded on rank 0 only)
+            # is all-reduced by a hook instead: gpt_oss.py, its bias loaded on rank 0 only)
             raise NotImplementedError("a row-parallel linear with a bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

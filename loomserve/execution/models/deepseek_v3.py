@@ -10,6 +10,11 @@ are de-interleaved at load when rope_interleave (DeepSeek's layout), the MTP lay
 num_hidden_layers are skipped, and FP8 block-scaled checkpoints are refused (dequantize first).
 
 Runner contract: loomserve/execution/models/registry.py.
+
+Tensor parallelism (DeepseekV3TP): query heads, kv_b_proj's per-head rows and o_proj's columns
+split; the latent path and its cache replicated (every rank stores the same latent rows: page and
+block count as one rank's; splitting the cache itself is DCP's job, not TP's: TP x DCP runs in
+layers/mla.py); MoE by intermediate columns. Attention and MLP outputs all-reduced by hooks.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding
-from loomserve.execution.models.arch_config import _rope, eos_token_ids
+from loomserve.execution.models.arch_config import eos_token_ids, parse_rope
 from loomserve.execution.models.loading.weight_layout import lm_head_logits
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import TPPlan, bias_once, part, swiglu_weight
 from loomserve.kv.spec import KVCacheSpec, MLAAttentionSpec
 
 
@@ -88,7 +95,8 @@ class DeepseekV3Config:
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
         if d.get("topk_method", "noaux_tc") not in ("noaux_tc",) or d.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError("only DeepSeek-V3 routing (sigmoid scores, noaux_tc group-limited top-k) is supported")
-        theta, scaling = _rope(d.get("rope_parameters"), d.get("rope_scaling"), d.get("rope_theta"))
+        theta, scaling = parse_rope(d.get("rope_parameters"), d.get("rope_scaling"),
+                                    d.get("rope_theta"))
         if scaling is not None and scaling["rope_type"] not in ("yarn", "linear"):
             raise ValueError(f"unsupported rope scaling {scaling['rope_type']!r} for deepseek_v3 (yarn, linear)")
         heads = int(d["num_attention_heads"])
@@ -115,6 +123,30 @@ class DeepseekV3Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_token_ids(d),
         )
+
+
+class DeepseekV3TP(TPPlan):
+    reduced_blocks = ("self_attn", "mlp")
+    split_kv_heads = False  # one latent row per token, replicated
+
+    def divisions(self, cfg: DeepseekV3Config) -> dict[str, int]:
+        return {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                "moe_intermediate_size": cfg.moe_intermediate_size}
+
+    def shard_layer(self, rest: str, t: torch.Tensor, cfg: DeepseekV3Config, tp: TPGroup
+                    ) -> torch.Tensor:
+        """MLA: query heads, kv_b_proj's per-head [k_nope | v] rows and o_proj's columns split;
+        the latent path (q_a / kv_a projections and norms) whole. MoE by intermediate columns
+        (the shared experts are one MLP n_shared times as wide: its columns split alike)."""
+        leaf = rest.split(".")[1] if rest.startswith("self_attn.") else None
+        if leaf in ("q_proj", "q_b_proj") or rest == "self_attn.kv_b_proj.weight":
+            return part(t, 0, cfg.num_heads, tp)
+        if leaf == "o_proj":
+            return bias_once(t, tp) if rest.endswith("bias") else part(t, 1, cfg.num_heads, tp)
+        if leaf is not None:
+            return t
+        return swiglu_weight(rest, t, tp, cfg.intermediate_size, cfg.moe_intermediate_size,
+                             cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
 class DecoderLayer(nn.Module):
@@ -153,6 +185,9 @@ _SWIGLU = re.compile(r"^(mlp|mlp\.shared_experts)\.(gate_proj|up_proj)\.weight$"
 
 class DeepseekV3ForCausalLM(nn.Module):
     config_class = DeepseekV3Config
+    tp_plan = DeepseekV3TP()
+    supports_dcp = True  # MLA's partials merge in latent space (layers/mla.py)
+    supports_tp_dcp = True  # TP x DCP on the same ranks (layers/mla.py, tp_dcp_attention)
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
@@ -161,7 +196,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int | None] | None = None
-        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tp_families.py)
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
 
     # --- runner contract --------------------------------------------------------------------------
 

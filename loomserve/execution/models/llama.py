@@ -6,12 +6,17 @@ sliding-window KV group: the window lives in that group's attention metadata, no
 Checkpoints load by their HF names (`model.layers.N.self_attn.q_proj.weight`, ...). Inside, q/k/v
 and gate/up are fused into one matmul each, so `load_weights` maps the HF shards into slices of
 the fused parameters: fewer kernel launches per layer, which is most of a small model's decode.
+
+Tensor parallelism (LlamaTP): heads and MLP columns split, o_proj and down_proj swapped for
+row-parallel linears (Megatron's form). A decode-only step runs in one C call where it applies
+(llama_decode.py).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,10 +26,47 @@ from loomserve.execution.layers.fused import rope_qk_
 from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
-from loomserve.execution.models.arch_config import ArchConfig
+from loomserve.execution.models.arch_config import FULL, SLIDING, ArchConfig
 from loomserve.execution.models.llama_decode import DecodeStack
 from loomserve.execution.models.loading.weight_layout import lm_head_logits
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import TPPlan, attention_weight, swiglu_weight
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ArchConfig):
+    """Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: one architecture, told apart by switches."""
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    @classmethod
+    def model_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+        mtype = d.get("model_type", "llama")
+        # Qwen2 configs predate the attention_bias key: their q/k/v always carry a bias.
+        return {"attention_bias": bool(d.get("attention_bias", mtype == "qwen2")),
+                "qk_norm": mtype == "qwen3"}
+
+    @classmethod
+    def default_layer_types(cls, d: dict[str, Any], num_layers: int,
+                            window: int | None) -> list[str]:
+        if d.get("model_type") in ("qwen2", "qwen3") and window is not None:
+            first = int(d.get("max_window_layers", num_layers))  # layers below it see everything
+            return [SLIDING if i >= first else FULL for i in range(num_layers)]
+        return super().default_layer_types(d, num_layers, window)
+
+
+class LlamaTP(TPPlan):
+    """Heads and MLP columns split; o_proj and down_proj row-parallel (Megatron's swap)."""
+
+    row_parallel = ("self_attn.o_proj", "mlp.down_proj")
+
+    def divisions(self, cfg: ArchConfig) -> dict[str, int]:
+        return {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
+
+    def shard_layer(self, rest: str, t: torch.Tensor, cfg: ArchConfig, tp: TPGroup) -> torch.Tensor:
+        a = attention_weight(rest, t, cfg, tp)
+        return a if a is not None else swiglu_weight(rest, t, tp, cfg.intermediate_size)
 
 
 class Attention(nn.Module):
@@ -130,6 +172,10 @@ _SHARD = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|b
 class LlamaForCausalLM(nn.Module):
     """Implements the runner's model contract (see loomserve.execution.models.registry)."""
 
+    config_class = LlamaConfig
+    tp_plan = LlamaTP()
+    supports_dcp = True  # decode context parallelism (parallel/context_parallel.py)
+
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -177,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         metas = self.layer_metadata(attn_meta)
         if self.decode_stack is None:
-            self.decode_stack = DecodeStack.build(self) or False
+            self.decode_stack = DecodeStack.build(self, DecoderLayer, Attention, SwiGLU) or False
         if self.decode_stack:
             got = self.decode_stack.run(x, rope, metas)
             if got is not None:

@@ -7,7 +7,8 @@ runs every layer in C with the same kernels, in the same order, on the same valu
 logits equal the Python path's bit for bit; any other step runs the Python layers.
 
 It applies (DecodeStack.build, once per model) to plain Llama-family layers (Llama, SmolLM2,
-Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms) whose four products run in a C kernel
+Mistral, Qwen2 with q|k|v bias, Qwen3 with head norms; llama.py hands build its layer classes, so
+this module never imports it) whose four products run in a C kernel
 (quantized: layers/quant.py's tiled CPU weights; fp32: layers/dense.py's few-row kernel, up to
 its max_rows), with fp32 activations and an fp32, bf16 or fp16 KV cache read by the CPU paged
 backend, without attention sinks or tensor parallelism; and per step (run) when every KV
@@ -108,10 +109,11 @@ class DecodeStack:
                              if isinstance(m, dense.DenseLinear)), default=1 << 30)
 
     @classmethod
-    def build(cls, model) -> "DecodeStack | None":
-        """The stack for `model` (a LlamaForCausalLM), or None where it does not apply."""
-        from loomserve.execution.layers.mlp import SwiGLU
-        from loomserve.execution.models.llama import Attention, DecoderLayer
+    def build(cls, model, layer_type: type, attention_type: type, mlp_type: type
+              ) -> "DecodeStack | None":
+        """The stack for `model` (a LlamaForCausalLM), or None where it does not apply: every
+        layer must be exactly `layer_type` with `attention_type` and `mlp_type` blocks, the
+        layers whose computation the C stack repeats."""
         if not enabled() or model.tp is not None or not model.carries_residual:
             return None
         libs = (kernels.bind("decode_stack", {"decode_stack": (
@@ -128,7 +130,8 @@ class DecodeStack:
             return None
         for layer in layers:
             a = layer.self_attn
-            if (type(layer) is not DecoderLayer or type(a) is not Attention or type(layer.mlp) is not SwiGLU
+            if (type(layer) is not layer_type or type(a) is not attention_type
+                    or type(layer.mlp) is not mlp_type
                     or a.sinks is not None or not _norm_ok(layer.input_layernorm)
                     or not _norm_ok(layer.post_attention_layernorm)
                     or any(_lin(m, []) is None for m in _products(layer))

@@ -11,6 +11,11 @@ relu^2 expert.
 
 Checkpoints name the trunk `backbone.`; it is `model.` here, like every other model, so the
 runner finds `model.model.layers`. Forward contract as in qwen3_next.py.
+
+Tensor parallelism (NemotronHTP): Mamba2 heads split with their B/C groups (n_groups divisible
+by N; layers/mamba2.py), so conv channels, the grouped gated norm and the SSM state are per rank;
+attention heads, the relu^2 MLP and routed / shared experts split like the other models' (the
+router replicated). Every mixer's output is all-reduced by a hook.
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
 from loomserve.execution.layers.expert_parallel import ExpertParallel
-from loomserve.execution.layers.mamba2 import Mamba2Mixer
+from loomserve.execution.layers.mamba2 import Mamba2Mixer, tp_slice
 from loomserve.execution.layers.mlp import ReluSquaredMLP
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import eos_token_ids
-from loomserve.execution.models.qwen3_next import layer_groups, pick
 from loomserve.execution.models.loading.weight_layout import lm_head_logits
+from loomserve.execution.models.qwen3_next import layer_groups, pick
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import (
+    TPPlan,
+    attention_weight,
+    bias_once,
+    part,
+)
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 
 _KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -128,6 +140,49 @@ class NemotronHConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_token_ids(d),
         )
+
+
+_MLP = re.compile(r"^(?:(shared_experts)\.|experts\.\d+\.)?(up_proj|down_proj)\.(weight|bias)$")
+
+
+class NemotronHTP(TPPlan):
+    embedding = "embeddings"
+    vocab_weights = ("backbone.embeddings.weight", "model.embeddings.weight", "lm_head.weight")
+    reduced_blocks = ("mixer",)
+
+    def divisions(self, cfg: NemotronHConfig) -> dict[str, int]:
+        return {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                "mamba_num_heads": cfg.mamba_num_heads, "n_groups": cfg.n_groups,
+                "moe_intermediate_size": cfg.moe_intermediate_size,
+                "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size}
+
+    def shard_layer(self, rest: str, t: torch.Tensor, cfg: NemotronHConfig, tp: TPGroup
+                    ) -> torch.Tensor:
+        """Blocks are `mixer.*` whatever their kind: the kind follows from the tensor's name."""
+        a = attention_weight(rest, t, cfg, tp, block="mixer.")
+        if a is not None:
+            return a
+        if not rest.startswith("mixer."):
+            return t  # the block's norm
+        name = rest[len("mixer."):]
+        if name.startswith(("in_proj.", "conv1d.", "norm.")) or name in (
+                "dt_bias", "A_log", "D", "out_proj.weight", "out_proj.bias"):
+            return tp_slice(name, t, tp, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups,
+                            cfg.ssm_state_size)
+        m = _MLP.match(name)
+        if m:
+            if m.group(1):
+                total = cfg.moe_shared_expert_intermediate_size
+            elif name.startswith("experts."):
+                total = cfg.moe_intermediate_size
+            else:
+                total = cfg.intermediate_size
+            if m.group(2) == "up_proj":
+                return part(t, 0, total, tp)
+            return bias_once(t, tp) if m.group(3) == "bias" else part(t, 1, total, tp)
+        if name == "fc2_latent_proj.bias":  # replicated, applied to each rank's partial expert sum
+            return bias_once(t, tp)
+        return t  # norms, router, latent projections
 
 
 class Attention(nn.Module):
@@ -257,6 +312,8 @@ class NemotronHModel(nn.Module):
 
 class NemotronHForCausalLM(nn.Module):
     config_class = NemotronHConfig
+    tp_plan = NemotronHTP()
+    supports_dcp = True  # Mamba layers replicated per rank (parallel/context_parallel.py)
 
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
@@ -264,7 +321,7 @@ class NemotronHForCausalLM(nn.Module):
         self.model = NemotronHModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.groups: list[int] | None = None
-        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tp_families.py)
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
 
     def init_rotary(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         pass  # no positional encoding

@@ -12,6 +12,11 @@ attention). Details that differ from the Llama family, all checked against trans
 Runner contract: loomserve/execution/models/registry.py. Full-attention layers read their group's entry of
 `attn_meta`, linear layers their group's `state_batch`; until the runner calls
 `set_layer_groups`, group ids are derived from `kv_cache_specs` in the runner's order.
+
+Tensor parallelism (Qwen3NextTP): gated attention heads split (per head [query | gate] rows stay
+together); Gated DeltaNet key heads split with their value heads (layers/gated_deltanet.py), so
+LinearStateSpec pages are 1/N per rank, planned alike on every rank; routed and shared experts
+and the dense MLPs split by intermediate columns. Each block's output is all-reduced by a hook.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from torch.nn import functional as F
 
 from loomserve.execution.layers.attention import AttentionMetadata, paged_attention
 from loomserve.execution.layers.expert_parallel import ExpertParallel
-from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
+from loomserve.execution.layers.gated_deltanet import GatedDeltaNet, tp_slice
 from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import eos_token_ids
 from loomserve.execution.models.loading.weight_layout import lm_head_logits
+from loomserve.execution.parallel.state import TPGroup
+from loomserve.execution.parallel.tensor_parallel import TPPlan, attention_weight, swiglu_weight
 from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec, LinearStateSpec
 
 # Weights stored around 0: the scale is 1 + w, applied in fp32.
@@ -124,6 +131,31 @@ class Qwen3NextConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_token_ids(d),
         )
+
+
+class Qwen3NextTP(TPPlan):
+    reduced_blocks = ("self_attn", "linear_attn", "mlp")
+
+    def divisions(self, cfg: Qwen3NextConfig) -> dict[str, int]:
+        return {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                "linear_num_key_heads": cfg.linear_num_key_heads,
+                "moe_intermediate_size": cfg.moe_intermediate_size,
+                "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+
+    def per_rank(self, cfg: Qwen3NextConfig, tp: TPGroup) -> dict[str, int]:
+        return {"linear_num_value_heads": cfg.linear_num_value_heads // tp.size}
+
+    def shard_layer(self, rest: str, t: torch.Tensor, cfg: Qwen3NextConfig, tp: TPGroup
+                    ) -> torch.Tensor:
+        a = attention_weight(rest, t, cfg, tp)
+        if a is not None:
+            return a
+        if rest.startswith("linear_attn."):
+            return tp_slice(rest[len("linear_attn."):], t, tp, cfg.linear_num_key_heads,
+                            cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim)
+        return swiglu_weight(rest, t, tp, cfg.intermediate_size, cfg.moe_intermediate_size,
+                             cfg.shared_expert_intermediate_size)
 
 
 class GatedAttention(nn.Module):
@@ -249,6 +281,8 @@ _SWIGLU = re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$")
 
 class Qwen3NextForCausalLM(nn.Module):
     config_class = Qwen3NextConfig
+    tp_plan = Qwen3NextTP()
+    supports_dcp = True  # linear-state layers replicated per rank (parallel/context_parallel.py)
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
@@ -257,7 +291,7 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int] | None = None
-        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tp_families.py)
+        self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
 
     # --- runner contract --------------------------------------------------------------------------
 

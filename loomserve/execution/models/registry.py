@@ -1,14 +1,21 @@
-"""Model registry: HF `architectures` (or `model_type`) -> model class, and the runner's model contract.
+"""Model registry: HF `architectures` (or `model_type`) -> model class; the runner's model contract.
 
-Entries are lazy "module:Class" paths, so a model's module is imported only when a checkpoint
-asks for it, and an entry whose module is not there (yet) is skipped as if unregistered.
-A model module may also call `register()` itself.
+One line per architecture (MODELS): its HF name, its HF model_type, and its class as a lazy
+"module:Class" path, so a model's module is imported only when a checkpoint asks for it; an
+entry whose module is not there is skipped as if unregistered. A plugin calls `register()`.
+Everything else a model is (its config parsing, its tensor-parallel split, which parallel modes
+it supports) is declared in its own file, on its class.
 
 The contract a model class implements (the runner calls nothing else):
 
     cls.config_class  (optional)      a class with from_hf(hf_config_dict) -> config; else the
                                       registry's CONFIGS entry; else ArchConfig. The config
                                       needs vocab_size, max_position_embeddings, eos_token_ids.
+    cls.tp_plan       (optional)      its tensor-parallel split (parallel/tensor_parallel.py)
+    cls.supports_dcp, cls.supports_tp_dcp (optional)
+                                      decode context parallelism verified (without / with TP:
+                                      parallel/context_parallel.py). These three are read from
+                                      the class's own body: a subclass declares its own.
     cls(config)                       built on the meta device, then .to(dtype).to_empty(device)
     load_weights(iter of (HF name, tensor))
     init_rotary(max_positions, device, dtype)    after the weights: derived tables (RoPE)
@@ -19,7 +26,8 @@ The contract a model class implements (the runner calls nothing else):
     kv_cache_modules() (optional) -> list[nn.Module | None]
                                       the module that owns each layer's cache; default: the
                                       first of layer.self_attn / .linear_attn / .mixer that has
-                                      a `k_cache` or `state_cache` attribute, over model.model.layers
+                                      a `k_cache` or `state_cache` attribute, over
+                                      model.model.layers
     set_layer_groups(groups)          group id per layer (None where the spec was None)
 
     forward(input_ids, positions, attn_meta, state_batch) -> hidden [tokens, hidden]
@@ -27,8 +35,8 @@ The contract a model class implements (the runner calls nothing else):
             prefill chunks (the rows AttentionMetadata and StateSeq refer to).
         attn_meta: list indexed by KV group id; AttentionMetadata for attention groups (full or
             sliding: the window is in the metadata), None for state groups.
-        state_batch: list indexed by KV group id; loomserve.execution.layers.state.StateBatch for linear-
-            state groups, None for attention groups. StateDirective page copies/zeroing have
+        state_batch: list indexed by KV group id; loomserve.execution.layers.state.StateBatch for
+            linear-state groups, None for attention groups. StateDirective page copies/zeroing have
             already happened when forward runs.
     compute_logits(hidden [rows, hidden]) -> logits [rows, vocab] (softcapping included)
 
@@ -46,29 +54,26 @@ import importlib
 import importlib.util
 from typing import Any
 
-ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "loomserve.execution.models.llama:LlamaForCausalLM",
-    "Gemma3ForCausalLM": "loomserve.execution.models.gemma3:Gemma3ForCausalLM",
-    "GptOssForCausalLM": "loomserve.execution.models.gpt_oss:GptOssForCausalLM",
-    "Qwen3NextForCausalLM": "loomserve.execution.models.qwen3_next:Qwen3NextForCausalLM",
-    "NemotronHForCausalLM": "loomserve.execution.models.nemotron_h:NemotronHForCausalLM",
-    "DeepseekV3ForCausalLM": "loomserve.execution.models.deepseek_v3:DeepseekV3ForCausalLM",
-}
-# Config classes of models that do not name one as `config_class` (default: ArchConfig).
-CONFIGS: dict[str, str] = {
-    "Qwen3NextForCausalLM": "loomserve.execution.models.qwen3_next:Qwen3NextConfig",
-    "NemotronHForCausalLM": "loomserve.execution.models.nemotron_h:NemotronHConfig",
-}
+from loomserve.execution.models.arch_config import ArchConfig
+
+_M = "loomserve.execution.models"
+# (HF architecture, its HF model_type, the class that serves it)
+MODELS = (
+    ("LlamaForCausalLM", "llama", f"{_M}.llama:LlamaForCausalLM"),
+    ("MistralForCausalLM", "mistral", f"{_M}.llama:LlamaForCausalLM"),
+    ("Qwen2ForCausalLM", "qwen2", f"{_M}.llama:LlamaForCausalLM"),
+    ("Qwen3ForCausalLM", "qwen3", f"{_M}.llama:LlamaForCausalLM"),
+    ("Gemma3ForCausalLM", "gemma3_text", f"{_M}.gemma3:Gemma3ForCausalLM"),
+    ("GptOssForCausalLM", "gpt_oss", f"{_M}.gpt_oss:GptOssForCausalLM"),
+    ("Qwen3NextForCausalLM", "qwen3_next", f"{_M}.qwen3_next:Qwen3NextForCausalLM"),
+    ("NemotronHForCausalLM", "nemotron_h", f"{_M}.nemotron_h:NemotronHForCausalLM"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3", f"{_M}.deepseek_v3:DeepseekV3ForCausalLM"),
+)
+ARCHITECTURES: dict[str, str] = {arch: target for arch, _, target in MODELS}
 # model_type -> architecture, for configs without `architectures`.
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
+MODEL_TYPES: dict[str, str] = {mtype: arch for arch, mtype, _ in MODELS}
+# Config classes of (plugin) models that do not name one as `config_class` (default: ArchConfig).
+CONFIGS: dict[str, str] = {}
 
 
 def register(architecture: str, target: str | type, model_type: str | None = None,
@@ -97,7 +102,8 @@ def _load(target: str) -> type | None:
 
 
 def supported_architectures() -> list[str]:
-    return [a for a, t in ARCHITECTURES.items() if importlib.util.find_spec(t.partition(":")[0]) is not None]
+    return [a for a, t in ARCHITECTURES.items()
+            if importlib.util.find_spec(t.partition(":")[0]) is not None]
 
 
 def resolve(hf: dict[str, Any]) -> tuple[type, Any]:
@@ -111,8 +117,6 @@ def resolve(hf: dict[str, Any]) -> tuple[type, Any]:
             config_cls = getattr(cls, "config_class", None)
             if config_cls is None and arch in CONFIGS:
                 config_cls = _load(CONFIGS[arch])
-            if config_cls is None:
-                from loomserve.execution.models.arch_config import ArchConfig as config_cls
-            return cls, config_cls.from_hf(hf)
+            return cls, (config_cls or ArchConfig).from_hf(hf)
     raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
                      f"supported: {supported_architectures()}")

@@ -29,7 +29,9 @@ Linear-state (Qwen3-Next) and Mamba (Nemotron-H) layers run replicated: every ra
 whole state in its pages (a page is sized by the larger of its groups, so where the state
 outweighs half a block's attention, DCP adds no capacity).
 TP x DCP (tensor_parallel_size = D, the same ranks): MLA models only (layers/mla.py, tp_dcp_attention).
-Refused at start: model classes outside SUPPORTED (TP_SUPPORTED under TP x DCP).
+A model class opts in by declaring `supports_dcp = True` in its own body (`supports_tp_dcp` for
+TP x DCP) once verified against one rank (tests/execution/test_decode_context_parallel.py);
+others are refused at start (preflight).
 """
 
 from __future__ import annotations
@@ -49,13 +51,6 @@ from loomserve.execution.attention.metadata import (
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# Verified against one rank (tests/execution/test_decode_context_parallel.py): Llama, Mistral
-# (sliding window too), Qwen2, Qwen3; Gemma 3 and gpt-oss (sliding-window and full layers,
-# gpt-oss's sinks and MoE replicated per rank); Qwen3-Next and Nemotron-H (linear-state / Mamba
-# layers replicated per rank: their state is not split); DeepSeek-V3 (MLA: layers/mla.py).
-TP_SUPPORTED = ("DeepseekV3ForCausalLM",)  # TP x DCP: layers/mla.py, tp_dcp_attention
-SUPPORTED = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
-             "GptOssForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -275,27 +270,20 @@ def layout_for(config, block_size: int) -> DcpLayout | None:
     return DcpLayout(g.rank, g.size, block_size, config.parallel.dcp_kv_cache_interleave_size)
 
 
-def preflight(config) -> None:
-    """Refuse what DCP cannot serve from the config and checkpoint alone, before any process
-    starts (the runner refuses unsupported layer kinds again at planning)."""
-    import json
-    import os
-
-    from loomserve.execution.models.loading.loader import resolve_model
-    from loomserve.execution.models.registry import resolve
+def preflight(config, model_cls: type) -> None:
+    """Refuse what DCP cannot serve from the config and the model class (the loader's
+    resolve_config) alone, before any process starts (the runner refuses unsupported layer
+    kinds again at planning)."""
     pc = config.parallel
     DcpLayout(0, pc.decode_context_parallel_size, config.cache.block_size,
               pc.dcp_kv_cache_interleave_size)
-    folder, _ = resolve_model(config.model.model, config.model.resolved_cache_dir)
-    with open(os.path.join(folder, "config.json")) as f:
-        model_cls, cfg = resolve(json.load(f))
-    if pc.tensor_parallel_size > 1 and model_cls.__name__ not in TP_SUPPORTED:
+    name = model_cls.__name__
+    if pc.tensor_parallel_size > 1 and not vars(model_cls).get("supports_tp_dcp", False):
         raise NotImplementedError(f"decode context parallelism with --tensor-parallel-size > 1 "
-                                  f"serves MLA models ({', '.join(TP_SUPPORTED)}), whose latent "
-                                  f"cache TP would replicate; not {model_cls.__name__}: use "
+                                  f"serves MLA models (their class declares supports_tp_dcp), "
+                                  f"whose latent cache TP would replicate; not {name}: use "
                                   f"--tensor-parallel-size 1 with -dcp, or -dcp 1")
-    if model_cls.__name__ not in SUPPORTED:
-        raise NotImplementedError(f"decode context parallelism is verified for "
-                                  f"{', '.join(SUPPORTED)} so far, not "
-                                  f"{model_cls.__name__}: serve it with "
+    if not vars(model_cls).get("supports_dcp", False):
+        raise NotImplementedError(f"decode context parallelism is verified for the model classes "
+                                  f"that declare supports_dcp so far, not {name}: serve it with "
                                   f"--decode-context-parallel-size 1")

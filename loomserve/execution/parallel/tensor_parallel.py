@@ -1,22 +1,32 @@
-"""Tensor parallelism for the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3: how a
-model is built, split and loaded on one rank of N (gpt-oss, Qwen3-Next, Nemotron-H, DeepSeek-V3:
-tp_families.py).
+"""Tensor parallelism: how a model is built, split and loaded on one rank of N.
 
-Rank r of N builds the single-rank model from a per-rank config (num_heads/N query heads, its
-KV heads, intermediate/N MLP columns, a vocabulary slice of ceil(V/N) rows), swaps o_proj and
-down_proj for RowParallelLinear and the embedding for VocabParallelEmbedding, and loads only its
-slices of each checkpoint tensor, so it holds 1/N of the weights (norms are replicated).
+The scheme is Megatron's. Rank r of N builds the single-rank model from a per-rank config (every
+head-shaped or intermediate-shaped size divided by N, its KV heads, a vocabulary slice of
+ceil(V/N) rows), makes each sum over a split dimension one all-reduce, and loads only its slices
+of each checkpoint tensor, so it holds 1/N of the weights. Norms, routers and other small
+tensors load whole; a bias on a row-split output is kept on rank 0 only (zeros elsewhere), so
+the all-reduce adds it once. Routers see the same x on every rank, so every rank routes alike
+and no token moves between ranks.
+
 KV heads: with num_kv_heads >= N each rank owns num_kv_heads/N of them; with fewer (GQA with
 N > num_kv_heads) each rank holds the one KV head its query heads read, replicated N/kv times.
 So a rank's KV page is 1/N of the single-rank page (1/kv when replicated), every rank plans the
-same number of blocks from the same budget, and the driver's block ids mean the same
-everywhere. Other model classes (a registered plugin) and quantized weights are refused at
-N > 1 with a clear error.
+same number of blocks from the same budget, and the driver's block ids mean the same everywhere.
+
+A model class opts in by declaring `tp_plan`, a TPPlan, in its own body (a subclass that
+changes its layers states which split it follows: a plan is not inherited). The plan names the
+sizes N must divide and each layer tensor's slice; this module holds the machinery and the rules
+several models share (attention q/k/v/o, SwiGLU and MoE by intermediate columns, vocabulary
+rows). Two ways for a block to sum its partial outputs: Megatron's row-parallel swap
+(`row_parallel`: the linear becomes a RowParallelLinear that all-reduces) or an all-reduce hook
+on the block's output (`reduced_blocks`), which leaves the model's modules and parameter names
+as they are. Model classes without a plan, and quantized weights, are refused at N > 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterable, Iterator
 
 import torch
@@ -26,119 +36,190 @@ from loomserve.execution.layers.parallel_linear import (
     VocabParallelEmbedding,
     vocab_per_rank,
 )
-from loomserve.execution.parallel import tp_families
 from loomserve.execution.parallel.state import TPGroup
 
-# The Llama class serves Llama, Mistral, Qwen2 and Qwen3; Gemma 3 is the same split (its extra
-# norms are replicated, its soft-cap applies after the logits are gathered).
-SUPPORTED = {"LlamaForCausalLM": "loomserve.execution.models.llama",
-             "Gemma3ForCausalLM": "loomserve.execution.models.gemma3"}
-SUPPORTED_NAMES = ("the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 3, gpt-oss, Qwen3-Next, "
-                   "Nemotron-H and DeepSeek-V3")
+_LAYER = re.compile(r"^((?:model|backbone)\.layers\.\d+\.)(.*)$")
+
+
+class TPPlan:
+    """How one model class splits over N ranks. A subclass names divisions() and shard_layer();
+    the attributes below say where the model's blocks and embedding are."""
+
+    # model.model's input embedding (its rows split by vocabulary; checkpoint names below).
+    embedding = "embed_tokens"
+    vocab_weights = ("model.embed_tokens.weight", "lm_head.weight")
+    # Per layer, linears swapped for RowParallelLinear (Megatron's form; their weights load
+    # under `<path>.linear.`), and blocks whose output gets an all-reduce hook (where present).
+    row_parallel: tuple[str, ...] = ()
+    reduced_blocks: tuple[str, ...] = ()
+    split_kv_heads = True  # False: the cache has no per-head rows (MLA's latent, replicated)
+
+    def divisions(self, cfg) -> dict[str, int]:
+        """The config's sizes N must divide; the rank's config holds each divided by N."""
+        raise NotImplementedError
+
+    def per_rank(self, cfg, tp: TPGroup) -> dict[str, int]:
+        """Other sizes of the rank's config (ones that follow from divisions')."""
+        return {}
+
+    def shard_layer(self, rest: str, t: torch.Tensor, cfg, tp: TPGroup) -> torch.Tensor:
+        """This rank's slice of one layer tensor; `rest` is its name inside the layer
+        (`self_attn.q_proj.weight`)."""
+        raise NotImplementedError
+
+    def check(self, cfg, size: int) -> None:
+        sizes = self.divisions(cfg)
+        bad = {k: v for k, v in sizes.items() if v % size}
+        kv = cfg.num_kv_heads if self.split_kv_heads else size
+        if bad or (kv % size and size % kv):
+            names = ", ".join(f"{k}={v}" for k, v in (bad or sizes).items())
+            heads = (f", and divide or be a multiple of num_kv_heads={kv}"
+                     if self.split_kv_heads else "")
+            raise ValueError(f"tensor_parallel_size={size} must divide {names}{heads}")
+
+    def shard_config(self, cfg, tp: TPGroup):
+        kw = {k: v // tp.size for k, v in self.divisions(cfg).items()}
+        if self.split_kv_heads:
+            kw["num_kv_heads"] = kv_heads_of(tp.rank, tp.size, cfg.num_kv_heads)[1]
+        kw["vocab_size"] = vocab_per_rank(cfg.vocab_size, tp.size)
+        kw.update(self.per_rank(cfg, tp))
+        return dataclasses.replace(cfg, **kw)
+
+    def parallelize(self, model: torch.nn.Module, cfg, tp: TPGroup) -> None:
+        inner = model.model
+        for layer in inner.layers:
+            for path in self.row_parallel:
+                owner, _, leaf = path.rpartition(".")
+                parent = layer.get_submodule(owner)
+                setattr(parent, leaf, RowParallelLinear(getattr(parent, leaf), tp))
+            for name in self.reduced_blocks:
+                if hasattr(layer, name):
+                    reduce_output(getattr(layer, name), tp)
+        setattr(inner, self.embedding, VocabParallelEmbedding(
+            vocab_per_rank(cfg.vocab_size, tp.size), cfg.hidden_size, cfg.vocab_size, tp))
+        model.tp = tp
+
+    def shard_weights(self, weights: Iterable[tuple[str, torch.Tensor]], cfg, tp: TPGroup
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        vocab = vocab_per_rank(cfg.vocab_size, tp.size)
+        for name, t in weights:
+            if name in self.vocab_weights:
+                t = vocab_rows(t, tp.rank * vocab, vocab)
+            else:
+                m = _LAYER.match(name)
+                if m:
+                    layer, rest = m.groups()
+                    t = self.shard_layer(rest, t, cfg, tp)
+                    for path in self.row_parallel:
+                        if rest.startswith(path + "."):
+                            name = f"{layer}{path}.linear.{rest[len(path) + 1:]}"
+            yield name, t.contiguous()
+
+
+def plan_of(model_cls: type) -> TPPlan | None:
+    """The plan the class declares in its own body (None: it declares none)."""
+    return vars(model_cls).get("tp_plan")
 
 
 def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:
     """Raise a clear error for what this rank split cannot serve."""
-    fam = tp_families.family(model_cls)
-    if fam is None and SUPPORTED.get(model_cls.__name__) != model_cls.__module__:
+    plan = plan_of(model_cls)
+    if plan is None:
         raise NotImplementedError(
-            f"tensor parallelism supports {SUPPORTED_NAMES} so far, "
-            f"not {model_cls.__name__}: serve it with --tensor-parallel-size 1")
+            f"tensor parallelism needs a model class that declares its split (a tp_plan: "
+            f"loomserve/execution/parallel/tensor_parallel.py); {model_cls.__name__} declares "
+            f"none: serve it with --tensor-parallel-size 1")
     if quantization != "none":
         raise NotImplementedError(f"--quantization {quantization} with --tensor-parallel-size "
                                   f"{size} is not supported yet")
-    if fam is not None:
-        return tp_families.check(fam, cfg, size)
-    h, kv = cfg.num_heads, cfg.num_kv_heads
-    if h % size or cfg.intermediate_size % size or (kv % size and size % kv):
-        raise ValueError(f"tensor_parallel_size={size} must divide num_heads={h} and "
-                         f"intermediate_size={cfg.intermediate_size}, and divide or be a "
-                         f"multiple of num_kv_heads={kv}")
+    plan.check(cfg, size)
 
 
-def preflight(config) -> None:
-    """check_supported from the checkpoint's config.json alone, before any process starts."""
-    import json
-    import os
+def shard_config(model_cls: type, cfg, tp: TPGroup):
+    """The config a rank builds its slice of the model from."""
+    return plan_of(model_cls).shard_config(cfg, tp)
 
-    from loomserve.execution.models.loading.loader import resolve_model
-    from loomserve.execution.models.registry import resolve
-    mcfg = config.model
-    folder, _ = resolve_model(mcfg.model, mcfg.resolved_cache_dir)
-    with open(os.path.join(folder, "config.json")) as f:
-        model_cls, cfg = resolve(json.load(f))
-    check_supported(model_cls, cfg, config.parallel.tensor_parallel_size, mcfg.quantization)
 
+def parallelize(model: torch.nn.Module, cfg, tp: TPGroup) -> None:
+    """Swap in the communicating layers (on the meta device, before the weights load)."""
+    plan_of(type(model)).parallelize(model, cfg, tp)
+
+
+def shard_weights(model_cls: type, weights: Iterable[tuple[str, torch.Tensor]], cfg,
+                  tp: TPGroup) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors -> this rank's slices, named as the parallelized model's
+    load_weights expects."""
+    return plan_of(model_cls).shard_weights(weights, cfg, tp)
+
+
+# --- rules several models share ----------------------------------------------------------------
 
 def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
-    """(first KV head, count) rank `rank` holds."""
+    """(first KV head, count) rank `rank` holds (replicated when fewer heads than ranks)."""
     if num_kv_heads >= size:
         per = num_kv_heads // size
         return rank * per, per
     return rank // (size // num_kv_heads), 1
 
 
-def shard_config(cfg, tp: TPGroup):
-    """The config a rank builds its slice of the model from."""
-    fam = tp_families.family_of_cfg(cfg)
-    if fam is not None:
-        return tp_families.shard_config(fam, cfg, tp)
-    return dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // tp.size,
-        num_kv_heads=kv_heads_of(tp.rank, tp.size, cfg.num_kv_heads)[1],
-        intermediate_size=cfg.intermediate_size // tp.size,
-        vocab_size=vocab_per_rank(cfg.vocab_size, tp.size))
-
-
-def parallelize(model: torch.nn.Module, cfg, tp: TPGroup) -> None:
-    """Swap in the communicating layers (on the meta device, before the weights load)."""
-    fam = tp_families.family(type(model))
-    if fam is not None:
-        return tp_families.parallelize(fam, model, cfg, tp)
-    inner = model.model
-    for layer in inner.layers:
-        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, tp)
-    inner.embed_tokens = VocabParallelEmbedding(vocab_per_rank(cfg.vocab_size, tp.size),
-                                                cfg.hidden_size, cfg.vocab_size, tp)
-    model.tp = tp
-
-
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg, tp: TPGroup
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors -> the same names with this rank's slices (the names the
-    parallelized model's load_weights expects: RowParallelLinear's inner `.linear.`)."""
-    fam = tp_families.family_of_cfg(cfg)
-    if fam is not None:
-        yield from tp_families.shard_weights(fam, weights, cfg, tp)
-        return
-    r, n, d = tp.rank, tp.size, cfg.head_dim
-    heads = cfg.num_heads // n
-    kv_first, kv_count = kv_heads_of(r, n, cfg.num_kv_heads)
-    inter = cfg.intermediate_size // n
-    vocab = vocab_per_rank(cfg.vocab_size, n)
-    for name, t in weights:
-        leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
-        if leaf == "q_proj":
-            t = t.narrow(0, r * heads * d, heads * d)
-        elif leaf in ("k_proj", "v_proj"):
-            t = t.narrow(0, kv_first * d, kv_count * d)
-        elif leaf in ("gate_proj", "up_proj"):
-            t = t.narrow(0, r * inter, inter)
-        elif leaf == "o_proj":
-            t = t.narrow(1, r * heads * d, heads * d)
-            name = name.replace(".o_proj.", ".o_proj.linear.")
-        elif leaf == "down_proj":
-            t = t.narrow(1, r * inter, inter)
-            name = name.replace(".down_proj.", ".down_proj.linear.")
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            t = _vocab_rows(t, r * vocab, vocab)
-        yield name, t.contiguous()
-
-
-def _vocab_rows(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+def vocab_rows(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     """Rows [start, start + rows) of t, zero rows past its end (the padding of the last rank)."""
     out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
     got = t[start:start + rows]
     out[:got.shape[0]] = got
     return out
+
+
+def reduce_output(module: torch.nn.Module, tp: TPGroup) -> None:
+    """The module's output, a partial sum on each rank, summed over the ranks."""
+    module.register_forward_hook(lambda _m, _args, out: tp.all_reduce(out))
+
+
+def part(t: torch.Tensor, dim: int, total: int, tp: TPGroup) -> torch.Tensor:
+    """Rank r's slice r of N equal slices of `total` along dim (t.shape[dim] == total * unit)."""
+    per = t.shape[dim] // tp.size
+    assert per * tp.size == t.shape[dim] and total % tp.size == 0, (t.shape, dim, total)
+    return t.narrow(dim, tp.rank * per, per)
+
+
+def bias_once(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """A bias added after the all-reduce of a row-split output: rank 0 keeps it, others zeros."""
+    return t if tp.is_driver else torch.zeros_like(t)
+
+
+def attention_weight(rest: str, t: torch.Tensor, cfg, tp: TPGroup, block: str = "self_attn."
+                     ) -> torch.Tensor | None:
+    """q/k/v/o and sinks of an attention block, by head (q rows per head, whatever a head's rows
+    are); None when `rest` is not one of them."""
+    leaf = rest.split(".")[1] if rest.startswith(block) else None
+    if leaf == "q_proj" or leaf == "sinks":
+        return part(t, 0, cfg.num_heads, tp)
+    if leaf in ("k_proj", "v_proj"):
+        first, count = kv_heads_of(tp.rank, tp.size, cfg.num_kv_heads)
+        d = t.shape[0] // cfg.num_kv_heads
+        return t.narrow(0, first * d, count * d)
+    if leaf == "o_proj":
+        return bias_once(t, tp) if rest.endswith("bias") else part(t, 1, cfg.num_heads, tp)
+    return None
+
+
+_SWIGLU = re.compile(
+    r"^mlp\.(?:(shared_experts?)\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def swiglu_weight(rest: str, t: torch.Tensor, tp: TPGroup, inter: int, moe_inter: int = 0,
+                  shared: int = 0) -> torch.Tensor:
+    """SwiGLU MLPs by intermediate columns: the dense one (`inter`), every routed expert
+    (`moe_inter`; per expert or stacked [experts, 2 * inter, hidden] gate; up), the shared
+    expert(s) (`shared`); routers, gates and norms whole."""
+    m = _SWIGLU.match(rest)
+    if m:
+        total = shared if m.group(1) else moe_inter if rest.startswith("mlp.experts.") else inter
+        return part(t, 1 if m.group(2) == "down_proj" else 0, total, tp)
+    i = moe_inter
+    if rest == "mlp.experts.gate_up_proj":  # stacked [experts, 2 * inter, hidden]: gate; up
+        gate, up = t.split(i, dim=1)
+        return torch.cat([part(gate, 1, i, tp), part(up, 1, i, tp)], dim=1)
+    if rest == "mlp.experts.down_proj":  # stacked [experts, hidden, inter]
+        return part(t, 2, i, tp)
+    return t

@@ -61,7 +61,7 @@ def test_num_params_counts_the_checkpoint_in_every_dtype(name, monkeypatch):
     weight once, the input embedding only where it doubles as the LM head."""
     from transformers import AutoModelForCausalLM
 
-    from loomserve.execution.models import weight_layout
+    from loomserve.execution.models.loading import weight_layout
 
     monkeypatch.setattr(weight_layout, "onednn_bf16_available", lambda: True)
     monkeypatch.setattr(weight_layout, "_packed", _PackedStandIn)

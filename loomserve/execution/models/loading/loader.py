@@ -20,8 +20,8 @@ from loomserve.execution.models.loading.checkpoint import check_quantization_con
 from loomserve.execution.models.loading.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.execution.models.loading.gguf import cached_conversion
 from loomserve.execution.models.loading.gguf_quant import quantize_from_gguf
-from loomserve.execution.models.registry import resolve
 from loomserve.execution.models.loading.weight_layout import optimize_cpu_layout
+from loomserve.execution.models.registry import resolve
 from loomserve.execution.parallel.state import get_tp
 from loomserve.execution.parallel.tensor_parallel import (
     check_supported,
@@ -34,7 +34,7 @@ from loomserve.execution.parallel.tensor_parallel import (
 @dataclass
 class LoadedModel:
     model: nn.Module  # implements the contract in loomserve.execution.models.registry
-    config: Any  # ArchConfig for the attention models; the model class's config_class otherwise
+    config: Any  # the model class's config_class (registry.py), parsed from config.json
     name: str  # default: SmolLM2-135M-Instruct; folder: basename; gguf: file stem
     folder: str  # HF folder the weights were read from (the conversion cache for a gguf)
     layout: str = "default"  # the CPU weight layout chosen (loomserve.execution.models.loading.weight_layout)
@@ -57,6 +57,18 @@ def resolve_model(path: str | None, cache_dir: str) -> tuple[str, str]:
                             "(models are never fetched from the hub)")
 
 
+def resolve_config(path: str | None, cache_dir: str) -> tuple[type, Any]:
+    """(model class, parsed config) of a model argument, from its config.json alone (what the
+    parallel checks need before any process starts; a GGUF is converted on first use)."""
+    folder, _ = resolve_model(path, cache_dir)
+    return resolve(_read_config(folder))
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
                cache_dir: str, quantization: str = "none") -> LoadedModel:
     """quantization: "none" (weights in `dtype`; an FP8 checkpoint dequantized), "gguf" (a .gguf
@@ -72,8 +84,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
             raise ValueError(f"quantization='gguf' needs a .gguf model file, not {path!r}; "
                              "use int8 or int4 for an HF folder")
     folder, name = resolve_model(path, cache_dir)
-    with open(os.path.join(folder, "config.json")) as f:
-        hf_config = json.load(f)
+    hf_config = _read_config(folder)
     fp8_block = check_quantization_config(hf_config)
     model_cls, cfg = resolve(hf_config)
     weights = iter_safetensors(folder, fp8_block)
@@ -86,9 +97,9 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device | str,
             model = model_cls(cfg)
         else:  # one rank's slice of the model (loomserve.execution.parallel.tensor_parallel)
             check_supported(model_cls, cfg, tp.size, quantization)
-            model = model_cls(shard_config(cfg, tp))
+            model = model_cls(shard_config(model_cls, cfg, tp))
             parallelize(model, cfg, tp)
-            weights = shard_weights(weights, cfg, tp)
+            weights = shard_weights(model_cls, weights, cfg, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     if quantization == "gguf":
