@@ -18,7 +18,6 @@ import time
 import msgspec
 
 from loomserve.config import EngineConfig
-from loomserve.execution.batch import ModelOutput
 from loomserve.engine.executor import Executor, make_executor
 from loomserve.engine.messages import (
     REJECTED,
@@ -27,11 +26,13 @@ from loomserve.engine.messages import (
     EngineCoreRequest,
     EngineStats,
 )
-from loomserve.execution.model_runner import ModelRunner
 from loomserve.engine.sched.request import Request, RequestStatus
 from loomserve.engine.sched.scheduler import Scheduler
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
 from loomserve.engine.step_trace import StepTrace
+from loomserve.execution.batch import ModelOutput
+from loomserve.execution.model_runner import ModelRunner
+from loomserve.execution.parallel.shared_pool import layout_id
 from loomserve.execution.structured import StructuredManager
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.kv.connector import (
@@ -70,7 +71,6 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
 
 def tier_model_id(config: EngineConfig, runner: ModelRunner) -> str:
     """The weights' identity plus the rank layout of a logical page (tier fingerprint)."""
-    from loomserve.execution.parallel.shared_pool import layout_id
     return model_identity(runner.model_name, runner.model_folder,
                           config.model.resolved_cache_dir) + layout_id(config)
 

@@ -42,11 +42,14 @@ from loomserve.execution.attention.kv_dtype import cache_dtype
 from loomserve.execution.attention.metadata import to_device
 from loomserve.execution.batch import ModelInput, ModelOutput, ScheduledSeq
 from loomserve.execution.kv_buffer import KVPool
+from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
+from loomserve.execution.layers.mamba2 import Mamba2Mixer
 from loomserve.execution.layers.state import StateBatch, StateSeq
 from loomserve.execution.models.loading.loader import load_model
 from loomserve.execution.parallel import prefill_context_parallel as pcp
 from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
-from loomserve.execution.parallel.state import get_pcp, get_tp
+from loomserve.execution.parallel.shared_pool import map_pool
+from loomserve.execution.parallel.state import get_dcp, get_group, get_pcp, get_tp
 from loomserve.execution.sampler import Sampler
 from loomserve.kv.planning import kv_budget_bytes, plan_context_parallel, plan_kv_cache
 from loomserve.kv.spec import (
@@ -109,14 +112,11 @@ class ModelRunner:
         if hasattr(self.attention, "kv_bytes_per_token"):  # the CPU kernel's prefetch choice
             self.attention.kv_bytes_per_token = self.kv_layout.page_bytes // self.kv_layout.block_size
         if self.dcp is not None:
-            from loomserve.execution.parallel.state import get_dcp
             self.attention = DcpBackend(self.attention, self.dcp, get_dcp())
         self.pcp = get_pcp()
         self.tp = get_tp()
         if self.pcp is not None:
             self.attention = pcp.PcpBackend(self.attention, self.pcp)
-            from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
-            from loomserve.execution.layers.mamba2 import Mamba2Mixer
             pcp.wrap_state_layers(self.model, self.pcp, (GatedDeltaNet, Mamba2Mixer))
         self.block_tables = BlockTables()
         if fraction is not None:
@@ -177,8 +177,6 @@ class ModelRunner:
         n, page = kc.num_blocks, kc.page_bytes
         fd = self.config.parallel.shared_kv_fd
         if fd is not None:  # every rank's pool in one shared buffer, for the KV tiers
-            from loomserve.execution.parallel.shared_pool import map_pool
-            from loomserve.execution.parallel.state import get_group
             group = get_group()
             self.tier_pages, buf = map_pool(fd, n, page, group.rank, group.size)
             self.pool = KVPool.of_pages(buf)

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from loomserve.execution.layers.quant import set_module
+
 log = logging.getLogger("loomserve.execution")
 
 FP8 = torch.float8_e4m3fn
@@ -139,7 +141,6 @@ _KEEP_FLOAT = ("router", "gate", "shared_expert_gate", "lm_head")
 def quantize_fp8_linears(model: nn.Module) -> dict[str, int]:
     """Replace every nn.Linear of `model` but routers and the LM head by an Fp8Linear.
     Returns counts {"quantized", "float"}."""
-    from loomserve.execution.layers.quant import set_module
 
     counts, new = {"quantized": 0, "float": 0}, None
     for name, mod in list(model.named_modules()):

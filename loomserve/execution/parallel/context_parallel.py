@@ -47,6 +47,7 @@ from loomserve.execution.attention.metadata import (
     PrefillChunk,
     padded_decode_tables,
 )
+from loomserve.execution.parallel.state import get_dcp
 
 TILE_KEYS = 2048  # keys per step of the prefill partial (bounds its score matrix)
 TILE_ROWS = 256  # query rows per step of the prefill partial (the matmul path)
@@ -263,7 +264,6 @@ class DcpBackend:
 
 def layout_for(config, block_size: int) -> DcpLayout | None:
     """This process's DCP layout (set_layout ran before the runner), or None without DCP."""
-    from loomserve.execution.parallel.state import get_dcp
     g = get_dcp()
     if g is None:
         return None

@@ -27,6 +27,8 @@ from datetime import timedelta
 
 import torch
 
+from loomserve.execution.layers.expert_parallel import ExpertParallel
+
 log = logging.getLogger("loomserve.execution")
 
 IDLE_SLEEP_S = 0.005  # an all-idle turn's pause (every rank polls together)
@@ -39,7 +41,6 @@ def maybe_lockstep(core, config):
     pc = config.parallel
     if not (getattr(pc, "enable_expert_parallel", False) and pc.data_parallel_size > 1):
         return core
-    from loomserve.execution.layers.expert_parallel import ExpertParallel
     moes = [m for m in core.runner.model.modules() if isinstance(m, ExpertParallel)]
     if not moes:
         log.info("--enable-expert-parallel: the model has no MoE layers; DP ranks run freely")

@@ -24,6 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from loomserve.config import EngineConfig
+from loomserve.execution.model_runner import ModelRunner
+from loomserve.execution.parallel.state import (
+    destroy_distributed,
+    device_offset,
+    init_distributed,
+    set_layout,
+)
+from loomserve.execution.parallel.step_message import BlockSyncReceiver, broadcast_step
 from loomserve.execution.process import die_with_parent
 
 log = logging.getLogger("loomserve.execution.worker")
@@ -52,14 +60,6 @@ def agree_on_kv_plan(runner, tp) -> None:
 
 
 def run_worker(spec: WorkerSpec) -> int:
-    from loomserve.execution.model_runner import ModelRunner
-    from loomserve.execution.parallel.state import (
-        destroy_distributed,
-        device_offset,
-        init_distributed,
-        set_layout,
-    )
-    from loomserve.execution.parallel.step_message import BlockSyncReceiver, broadcast_step
 
     config = spec.config
     device = config.model.torch_device

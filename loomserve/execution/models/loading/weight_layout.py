@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.execution.layers import dense
+from loomserve.execution.layers.parallel_linear import gather_logits
 from loomserve.execution.layers.quant import QuantEmbedding
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,6 @@ def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | 
     tp = getattr(model, "tp", None)
     if tp is None:
         return logits
-    from loomserve.execution.layers.parallel_linear import gather_logits
     return gather_logits(logits, embedding.vocab_size, tp)
 
 
