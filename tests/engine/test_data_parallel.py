@@ -110,7 +110,9 @@ def test_a_session_stays_on_its_rank_and_hits_the_cache_while_sessions_spread(dp
     firsts, ranks, second = asyncio.run(main())
     assert sorted(ranks) == [0, 1]  # concurrent sessions spread by load
     assert placement._sessions["sa"] == ranks[0]  # the second turn stayed
-    assert second.num_cached_tokens >= 64
+    # The 76-token second turn hits the system prompt's 4 blocks; its 5th block (tokens 64-75)
+    # is not full, so 64 is also the most it can hit.
+    assert second.num_cached_tokens == 64
     assert all(n == 0 for n in placement.load)  # every request finished and was counted
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from loomserve.cli import build_parser
 from tests.api.server.conftest import running_server
+from tests.api.server.test_metrics import scrape
 from tests.api.server.test_supervision import ANSWER_S, long_body, wait_for
 
 
@@ -42,11 +43,11 @@ def test_a_full_waiting_queue_answers_429_and_loses_nothing(in_process):
         for t in (running, waiting):
             t.join(timeout=ANSWER_S * 6)
         assert [results[k].status_code for k in ("running", "waiting")] == [200, 200]
-        assert all(len(results[k].json()["choices"][0]["text"]) > 0 for k in results)
+        # ignore_eos: each ran its full 40 tokens, none cut short by the refusal
+        assert [results[k].json()["usage"]["completion_tokens"] for k in results] == [40, 40]
         s = srv.wait_idle()
         assert s.num_rejected == 1
-        metrics = httpx.get(srv.url + "/metrics").text
-        assert "loomserve_num_requests_rejected_total" in metrics
+        assert scrape(srv)["loomserve_num_requests_rejected_total"] == 1
         ok = httpx.post(srv.url + "/v1/completions", json=long_body(srv.model, False, 2),
                         timeout=ANSWER_S * 2)
         assert ok.status_code == 200
@@ -75,8 +76,9 @@ def test_api_key_guards_every_route_but_health_and_metrics(keyed_server):
 
 def test_the_official_client_with_the_key_works_and_without_it_fails(keyed_server):
     good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sekrit", max_retries=0)
-    out = good.completions.create(model=keyed_server.model, prompt="hi", max_tokens=2)
-    assert out.choices[0].text is not None
+    out = good.completions.create(model=keyed_server.model, prompt="hi", max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
     bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="other", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

@@ -79,8 +79,10 @@ def test_forced_tool_call_then_result_then_follow_up(client, agent):
                          {"type": "tool_result", "tool_use_id": call.id, "content": "22 C"}]}]
     follow = create(client, agent, tools=[WEATHER, CLOCK], messages=history, max_tokens=8)
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    # The follow-up's prompt holds the first turn's: it is served from the prefix cache.
-    assert follow.usage.cache_read_input_tokens > 0
+    # The follow-up's prompt holds the first turn's: its full blocks come from the prefix cache.
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    bs = agent.engine.config.cache.block_size
+    assert follow.usage.cache_read_input_tokens >= first_prompt // bs * bs > 0
 
 
 def test_streaming_gives_the_same_turn_as_non_streaming(client, agent):
@@ -194,7 +196,9 @@ def test_count_tokens_equals_the_prompt_the_request_used(client, agent):
         usage = create(client, agent, max_tokens=4, **req).usage
         assert usage.cache_creation_input_tokens == 0
         assert usage.input_tokens + usage.cache_read_input_tokens == counted
-    assert usage.cache_read_input_tokens > 0
+    # all its full blocks but the one holding the last prompt token (always computed)
+    bs = agent.engine.config.cache.block_size
+    assert usage.cache_read_input_tokens == (counted - 1) // bs * bs
 
 
 def test_thinking_blocks_pass_back_as_reasoning(client, agent):

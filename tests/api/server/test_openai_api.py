@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Write a short poem about paged attention."}]
 
@@ -12,6 +10,13 @@ def chat(client, server, **kw):
     kw.setdefault("messages", CHAT)
     kw.setdefault("temperature", 0)
     return client.chat.completions.create(model=server.model, **kw)
+
+
+def cached_on_repeat(server, prompt_tokens: int) -> int:
+    """cached_tokens of a prompt sent again: its full blocks, except that the block holding the
+    last prompt token is always computed (the cache serves at most prompt_tokens - 1)."""
+    bs = server.engine.config.cache.block_size
+    return (prompt_tokens - 1) // bs * bs
 
 
 def test_chat_non_streaming_shape(client, server):
@@ -24,7 +29,13 @@ def test_chat_non_streaming_shape(client, server):
     u = r.usage
     assert u.completion_tokens == 8 and u.prompt_tokens > 0
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens >= 0
+    # The session's server may hold this prompt from an earlier test: whole blocks, or none.
+    full = cached_on_repeat(server, u.prompt_tokens)
+    assert u.prompt_tokens_details.cached_tokens in range(0, full + 1,
+                                                          server.engine.config.cache.block_size)
+    again = chat(client, server, max_tokens=1, extra_body={"ignore_eos": True}).usage
+    assert again.prompt_tokens == u.prompt_tokens
+    assert again.prompt_tokens_details.cached_tokens == full
 
 
 def test_chat_stream_matches_non_streaming_greedy(client, server):
@@ -42,13 +53,15 @@ def test_chat_stream_matches_non_streaming_greedy(client, server):
 
 
 def test_chat_stream_include_usage(client, server):
+    chat(client, server, max_tokens=1)  # the prompt's blocks are in the prefix cache
     chunks = list(chat(client, server, stream=True, max_tokens=5,
                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert last.usage.completion_tokens == 5
     assert last.usage.total_tokens == last.usage.prompt_tokens + 5
-    assert last.usage.prompt_tokens_details.cached_tokens >= 0
+    assert last.usage.prompt_tokens_details.cached_tokens == \
+        cached_on_repeat(server, last.usage.prompt_tokens)
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
@@ -95,7 +108,8 @@ def test_repeated_long_prompt_hits_the_prefix_cache(client, server):
     client.completions.create(**kw)
     again = client.completions.create(**kw)
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert block <= cached < len(prompt)
+    assert again.usage.prompt_tokens == len(prompt)
+    assert cached == 6 * block  # the full blocks; the last 3 tokens are computed again
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
                                             **kw))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
@@ -112,8 +126,7 @@ def test_stop_string_cuts_the_text(client, server):
               extra_body={"ignore_eos": True})
     full = client.completions.create(max_tokens=32, **kw).choices[0].text
     stop = next((full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].strip()), None)
-    if stop is None:
-        pytest.skip(f"greedy text too short or blank to pick a stop string: {full!r}")
+    assert stop is not None, f"greedy text too short or blank to pick a stop string: {full!r}"
     expected = full[:full.index(stop)]
     r = client.completions.create(max_tokens=32, stop=[stop, "never-appears-xyz"], **kw)
     assert r.choices[0].finish_reason == "stop"

@@ -26,8 +26,8 @@ def _outputs(cuts: list[int]) -> list[RequestOutput]:
     outs, prev = [], 0
     for i, end in enumerate(cuts + [len(TEXT)]):
         last = i == len(cuts)
-        outs.append(RequestOutput("r", [1, 2], text=TEXT[:end], new_text=TEXT[prev:end],
-                                  new_token_ids=[5], finished=last,
+        outs.append(RequestOutput("r", [1, 2], [5] * (i + 1), text=TEXT[:end],
+                                  new_text=TEXT[prev:end], new_token_ids=[5], finished=last,
                                   finish_reason="stop" if last else None))
         prev = end
     return outs
@@ -66,7 +66,10 @@ def test_stream_deltas_add_up_to_the_message(seed):
                 assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
     assert chunks[-2].choices[0]["finish_reason"] == "tool_calls"
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage  # the prompt's 2 tokens and one token per scripted output
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+        (2, len(outs), 2 + len(outs))
     whole = prepared.output_parser()
     whole.feed(TEXT)
     whole.finish()

@@ -1,6 +1,7 @@
 """Fixtures: random pages, key spaces, and the real services (redis-server, Mooncake master +
 standalone storage client) on 127.0.0.1 free ports. A service whose binary or package is absent
-skips its tests with a loud reason; `make install` / .ci/run install them."""
+skips its tests with a loud reason (a failure under CI: tests/conftest.py); `make test` installs
+them (`make services` the system packages, `make install` the Python ones)."""
 
 from __future__ import annotations
 
