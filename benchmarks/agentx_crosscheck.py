@@ -344,9 +344,9 @@ def main() -> int:
 
     summary = {}
     for key in ("tpgs", "served_hit_rate", "theoretical_hit_rate", "output_tps", "window_s"):
-        h, l = agg("agentx-harness", key), agg("loomserve", key)
-        summary[key] = {"harness_median": h, "loomserve_median": l,
-                        "ratio_loomserve_over_harness": (l / h) if h else None}
+        h, ours = agg("agentx-harness", key), agg("loomserve", key)
+        summary[key] = {"harness_median": h, "loomserve_median": ours,
+                        "ratio_loomserve_over_harness": (ours / h) if h else None}
     within = {k: (abs(summary[k]["ratio_loomserve_over_harness"] - 1) <= 0.10
                   if summary[k]["ratio_loomserve_over_harness"] else None)
               for k in ("tpgs", "served_hit_rate")}

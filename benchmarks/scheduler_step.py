@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from loomserve.config import EngineConfig
-from loomserve.execution import model_runner as model_runner_mod
-from loomserve.execution.model_runner import ModelRunner
 from loomserve.engine.sched.request import Request
 from loomserve.engine.sched.scheduler import Scheduler
+from loomserve.execution import model_runner as model_runner_mod
+from loomserve.execution.model_runner import ModelRunner
 from loomserve.kv.cache_manager import KVCacheManager
 from loomserve.sampling_params import SamplingParams
 

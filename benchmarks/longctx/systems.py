@@ -23,7 +23,6 @@ from dataclasses import asdict
 from typing import Any
 
 from common import llama_repack_args
-
 from longctx.measure import Timed, concurrent_decode, random_prompt, timed_request
 
 __all__ = ["loomserve_argv", "llama_argv", "run_decode", "run_prefill24k", "run_c64"]

@@ -19,6 +19,12 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from loomserve.api.anthropic_protocol import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    Usage,
+)
 from loomserve.api.chat.events import (
     ChatEvent,
     ReasoningDelta,
@@ -27,13 +33,6 @@ from loomserve.api.chat.events import (
     ToolCallStart,
 )
 from loomserve.api.chat.frontend import ChatInputError
-from loomserve.engine.output import RequestOutput
-from loomserve.api.anthropic_protocol import (
-    CountTokensRequest,
-    MessageResponse,
-    MessagesRequest,
-    Usage,
-)
 from loomserve.api.errors import anthropic_error_body, bad_request
 from loomserve.api.handler import (
     WARNING_HEADER,
@@ -43,6 +42,7 @@ from loomserve.api.handler import (
     sse_event,
     with_transfer_params,
 )
+from loomserve.engine.output import RequestOutput
 
 logger = logging.getLogger("loomserve.api")
 

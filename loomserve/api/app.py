@@ -17,10 +17,9 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from loomserve.engine.async_llm import EngineDeadError
-from loomserve.api.chat.frontend import ChatFrontend
 from loomserve.api.anthropic_api import register_anthropic_routes
 from loomserve.api.auth import APIKeyMiddleware
+from loomserve.api.chat.frontend import ChatFrontend
 from loomserve.api.errors import (
     engine_failed,
     install_error_handlers,
@@ -31,6 +30,7 @@ from loomserve.api.metrics import ServerMetrics
 from loomserve.api.openai_api import register_openai_routes
 from loomserve.api.protocol import ModelCard, ModelList
 from loomserve.api.responses_api import register_responses_routes
+from loomserve.engine.async_llm import EngineDeadError
 
 log = logging.getLogger("loomserve.api")
 

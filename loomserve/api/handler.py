@@ -20,8 +20,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Send
 
-from loomserve.engine.async_llm import EngineDeadError, EngineOverloadedError
-from loomserve.engine.output import RequestOutput
 from loomserve.api.errors import (
     APIError,
     bad_request,
@@ -31,6 +29,8 @@ from loomserve.api.errors import (
     overloaded,
 )
 from loomserve.api.metrics import RequestTimer, ServerMetrics
+from loomserve.engine.async_llm import EngineDeadError, EngineOverloadedError
+from loomserve.engine.output import RequestOutput
 from loomserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("loomserve.api")

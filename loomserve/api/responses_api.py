@@ -27,7 +27,6 @@ from loomserve.api.chat.events import (
     ToolCallStart,
 )
 from loomserve.api.chat.frontend import ChatInputError, ChatRequest, PreparedChat
-from loomserve.engine.output import RequestOutput
 from loomserve.api.errors import APIError, bad_request
 from loomserve.api.handler import (
     WARNING_HEADER,
@@ -45,6 +44,7 @@ from loomserve.api.responses_protocol import (
     convert_tools,
     to_messages,
 )
+from loomserve.engine.output import RequestOutput
 from loomserve.sampling_params import SamplingParams
 
 MAX_WARNING = 1000  # characters of the warning header

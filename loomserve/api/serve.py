@@ -48,8 +48,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     """Run the server for the parsed `loomserve serve` arguments; the process's exit code."""
     import uvicorn
 
-    from loomserve.engine.async_llm import AsyncLLM, EngineStartError
     from loomserve.api.app import build_app
+    from loomserve.engine.async_llm import AsyncLLM, EngineStartError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

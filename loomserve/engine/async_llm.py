@@ -25,9 +25,6 @@ from collections.abc import AsyncIterator, Callable
 
 from loomserve.config import EngineConfig
 from loomserve.engine.core_client import EngineStartError, ProcCoreClient, ThreadCoreClient
-from loomserve.engine.output import RequestOutput
-from loomserve.engine.processor import InputProcessor, RequestState
-from loomserve.engine.tokenizer import Tokenizer
 from loomserve.engine.messages import (
     REJECTED,
     AbortRequests,
@@ -37,6 +34,9 @@ from loomserve.engine.messages import (
     EndSession,
     EngineStats,
 )
+from loomserve.engine.output import RequestOutput
+from loomserve.engine.processor import InputProcessor, RequestState
+from loomserve.engine.tokenizer import Tokenizer
 from loomserve.sampling_params import SamplingParams
 
 log = logging.getLogger("loomserve.engine")

@@ -23,8 +23,8 @@ import zmq
 from loomserve.config import EngineConfig
 from loomserve.engine import faults
 from loomserve.engine.core_loop import CoreLoop
-from loomserve.execution.process import die_with_parent
 from loomserve.engine.messages import CoreFailed, CoreInput, Shutdown, input_decoder
+from loomserve.execution.process import die_with_parent
 
 log = logging.getLogger("loomserve.engine")
 

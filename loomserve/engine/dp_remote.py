@@ -30,9 +30,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from loomserve.config import EngineConfig
-from loomserve.engine.dp_rank import rank_config
 from loomserve.engine.core_client import DEATH_POLL_S, EngineStartError, ZmqCoreClient
 from loomserve.engine.core_proc import HEARTBEAT_TIMEOUT_MS, tcp_options
+from loomserve.engine.dp_rank import rank_config
 from loomserve.engine.messages import (
     CoreDead,
     CoreEvent,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 
 from loomserve.config import EngineConfig
+from loomserve.engine.core import EngineCore
 from loomserve.engine.output import RequestOutput
 from loomserve.engine.processor import InputProcessor, RequestState
-from loomserve.engine.tokenizer import Tokenizer
-from loomserve.engine.core import EngineCore
 from loomserve.engine.sched.request import RequestStatus
+from loomserve.engine.tokenizer import Tokenizer
 from loomserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -6,8 +6,8 @@ not grow with detokenization, and a stop string ends a request by aborting it in
 
 from __future__ import annotations
 
-from loomserve.engine.output import RequestOutput
 from loomserve.engine.messages import CoreOutput, EngineCoreRequest
+from loomserve.engine.output import RequestOutput
 from loomserve.engine.sched.request import Request
 from loomserve.execution.structured import validate_structured
 from loomserve.kv.transfer.params import validate as validate_transfer_params

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from loomserve.control.cluster.spec import SpecError, spec_from_dict
 from loomserve.cli import build_parser, main
+from loomserve.control.cluster.spec import SpecError, spec_from_dict
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY_LLAMA = os.path.join(ROOT, "tests", "fixtures", "tiny-llama")

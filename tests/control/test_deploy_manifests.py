@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from loomserve.control.cluster.spec import spec_from_dict
 from loomserve.cli import build_parser
+from loomserve.control.cluster.spec import spec_from_dict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "kubernetes"

@@ -225,8 +225,8 @@ def test_metrics_say_why(cluster):
 def test_router_api_key_in_each_api_shape(cluster):
     from fastapi.testclient import TestClient
 
-    from loomserve.control.router.cli import build_from_args
     from loomserve.cli import build_parser
+    from loomserve.control.router.cli import build_from_args
     args = build_parser().parse_args(["router", "--api-key", "sekret", "--log-level", "warning"]
                                      + [a for p in cluster.instances for a in ("--instance",
                                                                                 p.url)])
@@ -263,8 +263,8 @@ def _fake_instance():
 def test_unreachable_choice_is_retried_on_the_next(cluster):
     from fastapi.testclient import TestClient
 
-    from loomserve.control.router.cli import build_from_args
     from loomserve.cli import build_parser
+    from loomserve.control.router.cli import build_from_args
     fake_url, srv, thread = _fake_instance()
     args = build_parser().parse_args([
         "router", "--policy", "round_robin", "--health-interval", "60", "--instance", fake_url,

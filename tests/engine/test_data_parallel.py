@@ -188,9 +188,9 @@ def test_stats_sum_over_ranks():
 
 
 def test_cli_flags_and_refusals():
+    from loomserve.cli import build_parser, engine_config_from_args
     from loomserve.config import EngineConfig
     from loomserve.engine.async_llm import AsyncLLM
-    from loomserve.cli import build_parser, engine_config_from_args
     from loomserve.engine.core_client import EngineStartError
     from loomserve.engine.dp_client import check_dp_supported
     args = build_parser().parse_args(["serve", "m", "--data-parallel-size", "2",

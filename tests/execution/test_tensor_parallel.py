@@ -99,8 +99,8 @@ def test_unsupported_family_is_refused_before_any_process_starts():
 
 
 def test_a_worker_failing_at_start_fails_the_engine_start_at_once(monkeypatch):
-    from loomserve.engine.llm import LLM
     from loomserve.engine.executor.multiproc import WorkerDied
+    from loomserve.engine.llm import LLM
     monkeypatch.setenv("LOOMSERVE_WORKER_FAIL_AT_START", "1")
     t0 = time.monotonic()
     with pytest.raises(WorkerDied, match="rank 1 .* failed to start"):

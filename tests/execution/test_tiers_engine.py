@@ -21,6 +21,8 @@ from tests.kv.connector.conftest import (
     small_llm,
     tiny_page_bytes,
 )
+
+# Fixtures shared with the tier tests (pytest finds them by name in this module).
 from tests.kv.tiers.conftest import mooncake_service, require_mooncake, require_redis  # noqa: F401
 
 
@@ -95,7 +97,7 @@ def test_disk_tier_hits_after_restart(tmp_path, page_bytes, reference):
 
 
 # -- shared pool ------------------------------------------------------------------------------
-def test_mooncake_shared_pool_cross_instance(mooncake_service, page_bytes, reference):
+def test_mooncake_shared_pool_cross_instance(mooncake_service, page_bytes, reference):  # noqa: F811
     remote = f"mooncake://{mooncake_service.master_address}"
     one = small_llm(page_bytes, remote_cache=remote)
     two = small_llm(page_bytes, remote_cache=remote)

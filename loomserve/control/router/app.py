@@ -25,6 +25,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from loomserve.api.auth import APIKeyMiddleware
+from loomserve.api.errors import error_response, install_error_handlers
 from loomserve.control.router.instances import Instance, Lease
 from loomserve.control.router.pd import decode_body, prefill_body
 from loomserve.control.router.proxy import (
@@ -42,8 +44,6 @@ from loomserve.control.router.tokens import (
     API_MESSAGES,
     API_RESPONSES,
 )
-from loomserve.api.auth import APIKeyMiddleware
-from loomserve.api.errors import error_response, install_error_handlers
 
 logger = logging.getLogger("loomserve.control.router")
 ROUTES = {"/v1/chat/completions": API_CHAT, "/v1/completions": API_COMPLETIONS,

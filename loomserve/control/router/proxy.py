@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 import httpx
 
-from loomserve.control.router.instances import Instance, Lease
-from loomserve.control.router.tokens import API_MESSAGES, API_RESPONSES
 from loomserve.api.errors import anthropic_error_body, error_body
 from loomserve.api.handler import ClosingStreamingResponse
+from loomserve.control.router.instances import Instance, Lease
+from loomserve.control.router.tokens import API_MESSAGES, API_RESPONSES
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host",

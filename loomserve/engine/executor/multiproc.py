@@ -21,9 +21,8 @@ import sys
 import time
 
 from loomserve.config import EngineConfig
-from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.engine.executor.abstract import Executor
-from loomserve.execution.worker import Worker
+from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.models.loading.loader import resolve_config
 from loomserve.execution.parallel import shared_pool
 from loomserve.execution.parallel.context_parallel import preflight as dcp_preflight
@@ -42,6 +41,7 @@ from loomserve.execution.parallel.step_message import (
 )
 from loomserve.execution.parallel.tensor_parallel import check_supported
 from loomserve.execution.parallel.worker_proc import WorkerSpec, agree_on_kv_plan
+from loomserve.execution.worker import Worker
 
 log = logging.getLogger("loomserve.engine")
 

@@ -24,12 +24,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from loomserve.execution.batch import ModelInput, ScheduledSeq
 from loomserve.engine.sched.preemption import victim_for
 from loomserve.engine.sched.request import Request, RequestStatus
 from loomserve.engine.sched.step_budget import StepPlan
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, StepFeatures
 from loomserve.engine.sched.waiting_queue import WaitingQueue
+from loomserve.execution.batch import ModelInput, ScheduledSeq
 from loomserve.kv.cache_manager import KVCacheManager
 
 

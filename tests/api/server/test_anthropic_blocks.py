@@ -17,9 +17,9 @@ def test_thinking_text_and_calls_stream_into_the_same_message():
     chunking; the thinking block carries a signature."""
     from anthropic.lib.streaming._messages import accumulate_event
 
+    from loomserve.api.anthropic_api import BlockAssembler
     from loomserve.api.chat.output_parser import ChatOutputParser
     from loomserve.api.reasoning import get_reasoning_parser
-    from loomserve.api.anthropic_api import BlockAssembler
     from loomserve.api.tool_parsers import get_tool_parser
 
     tools = [{"type": "function", "function": {"name": "get_weather",
@@ -59,8 +59,8 @@ def test_thinking_text_and_calls_stream_into_the_same_message():
 
 
 def test_parallel_cap_drops_later_calls():
-    from loomserve.api.chat.events import ToolCallArgs, ToolCallStart
     from loomserve.api.anthropic_api import BlockAssembler
+    from loomserve.api.chat.events import ToolCallArgs, ToolCallStart
 
     blocks = BlockAssembler(max_calls=1)
     events = blocks.feed([ToolCallStart(0, "a", "f"), ToolCallArgs(0, "{}"),

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from loomserve.config import EngineConfig
 from loomserve.cli import build_parser, engine_config_from_args
+from loomserve.config import EngineConfig
 from tests.api.server.conftest import TINY_LLAMA
 
 

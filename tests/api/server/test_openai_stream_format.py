@@ -8,10 +8,10 @@ import random
 import pytest
 
 from loomserve.api.chat.frontend import ChatFrontend, ChatRequest
-from loomserve.engine.output import RequestOutput
 from loomserve.api.openai_api import ChatStream
 from loomserve.api.openai_output import TokenTexts, assistant_message
 from loomserve.api.samples import Batch, Samples
+from loomserve.engine.output import RequestOutput
 from loomserve.engine.tokenizer import Tokenizer
 from tests.api.server.conftest import TINY_AGENT
 from tests.api.server.test_openai_tools import BOOKING, WEATHER
@@ -109,9 +109,9 @@ def test_sse_lines_hold_text_with_unicode_line_separators():
 
     import httpx
 
-    from loomserve.bench.replay.transport import sse_lines
     from loomserve.api.handler import sse, sse_event
     from loomserve.api.openai_protocol import Completion, CompletionChoice
+    from loomserve.bench.replay.transport import sse_lines
 
     text = "a\x85b\u2028c\u2029d"
     chunk = Completion(id="cmpl-1", model="m", choices=[CompletionChoice(text=text)])

@@ -71,8 +71,8 @@ def test_scheduler_metrics_are_exported(seen):
 
 
 def test_scheduler_flags_map_to_the_config():
-    from loomserve.config import EngineConfig
     from loomserve.cli import build_parser, engine_config_from_args
+    from loomserve.config import EngineConfig
 
     def config(*flags):
         return engine_config_from_args(build_parser().parse_args(["serve", "m", *flags]))

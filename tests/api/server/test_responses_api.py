@@ -8,8 +8,8 @@ import pytest
 from openai.types.responses import Response
 
 from loomserve.api.chat.output_parser import ChatOutputParser
-from loomserve.api.reasoning import get_reasoning_parser
 from loomserve.api.errors import APIError
+from loomserve.api.reasoning import get_reasoning_parser
 from loomserve.api.response_store import ResponseStore, StoredResponse
 from loomserve.api.responses_api import OutputBuilder
 from loomserve.api.responses_protocol import convert_tools, to_messages

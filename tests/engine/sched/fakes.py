@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.engine.sched.request import Request
 from loomserve.engine.sched.scheduler import Scheduler, SchedulerOutput
+from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.kv.cache_manager import KVCacheStats
 from loomserve.kv.connector import FULL, GO, WAIT
 from loomserve.sampling_params import SamplingParams

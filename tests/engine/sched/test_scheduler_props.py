@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from loomserve.engine.sched.request import RequestStatus
 from loomserve.engine.sched.scheduler import Scheduler
 from loomserve.kv.connector import FULL, GO, WAIT
-from tests.engine.sched.fakes import FakeConnector, FakeKV, FakeRunner, make_request, scheduled, step
+from tests.engine.sched.fakes import (
+    FakeConnector,
+    FakeKV,
+    FakeRunner,
+    make_request,
+    scheduled,
+    step,
+)
 
 ABORT = RequestStatus.FINISHED_ABORTED
 BS = 4

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from loomserve.control.store_launcher import free_port, parse_size
 from loomserve.cli import build_parser
+from loomserve.control.store_launcher import free_port, parse_size
 
 from .conftest import PAGE, block_hashes, pages, require_mooncake, require_redis
 

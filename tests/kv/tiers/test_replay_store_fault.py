@@ -15,8 +15,8 @@ import pytest
 
 from loomserve.bench import replay as replay_mod
 from loomserve.control.store_launcher import MooncakeService, RedisService
-from tests.bench.test_hit_split import PAGE, replay_args, scrape, write_traces
 from tests.api.server.conftest import TINY_LLAMA, running_server
+from tests.bench.test_hit_split import PAGE, replay_args, scrape, write_traces
 
 from .conftest import require_mooncake, require_redis
 

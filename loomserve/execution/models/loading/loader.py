@@ -16,7 +16,10 @@ from torch import nn
 from loomserve.config.model import QUANTIZATIONS
 from loomserve.execution.layers.fp8 import Fp8Linear, quantize_fp8_linears
 from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, quantize_linears
-from loomserve.execution.models.loading.checkpoint import check_quantization_config, iter_safetensors
+from loomserve.execution.models.loading.checkpoint import (
+    check_quantization_config,
+    iter_safetensors,
+)
 from loomserve.execution.models.loading.default import DEFAULT_MODEL_NAME, default_model_path
 from loomserve.execution.models.loading.gguf import cached_conversion
 from loomserve.execution.models.loading.gguf_quant import quantize_from_gguf
