@@ -13,11 +13,11 @@ Traffic (a driver in this script, /v1/completions with token-id prompts, streami
           --pd-threshold-tokens uncached, the router sends them through the prefill instance.
 Phases per layout: `quiet` (warm only, --quiet s) then `cold` (warm + cold arrivals for
 --loaded s, the phase lasting until the last cold request has finished, so that the decode
-legs' KV imports fall inside it). Reported:
-the warm sessions' inter-token latency p50/p99 (gaps between streamed chunks after the first)
-(and p99.9 and max, which see a handover's stall) per phase and layout, the cold requests'
-TTFT, and errors; with --repeats N every layout runs N times, interleaved, for the spread. Target (issue 11): PD's warm ITL p99
-with cold prefills within 1.5x of its ITL without them; the co-located figure is reported.
+legs' KV imports fall inside it). Reported: the warm sessions' inter-token latency p50/p99
+(gaps between streamed chunks after the first), and p99.9 and max, which see a handover's
+stall, per phase and layout; the cold requests' TTFT; errors. With --repeats N every layout runs
+N times, interleaved, for the spread across runs. Target: PD's warm ITL p99 with cold prefills
+within 1.5x of its ITL without them; the co-located figure is reported beside it.
 
 Correctness: --check-prompts prompts of --check-tokens tokens sent greedily through the PD
 router (so they take the prefill -> decode path) must produce the same text as a co-located

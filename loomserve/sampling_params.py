@@ -60,7 +60,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    # Features the API layers pass through (issue 10); the sampler honours each.
+    # Features the API layers pass through; the sampler honours each.
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob + k top ones
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
