@@ -274,9 +274,15 @@ def main() -> None:
     vocab = 49152
     texts = {"json": json.dumps(VALUE, separators=(", ", ": ")), "tool call": CALL}
     print(f"CPU: {os.cpu_count()} cores; vocab {vocab}")
+    missing = []
     for cls in (XGrammar, LLGuidance):
         t = time.perf_counter()
-        lib = cls(hf, vocab)
+        try:
+            lib = cls(hf, vocab)
+        except ImportError as e:  # llguidance is a peer, not a loomserve dependency
+            print(f"\n{cls.name}: not installed ({e}); pip install {cls.name} to compare")
+            missing.append(cls.name)
+            continue
         print(f"\n{lib.name}: tokenizer setup {(time.perf_counter() - t) * 1e3:.0f} ms")
         for kind in ("json", "tool call"):
             compile_ms = timed(lambda: lib.compile(kind))
@@ -299,7 +305,7 @@ def main() -> None:
     write_json(args.out or "grammar_mask.json",
                {"steps": args.steps, "tokens": args.tokens,
                 "decode_step_ms": {m: {str(k): v for k, v in d.items()} for m, d in step_ms.items()},
-                "results": results})
+                "results": results, "libraries_not_installed": missing})
 
 
 if __name__ == "__main__":

@@ -719,21 +719,25 @@ def mixed_traffic(r: Result) -> list[Block]:
     return out.out()
 
 
+MODE = {"none": "fp32", "gguf": "gguf"}  # --quantization of the step a share is of
+
+
 def grammar_mask(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source()
     steps = d.get("decode_step_ms", {})
     for mode, by_streams in sorted(steps.items()):
-        for streams, ms in sorted(by_streams.items(), key=lambda kv: int(kv[0])):
-            out.add(src, f"plain decode step, quantization {mode}, {streams} streams (the "
+        for n, ms in sorted(by_streams.items(), key=lambda kv: int(kv[0])):
+            out.add(src, f"plain decode step, {MODE.get(mode, mode)}, {streams(n)} (the "
                          f"denominator below)", f"{num(ms)} ms", "-", d.get("steps", 1), "median")
     for x in d.get("results", []):
         total = x["fill_ms"] + x["accept_ms"] + x["engine_apply_ms"]
         if "share_of_step" in x:  # the step measured in the same run
-            share = ", ".join(f"{pct(v)} of a {m} step" for m, v in sorted(x["share_of_step"].items()))
+            share = ", ".join(f"{pct(v)} of a {MODE.get(m, m)} step"
+                              for m, v in sorted(x["share_of_step"].items()))
         else:
             share = f"{pct(x['share_of_given_step'])} of a given {num(d['step_ms_given'])} ms step"
-        out.add(src, f"{x['library']}, {x['grammar']}, {x['streams']} streams: mask fill + accept "
+        out.add(src, f"{x['library']}, {x['grammar']}, {streams(x['streams'])}: mask fill + accept "
                      f"+ apply per step", f"{num(total)} ms", share)
     for x in d.get("engine_decode_steps", []):
         out.add(src, f"engine decode step, {x['streams']} streams: constrained vs plain",
@@ -1126,8 +1130,9 @@ FAMILIES: tuple[Family, ...] = (
            "llama-server, interleaved: TPGS, ITL tail, warm turns' TTFT with and without a "
            "cold prefill running beside them.", mixed_agentx),
     Family("grammar_mask*.json", "Grammar-constrained decoding cost",
-           "xgrammar and llguidance mask work per decode step, as a share of a step time given "
-           "on the command line; or the engine's step with and without a grammar.", grammar_mask),
+           "xgrammar's (and llguidance's, where installed) mask work per decode step, as a share "
+           "of the default model's own plain decode step measured in the same run (fp32 and "
+           "gguf); or the engine's step with and without a grammar.", grammar_mask),
     Family("tool_parsing*.json", "Tool-call parsing", "Parser time per streamed token.",
            tool_parsing),
     Family("agent_api_cache*.json", "Agent APIs: prefix-cache hits",
