@@ -142,8 +142,11 @@ class Result:
 
 def load(path: Path) -> Result:
     text = path.read_text()
-    if path.suffix == ".jsonl":
-        return Result(path, {"records": [json.loads(x) for x in text.splitlines() if x.strip()]})
+    if path.suffix == ".jsonl":  # records; a line {"recorded": ...} is the file's provenance
+        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
+        recorded = next((x["recorded"] for x in lines if set(x) == {"recorded"}), None)
+        data = {"records": [x for x in lines if set(x) != {"recorded"}]}
+        return Result(path, data | ({"recorded": recorded} if recorded else {}))
     return Result(path, json.loads(text))
 
 
@@ -156,11 +159,17 @@ def short_commit(commit: str) -> str:
     return m[1][:7] + (m[2] or "") if m else commit
 
 
+# The host of a result that times nothing (a simulation, a compiler's resource report): any.
+NO_TIMING = "any CPU (no timing: the figures do not depend on the host)"
+
+
 def cpu_text(host: Any) -> str:
     """"Intel Xeon, 2 CPUs, AVX-512 VNNI/BF16 + AMX": the model, and the vector extensions
     that change the kernels' speed (AVX-512 implies AVX2; benchmarks/common/host.py)."""
     if not host:
         return "CPU not recorded"
+    if host == NO_TIMING:
+        return NO_TIMING
     if isinstance(host, str):
         return f"{_clean_cpu(host)}, extensions not recorded"
     name = _clean_cpu(host.get("cpu") or "CPU not recorded")
@@ -601,7 +610,7 @@ def membw(r: Result) -> list[Block]:
 
 def triton_resources(r: Result) -> list[Block]:
     out = Blocks()
-    src = r.source(command="python -m tests.execution.triton_ahead --resources")
+    src = r.source(host=NO_TIMING, command="python -m tests.execution.triton_ahead --resources")
     recs = r.data["records"]
     for kernel in sorted({x["kernel"] for x in recs}):
         xs = [x for x in recs if x["kernel"] == kernel and x["target"] == "sm_90" and x.get("ok")]
@@ -818,7 +827,8 @@ def hybrid_served(r: Result) -> list[Block]:
 
 def simulator_check(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
-    src = r.source(command="python benchmarks/simulator_check.py (arguments not recorded)")
+    src = r.source(host=NO_TIMING,
+                   command="python benchmarks/simulator_check.py (arguments not recorded)")
     ref = d["reference"]
     out.add(src, f"LRU hit rate vs {ref['package']} {ref['version']}, largest difference",
             f"{d['max_lru_diff_pp']:.2f} points", "target 1 point", f"{len(d['points'])} capacities")
@@ -827,7 +837,8 @@ def simulator_check(r: Result) -> list[Block]:
 
 def simulator_sweep(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
-    src = r.source(command=d.get("note", "loomserve bench simulate --sweep").split(" (")[0])
+    src = r.source(host=NO_TIMING,
+                   command=d.get("note", "loomserve bench simulate --sweep").split(" (")[0])
     for c in d["curve"]:
         if c["capacity_fraction"] in (0.1, 0.2, 0.5):
             out.add(src, f"capacity {c['capacity_fraction']:.0%} of the working set: LRU / "
