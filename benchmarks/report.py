@@ -948,7 +948,7 @@ def router_overhead(r: Result) -> list[Block]:
 
 
 def pd_agentx(r: Result) -> list[Block]:
-    """The latest session's runs (within an hour of the newest), each its own layout and run;
+    """The runs within an hour of the newest, each its own layout and run;
     the ratio is within a run: warm streams' ITL p99 beside cold prefills over without."""
     out, runs = Blocks(), r.data["runs"]
     newest = datetime.strptime(max(date_text(x["date"]) for x in runs.values()),
@@ -1186,8 +1186,8 @@ FAMILIES: tuple[Family, ...] = (
            "Time per routing decision at 1,000 sessions.", router_overhead),
     Family("pd_agentx*.json", "Prefill/decode disaggregation: warm streams under cold prefills",
            "Warm streams' inter-token latency with and without cold prefills arriving, per "
-           "layout (PD: a prefill and a decode instance; colo: two co-located), latest "
-           "session.", pd_agentx),
+           "layout (PD: a prefill and a decode instance; colo: two co-located); each ratio "
+           "within one run, then the median over a configuration's runs.", pd_agentx),
     Family("pd_profile*.json", "P/D sizing (`loomserve bench pd-profile`)",
            "Prefill and decode saturation rates of one co-located instance and the P:D ratio "
            "derived from them.", pd_profile),
