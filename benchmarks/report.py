@@ -477,8 +477,9 @@ def process_layout(r: Result) -> list[Block]:
 
 def server_startup(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
-    src = r.source(host={"cpu": "CPU not recorded", "nproc": d.get("cpus")} if "cpus" in d
-                   else None, command="python benchmarks/server_startup.py")
+    old_host = {"cpu": "CPU not recorded", "nproc": d.get("cpus")} if "cpus" in d else None
+    src = r.source(host=None if "envelope" in d else old_host,
+                   command=None if "envelope" in d else "python benchmarks/server_startup.py")
     warm = [w["ready_s"] for w in d.get("warm", [])]
     t = d["targets"]
     out.add(src, "default model: ready (launch to /health), weights cached",
