@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install serve test lint bench clean services
+.PHONY: install serve test lint clean services
 
 install: $(VENV)/.installed
 
