@@ -124,10 +124,13 @@ class Result:
         envelope, then the file's own keys, then `recorded` (the commit that added a file whose
         run recorded none, stamped into it once so the page needs no git history)."""
         env = self.data.get("envelope") or {}
-        host = host or env.get("host") or self.data.get("host") or self.data.get("cpu")
+        # The envelope, written by the run itself, names the host and command better than a
+        # summariser's guess for older files; a date stays per entry (a run's rounds differ).
+        host = env.get("host") or host or self.data.get("host") or self.data.get("cpu")
         date = date or env.get("date") or self.data.get("date") or self.data.get("measured_at")
         commit = commit or env.get("commit") or self.data.get("commit")
-        command = command or env.get("command") or self.data.get("command") or self.data.get("argv")
+        command = (env.get("command") or command or self.data.get("command")
+                   or self.data.get("argv"))
         recorded = self.data.get("recorded") or {}
         return Source(
             file=self.name, cpu=cpu_text(host),
@@ -477,9 +480,8 @@ def process_layout(r: Result) -> list[Block]:
 
 def server_startup(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
-    old_host = {"cpu": "CPU not recorded", "nproc": d.get("cpus")} if "cpus" in d else None
-    src = r.source(host=None if "envelope" in d else old_host,
-                   command=None if "envelope" in d else "python benchmarks/server_startup.py")
+    src = r.source(host={"cpu": "CPU not recorded", "nproc": d.get("cpus")} if "cpus" in d
+                   else None, command="python benchmarks/server_startup.py")
     warm = [w["ready_s"] for w in d.get("warm", [])]
     t = d["targets"]
     out.add(src, "default model: ready (launch to /health), weights cached",
