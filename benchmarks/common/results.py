@@ -61,14 +61,17 @@ def envelope() -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, "-dirty" when tracked files differ from it; "unknown" without git."""
+    """HEAD's short hash, "-dirty" when tracked files differ from it; "unknown" without git.
+    Result files do not count: a run rewriting its own file (a resumed store, a rerun) has not
+    changed the code that made it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", REPO_ROOT, *args], capture_output=True, text=True,
                               check=True).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                    ":(exclude)benchmarks/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
