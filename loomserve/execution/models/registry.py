@@ -65,6 +65,7 @@ MODELS = (
     ("Qwen3ForCausalLM", "qwen3", f"{_M}.llama:LlamaForCausalLM"),
     ("Gemma3ForCausalLM", "gemma3_text", f"{_M}.gemma3:Gemma3ForCausalLM"),
     ("GptOssForCausalLM", "gpt_oss", f"{_M}.gpt_oss:GptOssForCausalLM"),
+    ("Qwen3MoeForCausalLM", "qwen3_moe", f"{_M}.qwen3_moe:Qwen3MoeForCausalLM"),
     ("Qwen3NextForCausalLM", "qwen3_next", f"{_M}.qwen3_next:Qwen3NextForCausalLM"),
     ("NemotronHForCausalLM", "nemotron_h", f"{_M}.nemotron_h:NemotronHForCausalLM"),
     ("DeepseekV3ForCausalLM", "deepseek_v3", f"{_M}.deepseek_v3:DeepseekV3ForCausalLM"),
