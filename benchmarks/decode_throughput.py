@@ -1,8 +1,10 @@
 """Aggregate decode throughput (tokens/s) at several concurrencies, beside a bandwidth roofline.
 
 Systems (all on the same SmolLM2-135M-Instruct Q4_1 GGUF unless --model says otherwise):
-  loomserve-fp32   ``loomserve serve MODEL --dtype float32 --max-num-seqs maxC``
-  loomserve-bf16   ``loomserve serve MODEL --dtype bfloat16 --max-num-seqs maxC``
+  loomserve-default ``loomserve serve MODEL --max-num-seqs maxC``: make serve's configuration
+                   (--quantization auto: the GGUF's blocks in place on a CPU)
+  loomserve-fp32   ``loomserve serve MODEL --dtype float32 --quantization none --max-num-seqs maxC``
+  loomserve-bf16   ``loomserve serve MODEL --dtype bfloat16 --quantization none --max-num-seqs maxC``
   loomserve-gguf   ``loomserve serve MODEL --dtype float32 --quantization gguf --max-num-seqs maxC``:
                    the GGUF's own Q4_1/Q8_0 blocks run by kernels/quant.c (fp32 activations, KV)
   llama-server     llama.cpp's server on the GGUF as stored (Q4_1 weights, f16 KV), one slot
@@ -42,7 +44,7 @@ Caveat: a small model can sit partly in a large L3 cache and beat a DRAM rooflin
 Run:
     python benchmarks/decode_throughput.py                       # everything, C = 1 8 32
     python benchmarks/decode_throughput.py --only llama hf --concurrency 1 8 --max-tokens 32 --repeats 1
-Options: --only {loomserve,loomserve-fp32,loomserve-bf16,loomserve-gguf,llama,hf} ..., --concurrency,
+Options: --only {loomserve,loomserve-default,loomserve-fp32,loomserve-bf16,loomserve-gguf,llama,hf} ..., --concurrency,
     --max-tokens, --repeats, --threads, --model, ... (see --help).
 Output: a table on stdout, benchmarks/results/decode_throughput.json (--out: another name;
     a run replaces the file: every system of a file was measured in the same interleaved run),
@@ -77,13 +79,16 @@ from decode.prompts import PROMPT_LEN, load_tokenizer, make_prompts  # noqa: E40
 from decode.served import ServedSystem, llama_server_argv, loomserve_argv  # noqa: E402
 
 RESULT_NAME = "decode_throughput.json"
-SYSTEMS = ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf", "llama-server", "hf-generate")
-ONLY_ALIASES = {"loomserve": ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf"), "llama": ("llama-server",),
+SYSTEMS = ("loomserve-default", "loomserve-fp32", "loomserve-bf16", "loomserve-gguf",
+           "llama-server", "hf-generate")
+ONLY_ALIASES = {"loomserve": ("loomserve-default", "loomserve-fp32", "loomserve-bf16",
+                              "loomserve-gguf"), "llama": ("llama-server",),
                 "hf": ("hf-generate",), **{s: (s,) for s in SYSTEMS}}
 
 # Per-system dtypes for the roofline: (weight bytes per parameter or None = as stored in the
 # file, KV bytes per element).
-ROOFLINE_DTYPES = {"loomserve-fp32": (4, 4), "loomserve-bf16": (2, 2), "loomserve-gguf": (None, 4),
+ROOFLINE_DTYPES = {"loomserve-default": (None, 4), "loomserve-fp32": (4, 4),
+                   "loomserve-bf16": (2, 2), "loomserve-gguf": (None, 4),
                    "llama-server": (None, 2), "hf-generate": (4, 4)}
 
 
@@ -153,7 +158,7 @@ def ratios(systems: dict[str, Any]) -> dict[str, dict[str, float]]:
     peer = systems.get("llama-server")
     if not peer:
         return out
-    for name in ("loomserve-fp32", "loomserve-bf16", "loomserve-gguf", "hf-generate"):
+    for name in ("loomserve-default", "loomserve-fp32", "loomserve-bf16", "loomserve-gguf", "hf-generate"):
         mine = systems.get(name)
         if not mine:
             continue
@@ -236,8 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     for name in selected:
         if name.startswith("loomserve"):
-            dtype = "bfloat16" if name.endswith("bf16") else "float32"
-            quant = ["--quantization", "gguf"] if name.endswith("gguf") else []
+            # default: `loomserve serve MODEL` as make serve runs it (--quantization auto, which
+            # keeps a GGUF's blocks on a CPU); the others pin their mode.
+            dtype = None if name == "loomserve-default" else (
+                "bfloat16" if name.endswith("bf16") else "float32")
+            quant = ([] if name == "loomserve-default" else
+                     ["--quantization", "gguf" if name.endswith("gguf") else "none"])
             argv_fn = loomserve_argv(gguf_path, dtype, max_c, [*quant, *args.loomserve_arg])
         elif name == "llama-server":
             binary = common.ensure_llama_server()

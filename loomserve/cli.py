@@ -25,6 +25,7 @@ from loomserve.config import (
     flat_defaults,
     flat_fields,
 )
+from loomserve.config.hf_overrides import parse_hf_overrides
 from loomserve.control.cluster.cli import add_cluster_parser
 from loomserve.control.router.cli import add_router_parser
 from loomserve.control.store_launcher import add_store_parser
@@ -43,13 +44,22 @@ def _target_ms(value: str) -> float | None:
     return ms
 
 
+def _json_object(value: str) -> dict | None:
+    """--hf-overrides: a JSON object (a usage error otherwise)."""
+    try:
+        return parse_hf_overrides(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--hf-overrides ")) from None
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs",
                        description="Serve a model over the OpenAI (Chat Completions, Completions, "
                                    "Responses) and Anthropic (Messages) HTTP APIs. Each option "
                                    "is explained in docs/usage/.")
     p.add_argument("model", nargs="?", default=_DEFAULTS["model"],
-                   help="HF model folder or .gguf file (default: the built-in "
+                   help="HF model folder, .gguf file, or Hugging Face hub id (org/name; "
+                        "org/name:QUANT picks a GGUF) (default: the built-in "
                         "SmolLM2-135M-Instruct)")
     _add_server(p)
     _add_model(p)
@@ -93,12 +103,25 @@ def _add_model(p) -> None:
                         "(default: %(default)s)")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS),
                    default=_DEFAULTS["quantization"],
-                   help="gguf: run a .gguf file's own blocks; int8, int4: weight-only, "
-                        "quantized at load; fp8: e4m3 weights (default: %(default)s)")
+                   help="auto: a .gguf model's own blocks on a CPU (gguf), else none; none: "
+                        "weights dequantized to --dtype at load; gguf: run a .gguf file's own "
+                        "blocks; int8, int4: weight-only, quantized at load; fp8: e4m3 weights "
+                        "(default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
                    metavar="TOKENS",
-                   help="context length, prompt and output (default: the model's own, capped "
-                        "at the KV capacity)")
+                   help="context length, prompt and output; past the trained length needs "
+                        "RoPE scaling in --hf-overrides (default: the model's own, capped at "
+                        "the KV capacity)")
+    g.add_argument("--hf-overrides", type=_json_object, default=_DEFAULTS["hf_overrides"],
+                   metavar="JSON",
+                   help="JSON object merged into the model's config.json as it is read, nested "
+                        "objects key by key, e.g. {\"rope_scaling\": {\"rope_type\": \"yarn\", "
+                        "\"factor\": 4.0}} to run past the trained context")
+    g.add_argument("--revision", default=_DEFAULTS["revision"], metavar="REV",
+                   help="a hub model's branch, tag or commit (default: main)")
+    g.add_argument("--download-dir", default=_DEFAULTS["download_dir"], metavar="DIR",
+                   help="hub cache to download into and read from (default: huggingface_hub's: "
+                        "HF_HUB_CACHE, else HF_HOME/hub)")
     g.add_argument("--device", default=_DEFAULTS["device"],
                    help="auto, cpu, cuda, cuda:1, ...; auto: CUDA when present "
                         "(default: %(default)s)")
@@ -245,7 +268,8 @@ def _add_chat(p) -> None:
                    help="a Jinja chat template file used instead of the model's")
     g.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="tool-call format: auto, none, hermes, qwen3_coder, llama3_json, "
-                        "mistral, deepseek_v3, kimi_k2, glm45, harmony (default: %(default)s)")
+                        "mistral, deepseek_v3, kimi_k2, glm45, minimax_m2, harmony "
+                        "(default: %(default)s)")
     g.add_argument("--reasoning-parser", default="auto", metavar="NAME",
                    help="reasoning format: auto, none, qwen3, deepseek_r1, gpt_oss "
                         "(default: %(default)s)")
@@ -320,6 +344,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 2
+    from loomserve.execution.models.loading.hub import pin_hub_model
+    try:  # a hub id is fetched here, once, before any process starts; a path passes
+        config = pin_hub_model(config)
+    except OSError as e:  # HubError, or a model path that does not exist
+        print(f"loomserve: error: {e}", file=sys.stderr)
+        return 1
     if config.parallel.node_rank > 0:  # a worker node: its ranks or DP cores only, no HTTP
         if config.parallel.data_parallel_size > 1:
             import logging

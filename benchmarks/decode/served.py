@@ -74,11 +74,12 @@ class ServedSystem:
         return m
 
 
-def loomserve_argv(model: str, dtype: str, max_num_seqs: int, extra: Sequence[str]):
+def loomserve_argv(model: str, dtype: str | None, max_num_seqs: int, extra: Sequence[str]):
+    """dtype None: loomserve's default (no --dtype)."""
     def argv(port: int) -> list[str]:
         return [*which_loomserve(), "serve", model, "--host", "127.0.0.1",
-                "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
-                *extra]
+                "--port", str(port), *(["--dtype", dtype] if dtype else []),
+                "--max-num-seqs", str(max_num_seqs), *extra]
     return argv
 
 

@@ -34,9 +34,19 @@ def startup_line(engine, config: EngineConfig, url: str) -> str:
     if pids:
         layout = f"{len(pids)} data-parallel engine cores (pids {', '.join(map(str, pids))})"
     return (f"loomserve: serving {engine.model_name} "
-            f"(from {config.model.model or 'built-in default'}, {ready.dtype}, {ready.device}, "
+            f"(from {config.model.model or 'built-in default'}, {_weights(ready)}, {ready.device}, "
             f"{_human(ready.num_params)} params), context {engine.max_model_len} tokens, "
             f"KV cache {engine.kv_capacity_tokens} tokens{_kv_dtype(ready)}, {layout}, on {url}")
+
+
+def _weights(ready) -> str:
+    """How the weights run: a GGUF's blocks in place, or the dtype they were loaded in."""
+    if ready.quantization == "gguf":
+        return (f"GGUF blocks run in place, activations {ready.dtype}; "
+                "--quantization none dequantizes")
+    if ready.quantization != "none":
+        return f"{ready.quantization} weights, activations {ready.dtype}"
+    return ready.dtype
 
 
 def _kv_dtype(ready) -> str:

@@ -11,6 +11,7 @@ at most `max_waiting_requests` requests wait for admission.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -32,6 +33,7 @@ from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_s
 from loomserve.engine.step_trace import StepTrace
 from loomserve.execution.batch import ModelOutput
 from loomserve.execution.model_runner import ModelRunner
+from loomserve.execution.models.loading.hub import pin_hub_model
 from loomserve.execution.parallel.shared_pool import layout_id
 from loomserve.execution.structured import StructuredManager
 from loomserve.kv.cache_manager import KVCacheManager
@@ -71,8 +73,15 @@ def make_tier_connector(config: EngineConfig, runner: ModelRunner, kv: KVCacheMa
 
 def tier_model_id(config: EngineConfig, runner: ModelRunner) -> str:
     """The weights' identity plus the rank layout of a logical page (tier fingerprint)."""
-    return model_identity(runner.model_name, runner.model_folder,
+    return model_identity(kv_model_name(config, runner), runner.model_folder,
                           config.model.resolved_cache_dir) + layout_id(config)
+
+
+def kv_model_name(config: EngineConfig, runner: ModelRunner) -> str:
+    """The name KV identities hash: the model's, plus any --hf-overrides (RoPE scaling rotates
+    every K of the same weights differently: such KV must not be shared with a plain run)."""
+    o = config.model.hf_overrides
+    return runner.model_name + (f"+{json.dumps(o, sort_keys=True)}" if o else "")
 
 
 def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
@@ -94,7 +103,7 @@ def make_transfer_connector(core: "EngineCore") -> KVTransferConnector:
     """Prefill/decode hooks (loomserve.kv.transfer); the backend starts at the first transfer."""
     r, c = core.runner, core.config
     kc = r.kv_cache_config
-    identity = lambda: model_identity(r.model_name, r.model_folder,  # noqa: E731
+    identity = lambda: model_identity(kv_model_name(c, r), r.model_folder,  # noqa: E731
                                       c.model.resolved_cache_dir)
     attach = core.attach_tiers if tiers_supported(kc) else None
     return KVTransferConnector(c.control, core.kv, r.kv_buffer, identity, attach,
@@ -140,7 +149,8 @@ def _shape(inp) -> str:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        self.config = config
+        # a hub id -> its snapshot, once, before any rank starts (loading/hub.py); a path: as is
+        self.config = config = pin_hub_model(config)
         self.executor = executor or make_executor(config)
         self.runner = self.executor.driver_runner
         self.kv = KVCacheManager(self.runner.kv_cache_config,
@@ -159,7 +169,7 @@ class EngineCore:
                                    prefill_schedule_interval=sc.prefill_schedule_interval)
         self.scheduler.transfer = self.transfer
         capacity = self.runner.kv_cache_config.capacity_tokens
-        if capacity < config.cache.block_size:
+        if capacity < self.runner.kv_cache_config.block_size:
             raise ValueError("the KV cache holds less than one block: raise --kv-cache-memory")
         max_len = config.model.max_model_len
         if max_len and max_len > capacity:
@@ -344,10 +354,10 @@ class EngineCore:
             model_name=self.config.model.served_model_name or r.model_name,
             model_folder=r.model_folder, eos_token_ids=list(r.model_config.eos_token_ids),
             max_model_len=self.max_model_len, vocab_size=r.vocab_size,
-            block_size=self.config.cache.block_size, kv_capacity_tokens=kc.capacity_tokens,
+            block_size=kc.block_size, kv_capacity_tokens=kc.capacity_tokens,
             kv_blocks_total=kc.num_blocks, max_waiting_requests=self.max_waiting_requests,
             num_params=r.num_params, weight_bytes=r.weight_bytes, device=str(r.device),
-            dtype=self.config.model.resolved_dtype,
+            dtype=self.config.model.resolved_dtype, quantization=r.quantization,
             kv_cache_dtype=str(r.kv_dtype).removeprefix("torch."),
             tier_names=[t.name for t in self.tiers.store.tiers] if self.tiers else [],
             pid=os.getpid(), role=self.config.control.role,

@@ -124,6 +124,7 @@ class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
     weight_bytes: int
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str = "none"  # the weights' mode as loaded (--quantization auto resolved)
     kv_cache_dtype: str = "float32"  # the pages' dtype, resolved (--kv-cache-dtype auto: dtype)
     tier_names: list[str] = []
     pid: int = 0

@@ -51,7 +51,13 @@ from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
 from loomserve.execution.parallel.shared_pool import map_pool
 from loomserve.execution.parallel.state import get_dcp, get_group, get_pcp, get_tp
 from loomserve.execution.sampler import Sampler
-from loomserve.kv.planning import kv_budget_bytes, plan_context_parallel, plan_kv_cache
+from loomserve.kv.planning import (
+    PageSizing,
+    kv_budget_bytes,
+    plan_context_parallel,
+    plan_kv_cache,
+    size_pages,
+)
 from loomserve.kv.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -74,22 +80,33 @@ class ModelRunner:
         self.device = mcfg.torch_device
         self.dtype = mcfg.torch_dtype
         self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir, mcfg.quantization)
+        loaded = load_model(mcfg.model, self.dtype, self.device, mcfg.resolved_cache_dir, mcfg.quantization,
+                            hf_overrides=mcfg.hf_overrides, max_model_len=mcfg.max_model_len)
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name
         self.model_folder = loaded.folder
         mc = self.model_config
         self.vocab_size = mc.vocab_size
-        limit = mc.max_position_embeddings
-        if mcfg.max_model_len is not None and mcfg.max_model_len > limit:
-            raise ValueError(f"max_model_len={mcfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
-        self.max_model_len = mcfg.max_model_len or limit
+        # --max-model-len, checked by the loader against what the (overridden) config's RoPE
+        # covers, before any weight was read (arch_config.context_length)
+        self.max_model_len = loaded.max_model_len
         # Counted by the loader before the CPU weight layout (which hides packed bf16 linears from
         # parameters()); weight_bytes: the weight bytes a decode step reads (loader.count_weights).
         self.num_params, self.weight_bytes = loaded.num_params, loaded.weight_bytes
+        self.quantization = loaded.quantization  # the mode resolved at load (never "auto")
         self.block_size = config.cache.block_size
         self.dcp = layout_for(config, self.block_size)
+        # Hybrid models: a larger block size and state groups of a few layers, so attention and
+        # state pages hold about the same bytes (planning.size_pages); the configured block size
+        # stays under DCP (a rank's page holds a slice of each block).
+        self.page_sizing = (size_pages(self._specs(self.block_size), self.block_size)
+                            if self.dcp is None else PageSizing(self.block_size))
+        if self.page_sizing.block_size != self.block_size:
+            log.info("hybrid KV pages: block size %d (configured %d), %s linear-state layers per "
+                     "group: %.1f%% of every page in use", self.page_sizing.block_size,
+                     self.block_size, self.page_sizing.state_layers or "all",
+                     100 * self.page_sizing.page_use)
+        self.block_size = self.page_sizing.block_size
         # --cuda-graphs: one page past the scheduler's blocks, where padded rows write
         self.scratch_pages = 1 if mcfg.cuda_graphs else 0
         self.kv_cache_config = self._kv_cache_config()
@@ -151,7 +168,8 @@ class ModelRunner:
             budget = kv_budget_bytes(self.config.cache.kv_cache_memory, self.device)
         if self.dcp is None:
             self.layer_specs = self._specs(self.block_size)
-            self.kv_layout = plan_kv_cache(self.layer_specs, self.block_size, budget)
+            self.kv_layout = plan_kv_cache(self.layer_specs, self.block_size, budget,
+                                           self.page_sizing.state_layers)
             return self.kv_layout
         d = self.dcp
         self.layer_specs = self._specs(d.local_block_size)

@@ -31,8 +31,9 @@ def add_router_parser(sub) -> None:
                    help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=9000, help="port (default: %(default)s)")
     p.add_argument("--tokenizer", metavar="PATH",
-                   help="model folder whose tokenizer and chat template the router renders "
-                        "prompts with (default: the first instance's model_folder)")
+                   help="model folder or hub id (org/name) whose tokenizer and chat template "
+                        "the router renders prompts with (default: the first instance's "
+                        "model_folder)")
     p.add_argument("--chat-template", metavar="PATH",
                    help="the instances' own --chat-template file, so the router renders "
                         "prompts as they do (default: the model's)")

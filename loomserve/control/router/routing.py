@@ -86,8 +86,10 @@ class Router:
             if path:
                 break
             await asyncio.sleep(0.2)
-        try:
-            self.keys = await asyncio.to_thread(PromptKeys.from_folder, path,
+        from loomserve.execution.models.loading.hub import tokenizer_folder
+        try:  # a hub id (or another host's snapshot path): its tokenizer files, fetched here
+            folder = await asyncio.to_thread(tokenizer_folder, path)
+            self.keys = await asyncio.to_thread(PromptKeys.from_folder, folder,
                                                 self.instances.block_size(), self.chat_template)
             logger.info("router tokenizer: %s", path)
         except Exception:

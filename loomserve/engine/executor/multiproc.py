@@ -117,7 +117,8 @@ class MultiprocExecutor(Executor):
         if pc.tensor_parallel_size > 1 or pc.decode_context_parallel_size > 1:
             # refuse an unsupported model before any process starts
             mc = config.model
-            model_cls, cfg = resolve_config(mc.model, mc.resolved_cache_dir)
+            model_cls, cfg = resolve_config(mc.model, mc.resolved_cache_dir,
+                                            hf_overrides=mc.hf_overrides)
             if pc.tensor_parallel_size > 1:
                 check_supported(model_cls, cfg, pc.tensor_parallel_size, mc.quantization)
             if pc.decode_context_parallel_size > 1:

@@ -1,5 +1,9 @@
-"""Rotary position embedding: per-pair frequencies (with llama3, linear and YaRN scaling), the
-cos/sin tables, and the rotation itself."""
+"""Rotary position embedding: per-pair frequencies (with llama3, linear, YaRN and dynamic NTK
+scaling), the cos/sin tables, and the rotation itself.
+
+Every table is static: a position's rotation is fixed once the model is loaded, whatever the
+length of the sequence it is in. The prefix cache and the KV tiers keep K rotated at write time,
+so a rotation that changed with the sequence length would leave cached K stale."""
 
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ def rope_inv_freq(cfg: ArchConfig, theta: float | None = None,
         return inv / float(s["factor"])
     if s["rope_type"] == "yarn":
         return _yarn_inv_freq(inv, dim, theta, s)
+    if s["rope_type"] == "dynamic":
+        return 1.0 / (dynamic_ntk_base(theta, dim, float(s["factor"]))
+                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
@@ -35,6 +42,21 @@ def rope_inv_freq(cfg: ArchConfig, theta: float | None = None,
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def dynamic_ntk_base(theta: float, dim: int, factor: float) -> float:
+    """Dynamic NTK, in vLLM's static form (DynamicNTKScalingRotaryEmbedding): the base raised
+    once, for the longest context the scaling allows (max_position_embeddings * factor).
+
+    transformers' form recomputes the base per forward pass from the current length L,
+    theta * (factor * L / max_pos - (factor - 1)) ** (dim / (dim - 2)) once L > max_pos, so
+    every position's rotation changes as the sequence grows. A serving engine cannot do that:
+    K is cached rotated (prefix cache, tiers, other requests sharing the blocks) and would go
+    stale, and sequences of different lengths share a batch. The static form is transformers'
+    formula at L = max_pos * factor, its largest base: identical to transformers for a
+    sequence of that full length, and a fixed, slightly stronger stretch for shorter ones
+    (under max_pos too, where transformers leaves RoPE plain)."""
+    return theta * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
 
 
 def _yarn_inv_freq(inv: torch.Tensor, dim: int, theta: float, s: dict) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Architecture config of an attention decoder, parsed from an HF config.json dict.
 
 One dataclass holds what the attention models share, as switches: a bias on q/k/v, q and k
-normed per head, RoPE scaling (llama3, linear, YaRN), a sliding window over some or all layers
-(`layer_types`). A model's own config subclasses it in the model's file (llama.py's LlamaConfig,
-gemma3.py, gpt_oss.py) and says what is its own: the HF model types it parses, its activation,
-its defaults and extra fields (model_fields), its RoPE (rope_from_hf) and its layer pattern
+normed per head, RoPE scaling (llama3, linear, YaRN, dynamic NTK), a sliding window over some or
+all layers (`layer_types`); context_length: how long a context the config's RoPE covers. A
+model's own config subclasses it in the model's file (llama.py's LlamaConfig, gemma3.py,
+gpt_oss.py) and says what is its own: the HF model types it parses, its activation, its defaults
+and extra fields (model_fields), its RoPE (rope_from_hf) and its layer pattern
 (default_layer_types). Anything the model code cannot honour is rejected in from_hf, before a
 weight is read, with a message that says why. Models with other layers (linear-attention hybrids,
 MLA) have config classes of their own and share parse_rope and eos_token_ids from here.
@@ -12,10 +13,12 @@ MLA) have config classes of their own and share parse_rope and eos_token_ids fro
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -31,7 +34,7 @@ class ArchConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # {"rope_type": "llama3" | "linear" | "yarn", "factor": ..., ...}; None = plain RoPE.
+    # {"rope_type": "llama3" | "linear" | "yarn" | "dynamic", "factor": ..., ...}; None = plain.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -107,7 +110,7 @@ class ArchConfig:
     @classmethod
     def rope_from_hf(cls, d: dict[str, Any]) -> dict[str, Any]:
         theta, scaling = parse_rope(d.get("rope_parameters"), d.get("rope_scaling"),
-                                    d.get("rope_theta"))
+                                    d.get("rope_theta"), original=original_max_len(d))
         return {"rope_theta": theta, "rope_scaling": scaling}
 
     @classmethod
@@ -118,13 +121,20 @@ class ArchConfig:
 
 
 def parse_rope(params: dict[str, Any] | None, old: dict[str, Any] | None, theta: float | None,
-               default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
+               default_theta: float = 10000.0, original: int | None = None
+               ) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling or None) from an HF config's RoPE keys, checked against what rotary.py
-    computes."""
+    computes. original: the pretraining length llama3 and yarn scale from where the scaling
+    does not say (transformers' default: original_max_len)."""
     # transformers 5 folds theta and scaling into rope_parameters; older configs keep
     # rope_theta and rope_scaling apart (scaling sometimes says "type" instead of "rope_type").
+    # Both present (an --hf-overrides rope_scaling over a transformers 5 config), rope_scaling
+    # wins key by key and the rest stays: scaling a model's RoPE keeps its base.
     params = dict(params or {})
     if old:
+        old = dict(old)
+        if "type" in old:  # the legacy spelling of the type must win over rope_parameters' too
+            old.setdefault("rope_type", old.pop("type"))
         params.update(old)
     theta = float(params.pop("rope_theta", theta if theta is not None else default_theta))
     rtype = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -136,6 +146,8 @@ def parse_rope(params: dict[str, Any] | None, old: dict[str, Any] | None, theta:
         return theta, None
     if "factor" not in params:
         raise ValueError(f"rope scaling {rtype!r} needs a 'factor'")
+    if rtype in ("llama3", "yarn") and original is not None:
+        params.setdefault("original_max_position_embeddings", original)
     needs = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("original_max_position_embeddings",)}.get(rtype, ())
     for key in needs:
@@ -173,3 +185,75 @@ def eos_token_ids(d: dict[str, Any]) -> tuple[int, ...]:
     if isinstance(eos, list):
         return tuple(int(e) for e in eos)
     return () if eos is None else (int(eos),)
+
+
+def original_max_len(d: dict[str, Any]) -> int | None:
+    """The pretraining length of an HF config dict, as transformers' standardize_rope_params
+    reads it: a top-level original_max_position_embeddings (Phi-3), else max_position_embeddings."""
+    value = d.get("original_max_position_embeddings") or d.get("max_position_embeddings")
+    return None if value is None else int(value)
+
+
+# --- context length -----------------------------------------------------------------------------
+
+log = logging.getLogger("loomserve.execution")
+
+
+def context_limit(cfg: Any) -> int:
+    """The longest context a parsed config's RoPE covers: vLLM's derived max_model_len, except
+    that where a config's scaling says more than max_position_embeddings it is believed.
+
+    linear, dynamic: max_position_embeddings * factor (the config's length is the trained one).
+    yarn, llama3: original_max_position_embeddings * factor, or max_position_embeddings where
+    that is more (Llama 3.1 ships 131072 over llama3 8192 x 8; DeepSeek-V3 and gpt-oss ship the
+    product). Gemma 3's linear scaling is the one it ships, counted in its max_position_embeddings
+    already (vLLM skips Gemma 3 too)."""
+    max_pos = int(cfg.max_position_embeddings)
+    s = getattr(cfg, "rope_scaling", None)
+    if s is None:
+        return max_pos
+    factor = float(s["factor"])
+    if s["rope_type"] == "linear" and getattr(cfg, "model_type", "").startswith("gemma3"):
+        return max_pos
+    if s["rope_type"] in ("linear", "dynamic"):
+        return int(max_pos * factor)
+    return max(max_pos, int(int(s["original_max_position_embeddings"]) * factor))
+
+
+def context_length(requested: int | None, cfg: Any, trained: int | None = None) -> int:
+    """The context the engine runs: `requested` (--max-model-len) or context_limit(cfg).
+
+    trained: the checkpoint's own limit, before --hf-overrides (None: cfg's). Past
+    context_limit is an error naming the --hf-overrides that would allow it; past `trained`
+    one log line says so (quality past the trained length is the model's, not guaranteed)."""
+    limit = context_limit(cfg)
+    trained = limit if trained is None else trained
+    length = limit if requested is None else requested
+    if length > limit:
+        raise ValueError(_past_limit(length, limit, trained, cfg))
+    if length > trained:
+        s = getattr(cfg, "rope_scaling", None)
+        if s is None:
+            log.warning("context %d tokens is past the model's trained %d with no RoPE scaling "
+                        "(max_position_embeddings raised by --hf-overrides): positions past %d "
+                        "are ones the model never saw", length, trained, trained)
+        else:
+            log.info("context %d tokens is past the model's trained %d under --hf-overrides: %s "
+                     "RoPE scaling, factor %g, allows up to %d; quality past %d tokens is the "
+                     "model's", length, trained, s["rope_type"], float(s["factor"]), limit,
+                     trained)
+    return length
+
+
+def _past_limit(length: int, limit: int, trained: int, cfg: Any) -> str:
+    """The error for a context past the limit, with the --hf-overrides that would allow it."""
+    s = getattr(cfg, "rope_scaling", None)
+    why = ("max_position_embeddings, no RoPE scaling" if s is None else
+           f"{s['rope_type']} RoPE scaling, factor {float(s['factor']):g}")
+    factor = float(-(-length // trained))
+    override = {"rope_scaling": {
+        "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}}
+    return (f"max_model_len={length} is past the model's context of {limit} tokens ({why}). "
+            f"To run longer, scale RoPE past the trained {trained}, e.g. "
+            f"--hf-overrides '{json.dumps(override)}' (quality past the trained length is the "
+            "model's, not guaranteed), or lower --max-model-len")

@@ -129,7 +129,7 @@ def check_supported(model_cls: type, cfg, size: int, quantization: str) -> None:
             f"tensor parallelism needs a model class that declares its split (a tp_plan: "
             f"loomserve/execution/parallel/tensor_parallel.py); {model_cls.__name__} declares "
             f"none: serve it with --tensor-parallel-size 1")
-    if quantization != "none":
+    if quantization not in ("none", "auto"):  # auto keeps a split model's weights as they are
         raise NotImplementedError(f"--quantization {quantization} with --tensor-parallel-size "
                                   f"{size} is not supported yet")
     plan.check(cfg, size)

@@ -38,7 +38,9 @@ def smol_runner():
     # The default cache dir: the conversion is shared with every other test and the server.
     from loomserve.engine.tokenizer import Tokenizer
 
-    runner = ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu", kv_cache_memory="64MB"))
+    # quantization="none": this file checks the dequantized path (auto runs the blocks in place)
+    runner = ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu",
+                                                  kv_cache_memory="64MB", quantization="none"))
     runner.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
     return runner
 

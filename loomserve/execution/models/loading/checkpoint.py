@@ -5,9 +5,13 @@ DeepSeek-V3 and Qwen3-FP8 ship; compressed-tensors / fbgemm FP8 with per-tensor 
 `weight_scale`) are dequantized here, tensor by tensor: each e4m3/e5m2 `X.weight` is yielded as
 fp32 q * scale, its scale tensors are consumed, and static activation / KV scales are dropped
 (loomserve quantizes activations dynamically). The model then holds the checkpoint's exact
-values in its dtype; `--quantization fp8` re-quantizes them per row (layers/fp8.py). Any other
-`quantization_config` (GPTQ, AWQ, bitsandbytes...) is refused by name: its packed tensors would
-otherwise load as garbage.
+values in its dtype; `--quantization fp8` re-quantizes them per row (layers/fp8.py).
+
+MXFP4 checkpoints (`quant_method: mxfp4`, gpt-oss's experts as `X_blocks` + `X_scales`) either
+load as they are, for a model that runs them in place (mxfp4_in_place: any --quantization but
+none), or each pair is yielded as `X`, dequantized exactly (bf16 holds every MXFP4 value) in
+transformers' layout, [experts, K, N]. Any other `quantization_config` (GPTQ, AWQ,
+bitsandbytes...) is refused by name: its packed tensors would otherwise load as garbage.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from loomserve.execution.layers.mxfp4 import dequantize as dequantize_mxfp4
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 WEIGHT_SCALES = (".weight_scale_inv", ".weight_scale")  # multiplied in, whatever the name says
 DROPPED = (".input_scale", ".k_scale", ".v_scale")  # static scales: unused with dynamic ones
 FP8_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+MXFP4_SUFFIXES = ("_blocks", "_scales")
 DEFAULT_BLOCK = (128, 128)
 
 
@@ -42,16 +49,32 @@ def check_quantization_config(hf_config: dict[str, Any]) -> tuple[int, int] | No
             raise ValueError("only FP8 (float, 8-bit) compressed-tensors checkpoints are supported; "
                              f"this one has weight schemes {weights}")
         block = weights[0].get("block_structure")
+    elif method == "mxfp4":
+        return None  # no FP8 block; the experts' blocks: iter_safetensors, mxfp4_in_place
     elif method not in FP8_METHODS:
         raise ValueError(f"checkpoint quantization {method!r} is not supported: serve a 16/32-bit or "
                          "FP8 checkpoint (optionally with --quantization int8|int4|fp8), or a .gguf file")
     return (int(block[0]), int(block[1])) if block else DEFAULT_BLOCK
 
 
-def iter_safetensors(folder: str, block: tuple[int, int] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def mxfp4_in_place(hf_config: dict[str, Any], cfg: Any, quantization: str,
+                   tp_size: int = 1) -> bool:
+    """Whether an MXFP4 checkpoint's experts load as their blocks: the model's config has the
+    `mxfp4_experts` switch (gpt-oss) and the user asked for any mode but `none` (`none` widens
+    them to --dtype at load), except `auto` (the default) where tensor parallelism would split
+    their 32-value blocks (intermediate_size / tp_size not a multiple of 32): it widens them
+    then too. The caller sets the switch."""
+    qc = hf_config.get("quantization_config") or {}
+    if qc.get("quant_method") != "mxfp4" or quantization == "none" or not hasattr(cfg, "mxfp4_experts"):
+        return False
+    return quantization != "auto" or (cfg.intermediate_size // tp_size) % 32 == 0
+
+
+def iter_safetensors(folder: str, block: tuple[int, int] | None = None,
+                     keep_mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the folder's *.safetensors, FP8 weights dequantized (module docstring);
-    block: check_quantization_config's answer (None: DEFAULT_BLOCK)."""
+    block: check_quantization_config's answer (None: DEFAULT_BLOCK); keep_mxfp4: MXFP4
+    `X_blocks` / `X_scales` yielded as they are (else as `X`, dequantized)."""
     block = block or DEFAULT_BLOCK
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
@@ -62,6 +85,10 @@ def iter_safetensors(folder: str, block: tuple[int, int] | None = None
         for f in handles:
             for key in f.keys():
                 if _consumed(key, where):
+                    continue
+                if not keep_mxfp4 and _mxfp4_pair(key, where):
+                    if key.endswith("_blocks"):
+                        yield key[:-len("_blocks")], _dequantize_mxfp4(key, where)
                     continue
                 t = f.get_tensor(key)
                 if t.dtype in FP8_DTYPES:
@@ -75,6 +102,22 @@ def _consumed(key: str, where: dict) -> bool:
         if key.endswith(suffix):
             return suffix in DROPPED or key[:-len(suffix)] + ".weight" in where
     return False
+
+
+def _mxfp4_pair(key: str, where: dict) -> bool:
+    """An MXFP4 `X_blocks` or `X_scales` (uint8) whose partner is in the checkpoint too."""
+    for suffix, other in (MXFP4_SUFFIXES, MXFP4_SUFFIXES[::-1]):
+        if key.endswith(suffix):
+            return key[:-len(suffix)] + other in where and where[key].get_slice(key).get_dtype() == "U8"
+    return False
+
+
+def _dequantize_mxfp4(key: str, where: dict) -> torch.Tensor:
+    scales_key = key[:-len("_blocks")] + "_scales"
+    blocks = where[key].get_tensor(key)
+    scales = where[scales_key].get_tensor(scales_key)
+    # bf16 holds every MXFP4 value exactly (a 2-bit significand, fp32's exponent range)
+    return dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(-1, -2).contiguous()
 
 
 def _dequantize(key: str, q: torch.Tensor, where: dict, block: tuple[int, int]) -> torch.Tensor:
