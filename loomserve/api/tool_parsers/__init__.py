@@ -14,6 +14,7 @@ from loomserve.api.tool_parsers.harmony import HarmonyToolParser
 from loomserve.api.tool_parsers.hermes import HermesToolParser
 from loomserve.api.tool_parsers.kimi_k2 import KimiK2ToolParser
 from loomserve.api.tool_parsers.llama3_json import Llama3JsonToolParser
+from loomserve.api.tool_parsers.minimax_m2 import MinimaxM2ToolParser
 from loomserve.api.tool_parsers.mistral import MistralToolParser
 from loomserve.api.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -27,6 +28,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV3ToolParser,
         KimiK2ToolParser,
         Glm45ToolParser,
+        MinimaxM2ToolParser,
         HarmonyToolParser,
     )
 }
@@ -46,6 +48,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 # also mention <tool_call>, so they come before hermes.
 _TEMPLATE_MARKERS = (
     ("<|channel|>", "harmony"),
+    ("<minimax:tool_call>", "minimax_m2"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<arg_key>", "glm45"),
@@ -62,6 +65,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "deepseek_v3",
     "deepseek_v32": "deepseek_v3",
     "glm4_moe": "glm45",
+    "minimax_m2": "minimax_m2",
     "qwen3_coder": "qwen3_coder",
     "mistral": "mistral",
     "mistral3": "mistral",

@@ -69,6 +69,8 @@ MODELS = (
     ("Qwen3NextForCausalLM", "qwen3_next", f"{_M}.qwen3_next:Qwen3NextForCausalLM"),
     ("NemotronHForCausalLM", "nemotron_h", f"{_M}.nemotron_h:NemotronHForCausalLM"),
     ("DeepseekV3ForCausalLM", "deepseek_v3", f"{_M}.deepseek_v3:DeepseekV3ForCausalLM"),
+    ("Glm4MoeForCausalLM", "glm4_moe", f"{_M}.glm4_moe:Glm4MoeForCausalLM"),
+    ("MiniMaxM2ForCausalLM", "minimax_m2", f"{_M}.minimax_m2:MiniMaxM2ForCausalLM"),
 )
 ARCHITECTURES: dict[str, str] = {arch: target for arch, _, target in MODELS}
 # model_type -> architecture, for configs without `architectures`.

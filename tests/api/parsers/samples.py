@@ -2,7 +2,8 @@
 
 Each sample: (parser, text, content, [(name, arguments as a Python value), ...]). Written from
 the formats' documentation and chat templates (Qwen2.5/3, Hermes, SmolLM2, Qwen3-Coder, Llama
-3.1, Mistral v3 and v11 tokenizers, DeepSeek-V3 / V3.1, Kimi-K2, GLM-4.5, gpt-oss harmony).
+3.1, Mistral v3 and v11 tokenizers, DeepSeek-V3 / V3.1, Kimi-K2, GLM-4.5, MiniMax-M2, gpt-oss
+harmony).
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ SAMPLES = [
     # GLM-4.7 writes no newlines between the name and the pairs
     ("glm45", "Look: <tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
      "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call> then", "Look: then", [PARIS]),
+    # -- minimax_m2 --------------------------------------------------------------------------
+    ("minimax_m2", 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter '
+     'name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke '
+     'name="search">\n<parameter name="query">\n' + CODE + '</parameter>\n</invoke>\n'
+     "</minimax:tool_call>", "Checking.\n", [PARIS, ("search", {"query": CODE.strip()})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="search">\n</invoke>\n</minimax:tool_call>'
+     "\n\nDone.", "Done.", [("search", {})]),
+    # quoted and bare names, a missing </parameter>, two blocks
+    ("minimax_m2", "<minimax:tool_call><invoke name='get_weather'><parameter name=city>Paris"
+     '<parameter name="days">3</invoke></minimax:tool_call> and <minimax:tool_call>\n<invoke '
+     'name="search"><parameter name="query">a < b</parameter></invoke></minimax:tool_call>',
+     "and ", [PARIS, ("search", {"query": "a < b"})]),
     # -- harmony (gpt-oss) -------------------------------------------------------------------
     ("harmony", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"

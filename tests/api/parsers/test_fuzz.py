@@ -29,6 +29,9 @@ MARKERS = {
                 "functions.search:0"],
     "glm45": ["<tool_call>", "</tool_call>", "search", "<arg_key>", "</arg_key>", "<arg_value>",
               "</arg_value>"],
+    "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="search">',
+                   "</invoke>", '<parameter name="query">', '<parameter name="limit">',
+                   "</parameter>", "<invoke name="],
     "harmony": ["<|channel|>", "analysis", "final", "commentary", " to=functions.search",
                 "<|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|start|>assistant"],
 }
@@ -75,7 +78,8 @@ def test_any_text_keeps_the_invariants(name, data):
     assert shape(fold(run(get_tool_parser(name)(TOOLS), list(text)))) == shape(whole)
 
 
-@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45"])
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45",
+                                  "minimax_m2"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_any_text_through_reasoning_and_tools(name, data):
