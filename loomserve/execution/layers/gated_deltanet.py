@@ -177,14 +177,17 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next linear attention on flattened rows [tokens, hidden] with a StateBatch.
+    """Qwen3-Next / Qwen3.5 linear attention on flattened rows [tokens, hidden] with a StateBatch.
 
-    in_proj fuses HF's in_proj_qkvz and in_proj_ba, regrouped at load from HF's per-key-head
-    interleave into [q | k | v | z | b | a], so the conv input is one contiguous slice."""
+    in_proj holds [q | k | v | z | b | a], so the conv input is one contiguous slice. Two HF
+    layouts fill it: Qwen3-Next's in_proj_qkvz and in_proj_ba, regrouped at load from their
+    per-key-head interleave, or (split_projections, Qwen3.5) in_proj_qkv, in_proj_z, in_proj_b
+    and in_proj_a, already in that order."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int,
-                 v_dim: int, conv_kernel: int, eps: float) -> None:
+                 v_dim: int, conv_kernel: int, eps: float, split_projections: bool = False) -> None:
         super().__init__()
+        self.split_projections = split_projections
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
         self.key_size, self.value_size = num_k_heads * k_dim, num_v_heads * v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
@@ -246,6 +249,17 @@ class GatedDeltaNet(nn.Module):
         the parameter it filled, for the loader's coverage check."""
         hk, rep, dk, dv = self.num_k_heads, self.num_v_heads // self.num_k_heads, self.k_dim, self.v_dim
         w = self.in_proj.weight.data
+        split = _SPLIT_ROWS.get(name)
+        if split is not None and self.split_projections:  # Qwen3.5: rows already [q|k|v], z, b, a
+            offsets = {"qkv": 0, "z": self.conv_dim, "b": self.conv_dim + self.value_size,
+                       "a": self.conv_dim + self.value_size + self.num_v_heads}
+            rows = {"qkv": self.conv_dim, "z": self.value_size}.get(split, self.num_v_heads)
+            _copy(w.narrow(0, offsets[split], rows), tensor, name)
+            return f"in_proj.weight#{split}"
+        fused = name in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        if split is not None or (fused and self.split_projections):
+            reads = "in_proj_qkv/z/b/a" if self.split_projections else "in_proj_qkvz/ba"
+            raise ValueError(f"unexpected Gated DeltaNet weight {name!r} (this layer reads {reads})")
         if name == "in_proj_qkvz.weight":
             t = tensor.view(hk, 2 * dk + 2 * rep * dv, -1)
             q, k, v, z = t.split([dk, dk, rep * dv, rep * dv], dim=1)
@@ -271,7 +285,13 @@ class GatedDeltaNet(nn.Module):
 
     def hf_param_keys(self) -> set[str]:
         keys = {n for n, _ in self.named_parameters()} - {"in_proj.weight"}
-        return keys | {"in_proj.weight#qkvz", "in_proj.weight#ba"}
+        parts = ("qkv", "z", "b", "a") if self.split_projections else ("qkvz", "ba")
+        return keys | {f"in_proj.weight#{p}" for p in parts}
+
+
+# Qwen3.5's separate input projections -> their part of in_proj.
+_SPLIT_ROWS = {"in_proj_qkv.weight": "qkv", "in_proj_z.weight": "z", "in_proj_b.weight": "b",
+               "in_proj_a.weight": "a"}
 
 
 def tp_slice(name: str, t: torch.Tensor, tp: TPGroup, key_heads: int, value_heads: int,
@@ -279,14 +299,17 @@ def tp_slice(name: str, t: torch.Tensor, tp: TPGroup, key_heads: int, value_head
     """This rank's slice of one HF Gated DeltaNet tensor (`name` relative to the layer) under
     tensor parallelism: key heads split with the value heads they serve, so a rank's conv
     channels, decay and recurrent state are its heads' only. HF's fused projections are grouped
-    per key head, so a rank's key heads are one contiguous slice of the per-key-head view."""
+    per key head, so a rank's key heads are one contiguous slice of the per-key-head view;
+    Qwen3.5's separate ones are [q | k | v] (as the conv channels), z, b and a."""
     hk, hv = key_heads, value_heads
     if name in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
         return part(t.view(hk, -1, t.shape[-1]), 0, hk, tp).reshape(-1, t.shape[-1])
-    if name == "conv1d.weight":  # channels [q (hk*dk) | k (hk*dk) | v (hv*dv)]
+    if name in ("conv1d.weight", "in_proj_qkv.weight"):  # rows [q (hk*dk) | k (hk*dk) | v (hv*dv)]
         ks, vs = hk * key_head_dim, hv * value_head_dim
         q, k, v = t.split([ks, ks, vs], dim=0)
         return torch.cat([part(q, 0, hk, tp), part(k, 0, hk, tp), part(v, 0, hv, tp)])
+    if name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):  # by value head
+        return part(t, 0, hv, tp)
     if name in ("dt_bias", "A_log"):
         return part(t, 0, hv, tp)
     if name == "out_proj.weight":

@@ -76,6 +76,7 @@ class Qwen3NextConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    linear_split_projections: bool = False  # HF Gated DeltaNet: Qwen3.5's in_proj_qkv/z/b/a
 
     @property
     def num_layers(self) -> int:
@@ -110,7 +111,7 @@ class Qwen3NextConfig:
             hidden_size=int(d["hidden_size"]), vocab_size=int(d["vocab_size"]), layer_types=tuple(types),
             num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d.get("intermediate_size") or 0),
             linear_num_key_heads=int(d["linear_num_key_heads"]),
             linear_num_value_heads=int(d["linear_num_value_heads"]),
             linear_key_head_dim=int(d["linear_key_head_dim"]),
@@ -230,7 +231,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads,
                                              cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                              cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
-                                             cfg.rms_norm_eps)
+                                             cfg.rms_norm_eps, cfg.linear_split_projections)
         else:
             self.self_attn = GatedAttention(cfg)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -67,6 +67,11 @@ MODELS = (
     ("GptOssForCausalLM", "gpt_oss", f"{_M}.gpt_oss:GptOssForCausalLM"),
     ("Qwen3MoeForCausalLM", "qwen3_moe", f"{_M}.qwen3_moe:Qwen3MoeForCausalLM"),
     ("Qwen3NextForCausalLM", "qwen3_next", f"{_M}.qwen3_next:Qwen3NextForCausalLM"),
+    ("Qwen3_5ForCausalLM", "qwen3_5_text", f"{_M}.qwen3_5:Qwen3_5ForCausalLM"),
+    ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", f"{_M}.qwen3_5:Qwen3_5ForCausalLM"),
+    # the released vision-language checkpoints: their text model only (qwen3_5.py)
+    ("Qwen3_5ForConditionalGeneration", "qwen3_5", f"{_M}.qwen3_5:Qwen3_5ForCausalLM"),
+    ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", f"{_M}.qwen3_5:Qwen3_5ForCausalLM"),
     ("NemotronHForCausalLM", "nemotron_h", f"{_M}.nemotron_h:NemotronHForCausalLM"),
     ("DeepseekV3ForCausalLM", "deepseek_v3", f"{_M}.deepseek_v3:DeepseekV3ForCausalLM"),
     ("Glm4MoeForCausalLM", "glm4_moe", f"{_M}.glm4_moe:Glm4MoeForCausalLM"),
