@@ -147,6 +147,12 @@ def _add_kv_cache(p) -> None:
                         "(default: %(default)s)")
     g.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], metavar="TOKENS",
                    help="tokens per KV block, the prefix-cache granularity (default: %(default)s)")
+    g.add_argument("--max-hybrid-block-size", type=int,
+                   default=_DEFAULTS["max_hybrid_block_size"], metavar="TOKENS",
+                   help="hybrid (attention + linear-state) models: the largest multiple of "
+                        "--block-size the block may be raised to so attention and state pages "
+                        "hold the same bytes; 0 keeps --block-size (default: 512 when "
+                        "--block-size is left at 16, else 0)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_DEFAULTS["enable_prefix_caching"], help="turn prefix caching off")
     g.add_argument("--eviction", choices=EVICTION_POLICIES, default=_DEFAULTS["eviction"],

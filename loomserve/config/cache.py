@@ -12,6 +12,7 @@ EVICTION_POLICIES = ("lru", "flop_aware")
 # host); a GPU gets a fraction of the memory left after the weights, as vLLM does.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_KV_FRACTION = 0.85
+DEFAULT_HYBRID_MAX_BLOCK = 512  # max_hybrid_block_size when block_size is left at 16
 # The dtype K/V rows are stored in. auto: the model's dtype. A narrower one than the model's
 # (bfloat16 KV beside float32 weights on CPU) halves the KV bytes each decode step reads and
 # doubles the tokens a --kv-cache-memory holds; attention still computes in the model's dtype.
@@ -28,6 +29,12 @@ class CacheConfig:
     "2GiB" or "0.3" are accepted); `retention` becomes a tuple of policy names."""
 
     block_size: int = 16
+    # Hybrid models (attention + linear-state layers): the largest block size the engine may
+    # raise block_size to (a multiple of it) so that one attention page and one state page hold
+    # about the same bytes (kv/planning.py size_pages); 0 keeps block_size, every page then
+    # padded to a whole state (Qwen3-Next-80B: 0.5% of an attention page in use). None: 512
+    # when block_size is left at 16, else 0 (a block size asked for is kept).
+    max_hybrid_block_size: int | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_memory: MemoryBudget | None = None  # None: the device's default (see above)
     enable_prefix_caching: bool = True
@@ -45,6 +52,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_hybrid_block_size is not None and self.max_hybrid_block_size < 0:
+            raise ValueError("max-hybrid-block-size must be >= 0")
         self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or fp32, "
@@ -60,6 +69,13 @@ class CacheConfig:
                                    if self.session_pin_budget else 0)
         if self.session_pin_ttl < 0:
             raise ValueError("session-pin-ttl must be >= 0")
+
+    @property
+    def hybrid_block_limit(self) -> int:
+        """max_hybrid_block_size resolved: as given, else 512 when block_size is 16, else 0."""
+        if self.max_hybrid_block_size is not None:
+            return self.max_hybrid_block_size
+        return DEFAULT_HYBRID_MAX_BLOCK if self.block_size == 16 else 0
 
 
 def _parse_retention(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -99,7 +99,8 @@ class ModelRunner:
         # Hybrid models: a larger block size and state groups of a few layers, so attention and
         # state pages hold about the same bytes (planning.size_pages); the configured block size
         # stays under DCP (a rank's page holds a slice of each block).
-        self.page_sizing = (size_pages(self._specs(self.block_size), self.block_size)
+        self.page_sizing = (size_pages(self._specs(self.block_size), self.block_size,
+                                       config.cache.hybrid_block_limit)
                             if self.dcp is None else PageSizing(self.block_size))
         if self.page_sizing.block_size != self.block_size:
             log.info("hybrid KV pages: block size %d (configured %d), %s linear-state layers per "

@@ -5,6 +5,8 @@ the same spec form a *group*; every group draws blocks from one pool whose page 
 largest group's bytes per block, so memory moves to whichever group needs it. A block's page is
 one contiguous range of the backing buffer (the packed layout): for a full-attention group it
 holds K and V of every layer of the group, [layers, 2, block_size, kv_heads, head_dim].
+Hybrid models pick the block size and how many state layers share a group so that both kinds
+of page hold about the same bytes (kv/planning.py size_pages).
 """
 
 from __future__ import annotations

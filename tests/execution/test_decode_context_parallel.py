@@ -226,9 +226,10 @@ def test_a_block_it_cannot_split_fails_before_any_process_starts():
 def _run(model: str, dcp: int, interleave: int = 1, tp: int = 1, kv_cache_dtype: str = "auto"):
     """Greedy outputs and cached tokens of two prefix-sharing rounds, and the pool's numbers."""
     from loomserve.engine.llm import LLM
+    # hybrid page sizing stays off under DCP; off at dcp 1 too, so both runs use 16-token blocks
     llm = LLM(model, decode_context_parallel_size=dcp, kv_cache_memory="2MiB", dtype="float32",
               dcp_kv_cache_interleave_size=interleave, tensor_parallel_size=tp,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, max_hybrid_block_size=0)
     try:
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
         second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)

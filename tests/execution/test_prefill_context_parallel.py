@@ -42,9 +42,11 @@ def test_split_gives_every_row_to_one_rank_in_contiguous_pieces(decodes, sizes, 
 
 def _run(model: str, pcp: int):
     from loomserve.engine.llm import LLM
-    # 48-token steps: the 150-token prompt prefills in chunks beside the others' decodes
+    # 48-token steps: the 150-token prompt prefills in chunks beside the others' decodes;
+    # 16-token blocks for the hit thresholds (hybrid page sizing would give tiny-nemotron-h
+    # 64-token blocks, longer than SYSTEM: tests/kv/test_page_sizing.py)
     llm = LLM(model, prefill_context_parallel_size=pcp, kv_cache_memory="2MiB",
-              dtype="float32", max_num_batched_tokens=48)
+              dtype="float32", max_num_batched_tokens=48, max_hybrid_block_size=0)
     try:
         long = [3 + (i * 7) % 300 for i in range(150)]
         first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9, long], GREEDY)

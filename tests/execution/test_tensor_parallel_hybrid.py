@@ -22,12 +22,26 @@ from tests.execution.tp_util import FIXTURES, GREEDY, SYSTEM, _fixture, _run, on
                                   "tiny-gemma3"])
 def test_greedy_and_prefix_hits_match_one_rank(name):
     model = _fixture(name)
-    tokens1, cached1, blocks1, page1 = _run(model, 1)
-    tokens2, cached2, blocks2, page2 = _run(model, 2)
+    # 16-token blocks (hybrid page sizing off: tiny-nemotron-h's would be 64 tokens, longer
+    # than the shared prefix; test_hybrid_blocks_raised_alike_on_every_rank runs it on)
+    tokens1, cached1, blocks1, page1 = _run(model, 1, max_hybrid_block_size=0)
+    tokens2, cached2, blocks2, page2 = _run(model, 2, max_hybrid_block_size=0)
     assert tokens2 == tokens1
     assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32  # the hits happened
     # each rank holds half the KV heads and half the linear-state heads: half a page, so the
     # same budget holds twice the blocks on every rank
+    assert page2 * 2 == page1 and blocks2 == 2 * blocks1
+
+
+def test_hybrid_blocks_raised_alike_on_every_rank():
+    """tiny-nemotron-h at the default sizing: 64-token blocks at tp 1 and tp 2 (each rank's
+    state and attention rows halve together), the same tokens and prefix hits."""
+    model = _fixture("tiny-nemotron-h")
+    system = list(range(3, 150))  # 147 tokens: two 64-token blocks (nine 16-token ones)
+    tokens1, cached1, blocks1, page1 = _run(model, 1, system, kv_cache_memory="4MiB")
+    tokens2, cached2, blocks2, page2 = _run(model, 2, system, kv_cache_memory="4MiB")
+    assert tokens2 == tokens1
+    assert cached2 == cached1 and cached1[2] == cached1[3] == 128
     assert page2 * 2 == page1 and blocks2 == 2 * blocks1
 
 

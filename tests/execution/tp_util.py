@@ -26,13 +26,15 @@ def _fixture(name: str) -> str:
     return path
 
 
-def _run(model: str, tp: int) -> tuple[list, list, int, int]:
-    """Greedy outputs and cached tokens of two rounds sharing a prefix, plus (blocks, page)."""
+def _run(model: str, tp: int, system: list[int] = SYSTEM, **kw) -> tuple[list, list, int, int]:
+    """Greedy outputs and cached tokens of two rounds sharing a prefix, plus (blocks, page).
+    kw: further engine options."""
     from loomserve.engine.llm import LLM
-    llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="2MiB", dtype="float32")
+    kw.setdefault("kv_cache_memory", "2MiB")
+    llm = LLM(model, tensor_parallel_size=tp, dtype="float32", **kw)
     try:
-        first = llm.generate([SYSTEM + [50, 51], SYSTEM + [60] * 9], GREEDY)
-        second = llm.generate([SYSTEM + [70, 71, 72], SYSTEM + [50, 51]], GREEDY)
+        first = llm.generate([system + [50, 51], system + [60] * 9], GREEDY)
+        second = llm.generate([system + [70, 71, 72], system + [50, 51]], GREEDY)
         kc = llm.core.runner.kv_cache_config
         outs = first + second
         return ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
