@@ -533,14 +533,28 @@ def dense_matmul(r: Result) -> list[Block]:
 
 
 def quant_matmul(r: Result) -> list[Block]:
+    """Whole-model passes per variant (matrices in cache, then distinct from memory), and the
+    K-quant shapes ("kq ...") summed per variant, beside Q4_1 at the same shapes."""
     out, d = Blocks(), r.data
     src = r.source()
+    threads = streams(d["threads"], "thread")
+    kq: dict[tuple, list[float]] = {}
     for x in d["results"]:
-        if x["shape"] == "model pass":
-            out.add(src, f"{x['variant']}, {streams(x['rows'], 'row')}, "
-                         f"{streams(d['threads'], 'thread')}", f"{num(x['median_us'] / 1e3)} ms",
-                    f"{num(x['limit_us'] / 1e3)} ms (weights at {num(d['read_gbs'])} GB/s)", "-",
+        bpw = f", {x['bpw']:.2f} bits/weight" if "bpw" in x else ""
+        if x["shape"] in ("model pass", "model, distinct"):
+            what = ", 121 distinct matrices" if x["shape"] == "model, distinct" else ""
+            out.add(src, f"{x['variant']}{what}, {streams(x['rows'], 'row')}, {threads}",
+                    f"{num(x['median_us'] / 1e3)} ms",
+                    f"{num(x['limit_us'] / 1e3)} ms (weights{bpw} at {num(d['read_gbs'])} GB/s)", "-",
                     f"min {num(x['us'] / 1e3)} ms")
+        elif x["shape"].startswith("kq "):
+            t = kq.setdefault((x["variant"], x["rows"], bpw), [0.0, 0.0, 0.0, 0.0])
+            for i, key in enumerate(("median_us", "us", "bytes", "limit_us")):
+                t[i] += x[key]
+    for (var, rows, bpw), (med, best, nbytes, limit) in kq.items():
+        out.add(src, f"{var}, K-quant shapes summed, {streams(rows, 'row')}, {threads}",
+                f"{num(med)} us", f"{num(limit)} us (weights{bpw} at {num(d['read_gbs'])} GB/s)", "-",
+                f"min {num(best)} us = {num(nbytes / best / 1e3)} GB/s")
     return out.out()
 
 
@@ -598,6 +612,49 @@ def quant_agreement(r: Result) -> list[Block]:
         out.add(src, f"{d['model']}, {mode}: top-1 agreement",
                 pct(x["teacher_forced_agreement"]), "-", f"{x['positions']} positions",
                 f"max |dlogit| {num(x['max_abs_dlogit'])}, rel L2 {num(x['rel_l2'])}")
+    return out.out()
+
+
+def gguf_agreement(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    lc = d["llama_cpp"]
+    for mix, e in d["mixes"].items():
+        for name, st in e["sets"].items():
+            text = "training text" if name == "train" else "held-out text"
+            peaked = (f"llama entropy {num(st['llama']['mean_entropy'])} nats, top-1 p "
+                      f"{num(st['llama']['mean_top1_prob'])}")
+            for quant in ("gguf", "none"):
+                x = st[quant]
+                kept = e["loomserve_modules"][quant]["quantized"]
+                total = sum(kept.values()) + sum(e["loomserve_modules"][quant]["float"].values())
+                exact = st.get("transformers")
+                note = (f"; = transformers fp32 within "
+                        f"{exact['max_abs_dlogprob_vs_loomserve_none']:.0e} "
+                        f"({pct(exact['top1_agreement'])} / {exact['mean_abs_dlogprob']:.4f})"
+                        if quant == "none" and exact else "")
+                out.add(src, f"{mix}, {text}, --quantization {quant}: top-1 agreement / mean "
+                        f"|dlogprob| vs llama-server {lc['commit'][:7]}",
+                        f"{pct(x['top1_agreement'])} / {x['mean_abs_dlogprob']:.4f}",
+                        f">= {pct(d['bars']['min_top1_agreement'])} / <= "
+                        f"{d['bars']['max_mean_abs_dlogprob']}" if name == d["bars"]["set"]
+                        else "-", f"{x['positions']} positions",
+                        f"{peaked}; {sum(kept.values())}/{total} modules in place{note}")
+    return out.out()
+
+
+def agent_clients_two_turn(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    versions = d["client_versions"]
+    for c in d["clients"]:
+        for t in c["turns"]:
+            codes = ", ".join(str(q["status"]) for q in t["requests"]) or "none"
+            share = "-" if t["hit_share"] is None else pct(t["hit_share"])
+            out.add(src, f"{versions[c['client']]}, turn {t['turn']}: prompt tokens served "
+                    f"from the prefix cache", f"{share} of {t['prompt_tokens_looked_up']:,}",
+                    "mostly (turn 2)" if t["turn"] == 2 else "-", 1,
+                    f"exit {t['rc']} in {t['seconds']} s; requests {codes}")
     return out.out()
 
 
@@ -825,6 +882,39 @@ def hybrid_served(r: Result) -> list[Block]:
             f"{pct(d['served_hit_rate'])} vs {pct(d['simulated_hit_rate'])} "
             f"({d['gap_points']:.1f} points)", f"target within {d['target_gap_points']} points",
             f"{d['requests']} requests")
+    return out.out()
+
+
+def hybrid_pages(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    t = d["targets"]
+    for m in d["models"]:
+        b, a = m["before"], m["after"]
+        split = a.get("state_layers_per_group") or "all"
+        out.add(src, f"{m['model']}: block tokens, groups (attention + state)",
+                f"{b['block_size']}, {b['attention_groups']} + {b['state_groups']} -> "
+                f"{a['block_size']}, {a['attention_groups']} + {a['state_groups']} "
+                f"({split} state layer{'' if split == 1 else 's'} each)", "-", "-",
+                f"vLLM's rule, same dtypes: block {m['vllm_rule_block_size']}")
+        uses = " / ".join(f"{100 * g['use']:.1f}%" for g in
+                          {(g['kind'], g['layers']): g for g in a["groups"]}.values())
+        out.add(src, f"{m['model']}: smallest share of a page in use (page MiB)",
+                f"{100 * b['min_use']:.1f}% ({b['page_bytes'] / 2**20:.2f}) -> "
+                f"{100 * a['min_use']:.1f}% ({a['page_bytes'] / 2**20:.2f})",
+                f">= {100 * t['min_use']:.0f}%", "-", f"after, per group kind: {uses}")
+        out.add(src, f"{m['model']}: tokens per GiB of pages (unpadded ideal)",
+                f"{b['tokens_per_gib']:,.0f} -> {a['tokens_per_gib']:,.0f} "
+                f"({a['ideal_tokens_per_gib']:,.0f}: {100 * a['tokens_vs_ideal']:.1f}%)",
+                f">= {100 * t['tokens_vs_ideal']:.0f}% of ideal", "-", "-")
+        lims = ", ".join(f"{k}: {x['block_size']} / {x['state_groups']} / "
+                         f"{100 * x['min_use']:.0f}%" for k, x in m["limits"].items())
+        out.add(src, f"{m['model']}: per --max-hybrid-block-size, block / state groups / use",
+                lims, "-", "-", "-")
+        ms = m["manager_ms_per_turn"]
+        out.add(src, f"{m['model']}: KV manager CPU per agent turn at 64K tokens",
+                f"{num(ms['before'])} -> {num(ms['after'])} ms",
+                "-", "3 reps", f"raised block, states not split: {num(ms['after_one_state_group'])} ms")
     return out.out()
 
 
@@ -1106,8 +1196,12 @@ FAMILIES: tuple[Family, ...] = (
            "The default model's matrices at 1-32 rows: loomserve's kernel against torch, as "
            "read bandwidth.", dense_matmul),
     Family("quant_matmul*.json", "Quantized products",
-           "The whole model's matrices per variant (fp32, Q4_1, Q8_0) at 1 and 32 rows, beside "
-           "the time to read the weights once.", quant_matmul),
+           "The whole model's matrices per variant (fp32, Q4_1, Q8_0, Q5_0) at 1 and 32 rows, each "
+           "timed in cache, then whole models over distinct matrices (the default Q4_1 GGUF, "
+           "llama-quantize's Q4_K_M mix, that mix with Q5_0 widened to int8 as before); the "
+           "K-quants at the nearest shapes with whole 256-blocks (576x512, 1536x512, 576x1536, "
+           "49152x512) beside Q4_1, Q5_0 and Q8_0 there; each beside the time to read the "
+           "weights once.", quant_matmul),
     Family("matmul_layout*.json", "Weight layouts for the CPU matmul",
            "The default model's matrices in the stored layout against the re-laid one.",
            matmul_layout),
@@ -1120,6 +1214,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("quant_agreement*.json", "Quantized weights against the reference",
            "Teacher-forced agreement and logit error of the quantized modes against the GGUF "
            "dequantized to fp32.", quant_agreement),
+    Family("agent_clients_two_turn*.json", "Real agent CLIs, two turns, built-in model",
+           "Claude Code (default tools) and Codex from npm, each a two-turn session against the "
+           "built-in model started with README.md's agent command (read from the README by "
+           "benchmarks/agent_clients/two_turn.py): exit codes, statuses, and the share of each "
+           "turn's prompt tokens the prefix cache served.", agent_clients_two_turn),
+    Family("gguf_agreement*.json", "GGUF K-quant mixes against llama.cpp",
+           "Teacher-forced next-token logprobs of loomserve and llama-server on the same files, "
+           "a tiny trained llama converted and quantized by llama.cpp's own tools into each mix "
+           "(benchmarks/gguf_agreement.py): top-1 agreement and mean |logprob difference| of the "
+           "next token. The limits apply to text the model was trained on (peaked); held-out "
+           "text is broader, and there the exact fp32 forward (transformers) is no closer to "
+           "llama-server than loomserve.", gguf_agreement),
     Family("membw*.json", "Memory bandwidth",
            "Sustained read bandwidth (benchmarks/membw.py), the denominator of every bandwidth "
            "limit on this page for its host.", membw),
@@ -1165,6 +1271,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("hybrid_served*.json", "Hybrid models served",
            "A served hybrid model's hit rate against the simulator's on the same requests.",
            hybrid_served),
+    Family("hybrid_pages*.json", "Hybrid models: KV page use at real dimensions",
+           "From config.json dimensions only (benchmarks/hybrid_pages.py): each page's share in "
+           "use and tokens per GiB, with one block size and pages as large as a whole state "
+           "(before) and with a raised block and split state groups (after).", hybrid_pages),
     Family("simulator_check*.json", "KV-cache simulator check",
            "loomserve's offline cache simulator against kvcache-simulator on the weka traces.",
            simulator_check),

@@ -344,9 +344,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from loomserve.api.serve import serve
+    from loomserve.api.serve import chat_options, serve
     try:
         config = engine_config_from_args(args)
+        chat_options(args)  # parser names, templates: a typo fails before a download or load
     except ValueError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,9 @@ class Recorder:
 
 
 def build_proxy(upstream: str, recorder: Recorder) -> Starlette:
-    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(600.0))
+    # No read limit: a CPU prefills a 20K-token agent prompt for minutes before the first byte,
+    # and the client behind the proxy has its own timeout.
+    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(600.0, read=None))
 
     async def forward(request: Request) -> Response:
         body = await request.body()

@@ -41,7 +41,10 @@ def claude(bin_dir: str, base: str, model: str, home: str, prompt: str) -> tuple
     env = {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_AUTH_TOKEN": "loomserve",
            "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
            "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
-           "ANTHROPIC_SMALL_FAST_MODEL": model, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
+           "ANTHROPIC_SMALL_FAST_MODEL": model, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
+           # a CPU prefills Claude Code's 20K-token first prompt in minutes: past its 10-minute
+           # default the client would give up and resend it
+           "API_TIMEOUT_MS": "3600000"}
     return [os.path.join(bin_dir, "claude"), "-p", prompt, "--max-turns", "2"], env
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` as the peer for loomserve's benchmarks.
+# Build llama.cpp's `llama-server` as the peer for loomserve's benchmarks (and, with
+# LLAMA_TARGETS, other llama.cpp tools from the same sources: build_llama_tools.sh).
 #
 # The llama.cpp sources come from the llama-cpp-python sdist (which vendors them
 # under vendor/llama.cpp), fetched with pip so the usual package index settings apply.
@@ -8,12 +9,14 @@
 # dependency of loomserve.
 #
 # Usage:  benchmarks/peers/build_llama_server.sh [--force]
-# Env:    JOBS (default 2: the build machine is shared), PIP (default: pip of the
-#         active venv, else /work/main/.venv/bin/pip, else pip3),
+# Env:    LLAMA_TARGETS (default "llama-server": the cmake targets built, each copied to
+#         benchmarks/.peers/bin/<target>), JOBS (default 2: the build machine is shared),
+#         PIP (default: pip of the active venv, else /work/main/.venv/bin/pip, else pip3),
 #         LLAMA_CPP_PYTHON_SPEC (default: llama-cpp-python, i.e. the newest sdist).
 # Needs:  cmake >= 3.14, a C/C++ compiler, make or ninja.
 #
-# Idempotent: exits at once when the binary already exists and runs (--force rebuilds).
+# Idempotent: exits at once when every target's binary already exists and runs (--force
+# rebuilds).
 #
 # Flags that matter when serving (see `llama-server --help`): -np N slots (one per client;
 # -c is the total context, split over the slots unless -kvu), -cb continuous batching (on by
@@ -26,13 +29,21 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PEERS="$(cd "$HERE/.." && pwd)/.peers"
-BIN="$PEERS/bin/llama-server"
 JOBS="${JOBS:-2}"
 SPEC="${LLAMA_CPP_PYTHON_SPEC:-llama-cpp-python}"
+read -r -a TARGETS <<< "${LLAMA_TARGETS:-llama-server}"
 
-if [[ "${1:-}" != "--force" && -x "$BIN" ]] && "$BIN" --version >/dev/null 2>&1; then
-  echo "llama-server already built: $BIN"
-  "$BIN" --version 2>&1 | head -n 2 || true
+built() {  # every target's binary is there and runs (llama-server: --version; others: --help)
+  local t
+  for t in "${TARGETS[@]}"; do
+    [[ -x "$PEERS/bin/$t" ]] || return 1
+    if [[ "$t" == llama-server ]]; then "$PEERS/bin/$t" --version >/dev/null 2>&1 || return 1
+    else "$PEERS/bin/$t" --help >/dev/null 2>&1 || [[ $? -eq 1 ]] || return 1; fi
+  done
+}
+if [[ "${1:-}" != "--force" ]] && built; then
+  echo "already built: ${TARGETS[*]} in $PEERS/bin"
+  "$PEERS/bin/llama-server" --version 2>&1 | head -n 2 || true
   exit 0
 fi
 
@@ -81,10 +92,14 @@ cmake -S "$LLAMA" -B "$BUILD" "${GEN[@]}" \
   -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TOOLS=ON
 
-# 4. Build the server target only (it lives in tools/server in recent trees,
-#    examples/server in older ones; the target is `llama-server` in both).
-time cmake --build "$BUILD" --config Release --target llama-server -j "$JOBS"
+# 4. Build the requested targets only (the server lives in tools/server in recent trees,
+#    examples/server in older ones; the target is `llama-server` in both). A build dir that
+#    already holds libllama/ggml makes each further tool an incremental build (llama-quantize:
+#    4 steps).
+time cmake --build "$BUILD" --config Release --target "${TARGETS[@]}" -j "$JOBS"
 
-cp -f "$BUILD/bin/llama-server" "$BIN"
-echo "== built $BIN"
-"$BIN" --version 2>&1 | head -n 2 || true
+for t in "${TARGETS[@]}"; do
+  cp -f "$BUILD/bin/$t" "$PEERS/bin/$t"
+  echo "== built $PEERS/bin/$t"
+done
+[[ -x "$PEERS/bin/llama-server" ]] && { "$PEERS/bin/llama-server" --version 2>&1 | head -n 2 || true; }

@@ -94,13 +94,11 @@ def test_tiled_layout_roundtrips(bits, mins):
 @needs_kernel
 def test_module_keeps_only_the_tiled_copy():
     lin = _linear(37, 160, 4, mins=True, bias=False)
-    assert lin.tiled is not None and lin.q is None and lin.scales is None and lin.mins is None
+    assert lin.tiled is not None and lin.dense is None
     assert lin.weight_bytes() == lin.tiled.numel()
-    rows = lin.parts()
-    lin.to("meta")  # off the CPU (as .to("cuda")): back to rows, which the fallback dequantizes
-    assert lin.tiled is None and lin.q.device.type == "meta"
-    assert lin.q.shape == rows[0].shape and lin.scales.shape == rows[1].shape
-    assert lin.mins.shape == rows[2].shape
+    w = lin.dequantized()
+    lin.to("meta")  # off the CPU (as .to("cuda")): unpacked once into a float weight
+    assert lin.tiled is None and lin.dense.device.type == "meta" and lin.dense.shape == w.shape
 
 
 def test_pack_roundtrip_and_nibble_order():

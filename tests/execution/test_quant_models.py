@@ -9,7 +9,7 @@ import torch
 
 from loomserve.config import EngineConfig
 from loomserve.execution.layers import quant
-from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, dequantize
+from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear
 from loomserve.sampling_params import SamplingParams
 from tests.execution.models.conftest import FIXTURES, Blocks, logits_of, seq
 
@@ -41,34 +41,21 @@ def forced_logits(r, prompt: list[int], cont: list[int] | int) -> tuple[list[int
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1])
 def test_gguf_blocks_decode_exactly(qtype):
+    """The legacy types; the K-quants and more: tests/execution/test_kquant.py."""
     from loomserve.execution.models.loading.gguf_quant import from_gguf_blocks
 
     w = np.random.default_rng(int(qtype)).standard_normal((6, 96)).astype(np.float32)
     w[0] += 3.0  # one row all positive: a min far from zero
     raw = gguf.quants.quantize(w, qtype)
-    q, s, m, bits = from_gguf_blocks(raw, qtype, 6, 96)
+    got = from_gguf_blocks(raw, qtype, 6, 96)
     ref = gguf.quants.dequantize(raw, qtype).reshape(6, 96)
-    assert bits == (4 if qtype in (T.Q4_0, T.Q4_1) else 8)
-    np.testing.assert_array_equal(dequantize(q, s, m, bits).numpy(), ref)
-    lin = QuantLinear(q, s, m, bits)
+    assert got.fmt == {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}.get(qtype, 5)
+    np.testing.assert_array_equal(got.dequantize().numpy(), ref)
+    lin = QuantLinear.of(got)
     x = torch.randn(3, 96)
     want = x @ torch.from_numpy(ref).T
     scale = (x.abs() @ torch.from_numpy(np.abs(ref)).T).max()  # x's int8 rounding: < 1% of it
     assert (lin(x) - want).abs().max() < 0.01 * scale
-
-
-def test_gguf_q4_k_blocks_within_fp16_scale_rounding():
-    from loomserve.execution.models.loading.gguf_quant import from_gguf_blocks
-
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (4 * 2, 144), dtype=np.uint8)  # 4 rows of 512 values
-    blocks[:, 0:2] = np.full((8, 1), 0.01, np.float16).view(np.uint8)  # d
-    blocks[:, 2:4] = np.full((8, 1), 0.002, np.float16).view(np.uint8)  # dmin
-    q, s, m, bits = from_gguf_blocks(blocks, T.Q4_K, 4, 512)
-    ref = gguf.quants.dequantize(blocks, T.Q4_K).reshape(4, 512)
-    got = dequantize(q, s, m, bits).numpy()
-    assert np.abs(got - ref).max() <= 2 ** -10 * np.abs(ref).max()
-    assert from_gguf_blocks(blocks, T.Q6_K, 4, 512) is None  # not converted: stays float
 
 
 @pytest.fixture(scope="module")

@@ -268,7 +268,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             return [_copy_into(params, name, t)]
         i, rest = int(m.group(1)), m.group(2)
         layer, pre = self.model.layers[i], f"model.layers.{i}."
-        t = self._deinterleaved(rest, t)
+        t = self.deinterleaved(rest, t)
         em = _EXPERT.match(rest)
         if em:
             return [pre + "mlp." + layer.mlp.load_expert(int(em.group(1)), em.group(2), t)]
@@ -286,8 +286,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             return [f"{pre}{sm.group(1)}.gate_up_proj.weight#{j}"]
         return [_copy_into(params, name, t)]
 
-    def _deinterleaved(self, rest: str, t: torch.Tensor) -> torch.Tensor:
-        """Rope rows of the q and kv_a projections from pair-interleaved to [evens | odds]."""
+    def deinterleaved(self, rest: str, t: torch.Tensor) -> torch.Tensor:
+        """Rope rows of the q and kv_a projections from pair-interleaved to [evens | odds] (rest:
+        the name inside a layer; the GGUF in-place path applies it to quantized rows too)."""
         c = self.config
         if not c.rope_interleave:
             return t

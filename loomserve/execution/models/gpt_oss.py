@@ -147,9 +147,10 @@ class Mxfp4GptOssExperts(Mxfp4Experts):
         [E, H, I/32 * 17]) and the biases of `dense`, the experts loaded from its conversion.
         llama.cpp split HF's interleaved gate_up rows into gate and up; they are re-interleaved."""
         blocks, scales = {}, {}
-        (gb, gs), (ub, us) = (gguf_blocks_to_hf(torch.as_tensor(t)) for t in (gate, up))
+        # torch.tensor copies: GGUFReader hands out read-only memory maps
+        (gb, gs), (ub, us) = (gguf_blocks_to_hf(torch.tensor(t)) for t in (gate, up))
         blocks["gate_up_proj"], scales["gate_up_proj"] = interleave_rows(gb, ub), interleave_rows(gs, us)
-        blocks["down_proj"], scales["down_proj"] = gguf_blocks_to_hf(torch.as_tensor(down))
+        blocks["down_proj"], scales["down_proj"] = gguf_blocks_to_hf(torch.tensor(down))
         with torch.device(dense.gate_up_proj_bias.device):
             mod = cls(cfg).to(dense.gate_up_proj_bias.dtype)
         for name in mod.shapes:

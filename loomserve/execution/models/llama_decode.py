@@ -74,7 +74,7 @@ def _lin(mod, keep: list) -> _Lin | None:
         if mod.tiled is None or mod.dtype != torch.float32:
             return None
         bias = None if mod.bias is None else mod.bias.data_ptr()
-        return _Lin(mod.tiled.data_ptr(), bias, mod.out_features, mod.in_features, mod.bits,
+        return _Lin(mod.tiled.data_ptr(), bias, mod.out_features, mod.in_features, mod.fmt,
                     mod.has_mins, 0, 0, 0)
     if (isinstance(mod, dense.DenseLinear) and dense.available() and dense.kernel_fits(mod.weight)
             and mod.weight.dtype == torch.float32 and mod.max_rows > 0):

@@ -12,7 +12,8 @@ path (loading/gguf.py) and checked against loomserve on the HF folder each was c
 - llama.cpp itself (recorded: llama_logprobs.json) gives the same prompt ids, greedy tokens and,
   within its own rounding, log-probs on each file (gpt-oss: one documented difference);
 - a Q8_0 file runs its blocks in place with --quantization gguf; MXFP4 experts (gpt-oss)
-  dequantize; a "deepseek-v3" pre-tokenizer splits as llama.cpp's does.
+  dequantize with none and stay packed in place; quantized deepseek2 / gpt-oss files in place
+  equal their dequantized runs; a "deepseek-v3" pre-tokenizer splits as llama.cpp's does.
 """
 
 from __future__ import annotations
@@ -167,31 +168,12 @@ def test_gpt_oss_mxfp4_experts(built, tmp_path):
     runs: logits near the f32 file's, not equal (4-bit experts of a random model: measured max
     |diff| 0.44 on logits up to 2.7; bound 1.0)."""
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     mx = gguf.GGMLQuantizationType.MXFP4
-    reader = gguf.GGUFReader(str(FIXTURES / "gguf" / "tiny-gpt-oss.gguf"))
     path = str(tmp_path / "tiny-gpt-oss-mxfp4.gguf")
-    writer = gguf.GGUFWriter(path, "gpt-oss")
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = {"sub_type": f.types[-1]} if f.types[0] == gguf.GGUFValueType.ARRAY else {}
-        writer.add_key_value(key, f.contents(), f.types[0], **sub)
-    dequantized = {}
-    for t in reader.tensors:
-        w = np.array(t.data)
-        if t.name.endswith("_exps.weight"):
-            blocks = gguf.quants.quantize(w, mx)
-            dequantized[t.name] = torch.from_numpy(gguf.quants.dequantize(blocks, mx))
-            writer.add_tensor(t.name, blocks, raw_dtype=mx)
-        else:
-            writer.add_tensor(t.name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    dequantized = _requantize(str(FIXTURES / "gguf" / "tiny-gpt-oss.gguf"), path,
+                              lambda name, w: mx if name.endswith("_exps.weight") else None)
     assert {t.tensor_type for t in gguf.GGUFReader(path).tensors if t.name.endswith("_exps.weight")} == {mx}
 
     r = _runner(path, str(tmp_path / "cache"))
@@ -207,6 +189,70 @@ def test_gpt_oss_mxfp4_experts(built, tmp_path):
     _, logits = _generate(r, prompt)
     _, want = _generate(f32, prompt)
     assert torch.isfinite(logits).all() and 0 < (logits - want).abs().max() < 1.0
+
+
+def _requantize(src: str, dst: str, pick) -> dict[str, torch.Tensor]:
+    """dst: src rewritten by gguf-py (GGUFWriter), each tensor quantized to pick(name, values) or
+    kept; every key as it was. Returns gguf-py's dequantization of the tensors quantized."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = {"sub_type": f.types[-1]} if f.types[0] == gguf.GGUFValueType.ARRAY else {}
+        writer.add_key_value(key, f.contents(), f.types[0], **sub)
+    dequantized = {}
+    for t in reader.tensors:
+        w = np.array(t.data)
+        qtype = pick(t.name, w)
+        if qtype is None:
+            writer.add_tensor(t.name, w)
+            continue
+        blocks = gguf.quants.quantize(w, qtype)
+        dequantized[t.name] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+        writer.add_tensor(t.name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dequantized
+
+
+def test_in_place_equals_dequantized(tmp_path):
+    """--quantization gguf on quantized files of the new families runs the file's blocks and
+    gives the dequantized path's greedy tokens, logits within the int8 rounding of activations:
+    deepseek2 in Q8_0 (its MLA rope rows, which the model reorders at load, reordered in the
+    blocks too: without that the logits were off by 3.6) and gpt-oss with MXFP4 experts (kept
+    packed, layers/mxfp4.py). Measured max |diff| 0.078 (deepseek2) / 0.009 (gpt-oss); bound 0.2."""
+    import gguf
+
+    from loomserve.execution.layers.quant import QuantLinear
+    from loomserve.execution.models.gpt_oss import Mxfp4GptOssExperts
+
+    T = gguf.GGMLQuantizationType
+    q8 = lambda name, w: T.Q8_0 if w.ndim == 2 and w.shape[-1] % 32 == 0 and "norm" not in name \
+        and "output" not in name and "token_embd" not in name else None  # noqa: E731
+    mx = lambda name, w: T.MXFP4 if name.endswith("_exps.weight") else None  # noqa: E731
+    for name, pick in (("tiny-deepseek-v3", q8), ("tiny-gpt-oss", mx)):
+        path = str(tmp_path / f"{name}-q.gguf")
+        _requantize(str(FIXTURES / "gguf" / f"{name}.gguf"), path, pick)
+        cache = str(tmp_path / "cache")
+        dense, q = _runner(path, cache), _runner(path, cache, quantization="gguf")
+        if name == "tiny-deepseek-v3":
+            mods = [n for n, m in q.model.named_modules() if isinstance(m, QuantLinear)]
+            assert any(n.endswith(("q_b_proj", "q_proj")) for n in mods), mods
+            assert any(n.endswith("kv_a_proj_with_mqa") for n in mods), mods
+        else:
+            assert all(isinstance(layer.mlp.experts, Mxfp4GptOssExperts)
+                       for layer in q.model.model.layers)
+        prompt = dense.tokenizer.encode(dense.tokenizer.apply_chat_template(MESSAGES))
+        tokens, logits = _generate(q, prompt)
+        want_tokens, want_logits = _generate(dense, prompt)
+        assert tokens == want_tokens, name
+        torch.testing.assert_close(logits, want_logits, atol=0.2, rtol=0, msg=name)
 
 
 # Token ids llama.cpp's own tokenizer gives (llama-server /tokenize, add_special false; build
