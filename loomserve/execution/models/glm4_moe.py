@@ -36,7 +36,12 @@ from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding, apply_rope
 from loomserve.execution.models.arch_config import ArchConfig
-from loomserve.execution.models.llama import Attention, LlamaForCausalLM, load_fused
+from loomserve.execution.models.llama import (
+    Attention,
+    HookedDecoderLayer,
+    LlamaForCausalLM,
+    load_fused,
+)
 from loomserve.execution.parallel.state import TPGroup
 from loomserve.execution.parallel.tensor_parallel import TPPlan, attention_weight, swiglu_weight
 
@@ -146,7 +151,7 @@ def partial_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int], 
     return torch.cat([apply_rope(x[..., :r], cos, sin, half), x[..., r:]], dim=-1)
 
 
-class Glm4MoeDecoderLayer(nn.Module):
+class Glm4MoeDecoderLayer(HookedDecoderLayer):
     def __init__(self, cfg: Glm4MoeConfig, i: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -159,16 +164,6 @@ class Glm4MoeDecoderLayer(nn.Module):
                                    cfg.n_shared_experts)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward_residual(self, x, residual, rope, meta):
-        """As llama.DecoderLayer's (the residual stream handed on unmade), but the blocks run
-        through __call__: tensor parallelism sums their outputs in forward hooks."""
-        if residual is None:
-            h, residual = self.input_layernorm.fused(x)[0], x
-        else:
-            h, residual = self.input_layernorm.fused(x, residual)
-        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
 
 
 class Glm4MoeModel(nn.Module):

@@ -135,6 +135,22 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(h), residual
 
 
+class HookedDecoderLayer(nn.Module):
+    """DecoderLayer's residual layout with the attention and MLP run through __call__, so the
+    forward hooks of tensor parallelism sum their outputs. Subclasses build input_layernorm,
+    self_attn, post_attention_layernorm and mlp."""
+
+    forward = DecoderLayer.forward
+
+    def forward_residual(self, x, residual, rope, meta):
+        if residual is None:
+            h, residual = self.input_layernorm.fused(x)[0], x
+        else:
+            h, residual = self.input_layernorm.fused(x, residual)
+        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: type[nn.Module] = DecoderLayer,
                  norm: Callable[..., nn.Module] = RMSNorm) -> None:

@@ -40,7 +40,12 @@ from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.layers.rotary import RotaryEmbedding
 from loomserve.execution.models.arch_config import FULL, ArchConfig
 from loomserve.execution.models.glm4_moe import partial_rope
-from loomserve.execution.models.llama import Attention, LlamaForCausalLM, load_fused
+from loomserve.execution.models.llama import (
+    Attention,
+    HookedDecoderLayer,
+    LlamaForCausalLM,
+    load_fused,
+)
 from loomserve.execution.parallel.state import TPGroup
 from loomserve.execution.parallel.tensor_parallel import (
     TPPlan,
@@ -172,7 +177,7 @@ class MiniMaxM2Attention(Attention):
         return out[0], out[1]
 
 
-class MiniMaxM2DecoderLayer(nn.Module):
+class MiniMaxM2DecoderLayer(HookedDecoderLayer):
     def __init__(self, cfg: MiniMaxM2Config) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -180,16 +185,6 @@ class MiniMaxM2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
                                cfg.num_experts_per_tok, 1, 1, True, 1.0, 0)
-
-    def forward_residual(self, x, residual, rope, meta):
-        """As llama.DecoderLayer's (the residual stream handed on unmade), but the blocks run
-        through __call__: tensor parallelism sums their outputs in forward hooks."""
-        if residual is None:
-            h, residual = self.input_layernorm.fused(x)[0], x
-        else:
-            h, residual = self.input_layernorm.fused(x, residual)
-        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
 
 
 class MiniMaxM2Model(nn.Module):

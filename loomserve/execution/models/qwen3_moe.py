@@ -37,7 +37,12 @@ from loomserve.execution.layers.fused import silu_and_mul
 from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import FULL, SLIDING, ArchConfig
-from loomserve.execution.models.llama import Attention, LlamaForCausalLM, load_fused
+from loomserve.execution.models.llama import (
+    Attention,
+    HookedDecoderLayer,
+    LlamaForCausalLM,
+    load_fused,
+)
 from loomserve.execution.parallel.state import TPGroup
 from loomserve.execution.parallel.tensor_parallel import TPPlan, attention_weight, swiglu_weight
 
@@ -144,23 +149,13 @@ class SparseMoE(ExpertParallel, nn.Module):
         return F.linear(silu_and_mul(F.linear(rows, ex.gate_up_proj[e]), ex.inter), ex.down_proj[e])
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(HookedDecoderLayer):
     def __init__(self, cfg: Qwen3MoeConfig, i: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, o_bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.is_moe(i) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward_residual(self, x, residual, rope, meta):
-        """As llama.DecoderLayer's (the residual stream handed on unmade), but the blocks run
-        through __call__: tensor parallelism sums their outputs in forward hooks."""
-        if residual is None:
-            h, residual = self.input_layernorm.fused(x)[0], x
-        else:
-            h, residual = self.input_layernorm.fused(x, residual)
-        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
 
 
 class Qwen3MoeModel(nn.Module):
