@@ -180,19 +180,6 @@ _SHARED = re.compile(r"^mlp\.shared_experts\.(gate_proj|up_proj)\.weight$")
 _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-class _Rest:
-    """The model as load_fused sees it: every parameter but the expert stacks and the shared
-    experts' gate/up (their width is not intermediate_size)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model, self.lm_head = model, model.lm_head
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return ((n, p) for n, p in self.model.named_parameters()
-                if not n.endswith((".experts_gate_up", ".experts_down",
-                                   ".shared_experts.gate_up_proj.weight")))
-
-
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     config_class = Glm4MoeConfig
     tp_plan = Glm4MoeTP()
@@ -241,7 +228,9 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
                 else:
                     yield name, t
 
-        load_fused(_Rest(self), rest(), self.config)
+        # the shared experts' gate/up are not intermediate_size wide: load_weights fills them
+        load_fused(self, rest(), self.config,
+                   skip=(".experts_gate_up", ".experts_down", ".shared_experts.gate_up_proj.weight"))
         expected = {f"model.layers.{i}.mlp.{k}" for i, mlp in moe.items() for k in mlp.expected_keys()}
         expected |= {f"model.layers.{i}.mlp.shared_experts.gate_up_proj#{j}"
                      for i, mlp in moe.items() if mlp.shared_experts is not None for j in (0, 1)}

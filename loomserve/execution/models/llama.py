@@ -265,10 +265,12 @@ class LlamaForCausalLM(nn.Module):
         load_fused(self, weights, cfg)
 
 
-def load_fused(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: ArchConfig) -> None:
+def load_fused(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: ArchConfig,
+               skip: tuple[str, ...] = ()) -> None:
     """HF-named tensors into `model`'s parameters, q/k/v and gate/up into their fused slices;
-    every parameter must be covered exactly once."""
-    params = dict(model.named_parameters())
+    every parameter must be covered exactly once, but those whose names end with one of `skip`
+    (the caller fills them: MoE expert stacks)."""
+    params = {n: p for n, p in model.named_parameters() if not n.endswith(skip)}
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     offsets = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "gate_up_proj": [(0, inter), (inter, inter)]}
     expected = {n: (len(offsets[n.split(".")[-2]]) if n.split(".")[-2] in offsets else 1) for n in params}

@@ -200,17 +200,6 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weig
 _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-class _WithoutExperts:
-    """The model as load_fused sees it: every parameter but the expert stacks."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model, self.lm_head = model, model.lm_head
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return ((n, p) for n, p in self.model.named_parameters()
-                if not n.endswith((".experts_gate_up", ".experts_down")))
-
-
 class MiniMaxM2ForCausalLM(LlamaForCausalLM):
     config_class = MiniMaxM2Config
     tp_plan = MiniMaxM2TP()
@@ -253,7 +242,7 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
                 else:
                     yield f"model.layers.{i}.{sub}", t
 
-        load_fused(_WithoutExperts(self), rest(), self.config)
+        load_fused(self, rest(), self.config, skip=(".experts_gate_up", ".experts_down"))
         expected = {f"model.layers.{i}.mlp.{k}" for i, layer in enumerate(layers)
                     for k in layer.mlp.expected_keys()}
         dup = sorted(k for k, c in seen.items() if c > 1)

@@ -169,16 +169,7 @@ class Qwen3MoeModel(nn.Module):
 # The Hub's per-expert tensors and transformers 5's stacked ones.
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-class _WithoutExperts:
-    """The model as load_fused sees it: every parameter but the expert stacks."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model, self.lm_head = model, model.lm_head
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return ((n, p) for n, p in self.model.named_parameters() if ".mlp.experts." not in n)
+_STACKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # filled by load_weights
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -215,7 +206,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                     continue
                 yield name, t
 
-        load_fused(_WithoutExperts(self), rest(), self.config)
+        load_fused(self, rest(), self.config, skip=_STACKS)
         expected = {k for n, ex in experts.items() for p in ("gate_up_proj", "down_proj")
                     for k in _keys(n, p, ex.gate_up_proj.shape[0])}
         dup = sorted(k for k, c in seen.items() if c > 1)
