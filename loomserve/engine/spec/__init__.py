@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters that propose tokens, and their bookkeeping in the core."""
