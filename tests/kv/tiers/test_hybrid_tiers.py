@@ -29,9 +29,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BS = 4
 # Device pool sizes (pages): room for one turn or one other prompt, not for both.
 POOL = {"tiny-qwen3-next": 24, "tiny-nemotron-h": 24, "tiny-gemma3": 60,
-        "tiny-mistral-swa": 22, "tiny-gpt-oss": 40}
+        "tiny-mistral-swa": 22, "tiny-gpt-oss": 40, "tiny-qwen3-5": 24, "tiny-qwen3-5-moe": 24,
+        "tiny-qwen3-moe": 20, "tiny-glm4-moe": 20, "tiny-minimax-m2": 20}
 STATE_MODELS = ["tiny-qwen3-next", "tiny-nemotron-h"]
-MODELS = STATE_MODELS + ["tiny-gemma3", "tiny-gpt-oss", "tiny-mistral-swa"]
+# the models agents run (issue 44): the main round trip only, the fallbacks are the state
+# manager's and are covered by the two above
+MODELS = STATE_MODELS + ["tiny-gemma3", "tiny-gpt-oss", "tiny-mistral-swa", "tiny-qwen3-5",
+                         "tiny-qwen3-5-moe", "tiny-qwen3-moe", "tiny-glm4-moe", "tiny-minimax-m2"]
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation of hybrid models (in-process backend): sliding-window blocks and
+"""Prefill/decode disaggregation of hybrid and MoE models (in-process backend): sliding-window blocks and
 linear/SSM state checkpoints are handed over with the attention blocks, and the decode
 instance's greedy output equals a single instance's."""
 
@@ -14,7 +14,9 @@ BS = 4
 PROMPT = tokens(41, 1)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-mistral-swa", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-mistral-swa", "tiny-gemma3",
+                                  "tiny-qwen3-5", "tiny-qwen3-5-moe", "tiny-qwen3-moe",
+                                  "tiny-glm4-moe", "tiny-minimax-m2"])
 def test_hybrid_decode_matches_single_instance(name):
     ref, a, b = make(name), make(name, "prefill"), make(name, "decode")
     try:
