@@ -2,9 +2,9 @@
 (--enable-expert-parallel): greedy outputs equal one rank's, with requests of different lengths
 so one rank idles (dummy steps) while the other still decodes, and the prefill schedule interval
 in force (both ranks admit on the same global steps). Every MoE family: DeepSeek-V3 (MLA + MoE),
-Qwen3-Next, Qwen3.5-MoE (in the released vision-language layout) and Nemotron-H (hybrids) and
-gpt-oss; each rank's shutdown line shows the expert all-to-all really ran (pairs routed, bytes
-sent to the other rank)."""
+Qwen3-Next, Qwen3.5-MoE (in the released vision-language layout) and Nemotron-H (hybrids),
+gpt-oss, Qwen3-MoE, GLM-4.5 MoE and MiniMax-M2; each rank's shutdown line shows the expert
+all-to-all really ran (pairs routed, bytes sent to the other rank)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def run(fixture: str, in_process: bool = False, **kw) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-qwen3-next", "tiny-nemotron-h",
-                                  "tiny-gpt-oss", "tiny-qwen3-5-moe"])
+                                  "tiny-gpt-oss", "tiny-qwen3-5-moe", "tiny-qwen3-moe",
+                                  "tiny-glm4-moe", "tiny-minimax-m2"])
 def test_dep_dp2_greedy_matches_dp1(name, monkeypatch, capfd):
     fixture = os.path.join(FIXTURES, name)
     if not os.path.isdir(fixture):

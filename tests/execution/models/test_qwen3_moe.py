@@ -2,7 +2,7 @@
 Qwen3 attention (q/k norms, GQA), softmax top-2 of 8 experts renormalized, one dense layer
 (mlp_only_layers), checkpoint stored per expert as the Hub's. Every way a step can be cut (the
 Llama family's scenarios, run here on this fixture), HF's greedy generate, both expert layouts
-at load, tensor parallelism (-tp 2) and DEP (-dp 2 with expert parallelism) equal to one rank,
+at load, tensor parallelism (-tp 2) equal to one rank (DEP: tests/engine/test_dep.py),
 and the chat template's parsers."""
 
 from __future__ import annotations
@@ -165,21 +165,6 @@ def test_tensor_parallel_2_matches_one_rank(monkeypatch):
     assert tokens2 == tokens1
     assert cached2 == cached1 and cached1[2] >= 32 and cached1[3] >= 32
     assert page2 * 2 == page1 and blocks2 // 2 == blocks1  # floor(budget / page)
-
-
-def test_dep_dp2_greedy_matches_dp1(monkeypatch, capfd):
-    """DEP: two data-parallel cores, 4 of the 8 experts on each, tokens exchanged by all-to-all;
-    greedy outputs equal one rank's, and both ranks really routed pairs to each other."""
-    from tests.engine.test_dep import LOCKSTEP, MAX_TOKENS, run
-
-    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")
-    expected = run(PATH, in_process=True)
-    capfd.readouterr()
-    got = run(PATH, data_parallel_size=2, enable_expert_parallel=True, prefill_schedule_interval=2)
-    assert got == expected
-    assert [len(t) for t in got] == MAX_TOKENS
-    ranks = [(int(p), int(b)) for p, b in LOCKSTEP.findall(capfd.readouterr().err)]
-    assert len(ranks) == 2 and all(p > 0 and b > 0 for p, b in ranks), ranks
 
 
 def test_sparse_moe_matches_hf_block(tiny):
