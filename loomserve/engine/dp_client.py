@@ -148,13 +148,6 @@ class DPPlacement:
             lru.popitem(last=False)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_dp_supported(config: EngineConfig) -> None:
     """Features whose single resource the ranks would share are refused at DP > 1."""
     if config.control.role != "both" or config.control.kv_events_endpoint:
@@ -173,9 +166,14 @@ class DPCoreClient:
         self._lock = threading.Lock()  # placement state, and one event forwarded at a time
         self._dead = False
         self.placement = DPPlacement(n, config.cache.block_size)
-        if config.parallel.enable_expert_parallel and not config.parallel.dp_master_port:
+        self._dp_store = None  # DEP's rendezvous on one node: held here while the cores live
+        pc = config.parallel
+        if pc.enable_expert_parallel and pc.nnodes == 1 and not pc.dp_master_port:
+            # imported here: the front end stays torch-free unless it hosts DEP's store
+            from loomserve.execution.parallel.state import master_store
+            self._dp_store = master_store("127.0.0.1", 0)
             config = dataclasses.replace(config, parallel=dataclasses.replace(
-                config.parallel, dp_master_port=_free_port()))
+                pc, dp_master_port=self._dp_store.port))
         self.rank_stats = [EngineStats() for _ in range(n)]
         self.clients: list = []  # ProcCoreClient here; RemoteCoreClient on the other nodes
         local = config.parallel.dp_node_ranks(0)
@@ -297,7 +295,8 @@ _MAX_FIELDS = {"target_step_ms", "step_cost_error_p50", "step_cost_error_p90"}
 
 def aggregate_stats(per_rank: list[EngineStats]) -> EngineStats:
     """One snapshot for the whole DP engine: numbers summed (the step target and cost-model
-    errors: the max), per-key sums of count dicts, tier snapshots concatenated."""
+    errors: the max), per-key sums of count dicts, per-position sums of count lists, tier
+    snapshots concatenated."""
     out = {}
     for f in msgspec.structs.fields(EngineStats):
         values = [getattr(s, f.name) for s in per_rank]
@@ -311,6 +310,9 @@ def aggregate_stats(per_rank: list[EngineStats]) -> EngineStats:
                 for k, x in v.items():
                     merged[k] = merged.get(k, 0) + x if isinstance(x, (int, float)) else x
             out[f.name] = merged
+        elif isinstance(values[0], list):  # per-position counts: summed position by position
+            width = max(map(len, values))
+            out[f.name] = [sum(v[i] for v in values if i < len(v)) for i in range(width)]
         else:
             out[f.name] = sum(values)
     return EngineStats(**out)

@@ -226,7 +226,7 @@ def test_two_nodes_rendezvous_at_master_addr_and_port():
     import sys
 
     from loomserve.engine.llm import LLM
-    from loomserve.execution.parallel.state import free_port
+    from tests.ports import free_port
     model, port = _fixture("tiny-llama"), free_port()
     node1 = subprocess.Popen([sys.executable, "-m", "loomserve.cli", "serve", model,
                               "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",

@@ -29,8 +29,8 @@ from loomserve.execution.parallel.context_parallel import preflight as dcp_prefl
 from loomserve.execution.parallel.state import (
     destroy_distributed,
     device_offset,
-    free_port,
     init_distributed,
+    master_store,
     set_layout,
 )
 from loomserve.execution.parallel.step_message import (
@@ -133,7 +133,10 @@ class MultiprocExecutor(Executor):
         self.world_size = pc.world_size
         self.shared_kv_fd = pc.shared_kv_fd
         addr, port = pc.tp_rendezvous()
-        port = port or free_port(addr)
+        store = None
+        if self.world_size > 1:  # listening before any rank starts (state.master_store)
+            store = master_store(addr, port or 0, self.world_size)
+            port = store.port
         self.procs = spawn_workers(config, [r for r in pc.node_ranks() if r != 0], addr, port)
         self.tp = None
         try:
@@ -148,7 +151,7 @@ class MultiprocExecutor(Executor):
             t1 = time.perf_counter()
             if self.world_size > 1:
                 wait_loaded(self.procs)
-                self.tp = init_distributed(addr, port, device)
+                self.tp = init_distributed(addr, port, device, store)
                 agree_on_kv_plan(self.driver_runner, self.tp)
             log.info("%d ranks at %s:%d: model %.1f s, then rendezvous and KV plan %.1f s",
                      self.world_size, addr, port, t1 - t0, time.perf_counter() - t1)

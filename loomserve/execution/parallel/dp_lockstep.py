@@ -48,9 +48,16 @@ def maybe_lockstep(core, config):
     import torch.distributed as dist
     if not dist.is_initialized():
         addr, port = pc.dp_rendezvous()
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
-                                rank=pc.data_parallel_rank, world_size=pc.data_parallel_size,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+        if pc.nnodes > 1:  # DP rank 0 hosts the rendezvous at master_addr:master_port
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
+                                    rank=pc.data_parallel_rank,
+                                    world_size=pc.data_parallel_size, timeout=timeout)
+        else:  # the front end's store, listening since before the cores started (dp_client)
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+            dist.init_process_group("gloo", store=dist.PrefixStore("loomserve-dp", store),
+                                    rank=pc.data_parallel_rank,
+                                    world_size=pc.data_parallel_size, timeout=timeout)
     group = dist.group.WORLD
     for m in moes:
         m.enable_ep(group, pc.data_parallel_rank, pc.data_parallel_size)

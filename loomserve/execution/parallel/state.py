@@ -14,7 +14,6 @@ tensor-parallel slices (get_tp() is None then: the model loads whole) unless tp_
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -110,11 +109,25 @@ def set_layout(rank: int, world_size: int, device: torch.device, dcp_size: int =
     return _TP
 
 
-def init_distributed(master_addr: str, master_port: int, device: torch.device) -> TPGroup:
+def master_store(addr: str, port: int, world_size: int | None = None) -> dist.TCPStore:
+    """A rendezvous store listening from now on (port 0: the OS picks one, read it back from
+    .port), made by the process that outlives the ranks' start (rank 0 before it spawns the
+    others; the front end for the DP cores' group). A port only looked up as free can be taken
+    by any socket in the seconds a model load lasts (seen: EADDRINUSE under load with two DP
+    cores starting at once)."""
+    return dist.TCPStore(addr, port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def init_distributed(master_addr: str, master_port: int, device: torch.device,
+                     store: dist.Store | None = None) -> TPGroup:
     """Join the rendezvous as set_layout's rank (blocks until every rank arrived, at most
-    COLLECTIVE_TIMEOUT_S)."""
+    COLLECTIVE_TIMEOUT_S); rank 0 passes its master_store, the others connect to it."""
     tp = _TP
-    dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
+    if store is None:
+        store = dist.TCPStore(master_addr, master_port, tp.size, is_master=False,
+                              timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore("loomserve", store),
                             rank=tp.rank, world_size=tp.size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     tp.group = dist.group.WORLD
@@ -128,9 +141,3 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (the rendezvous binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
