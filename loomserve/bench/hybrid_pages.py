@@ -7,9 +7,9 @@ The dimensions are config.json fields only, no weights. With no network here the
 from the installed transformers 5.25's configuration classes (the defaults each class documents
 for the checkpoint named in its docstring), one record per model in MODELS. Qwen3-Next and
 Nemotron-H specs come from loomserve's own model classes (built on the meta device, so no
-memory), Kimi Linear and Qwen3.5, not loomserve models yet, from the spec classes with the state
-shapes of loomserve's Gated DeltaNet layer: KDA keeps the same conv (q, k, v channels) and
-per-head recurrent state.
+memory), Kimi Linear likewise from loomserve's KimiLinearForCausalLM (its Kimi Delta Attention
+state: conv window over q, k, v and a per-head [head_dim, head_dim] recurrent state), Qwen3.5
+from the spec classes with the state shapes of loomserve's Gated DeltaNet layer.
 
 Tokens per GiB: pages of one GiB given to attention, each token taking one block in every
 attention group, against one GiB divided by the attention bytes per token of all layers; a
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from loomserve.execution.layers.gated_deltanet import GatedDeltaNet
+from loomserve.execution.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from loomserve.execution.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from loomserve.execution.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from loomserve.kv.planning import HYBRID_MAX_BLOCK_TOKENS, group_layers, size_pages
@@ -34,7 +35,6 @@ from loomserve.kv.spec import (
     KVCacheGroup,
     KVCacheSpec,
     LinearStateSpec,
-    MLAAttentionSpec,
 )
 
 GIB = 1 << 30
@@ -70,6 +70,10 @@ MODELS: dict[str, dict[str, Any]] = {
         "arch": "kimi_linear",
         "config": {
             "num_hidden_layers": 27, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": None,
+            "num_attention_heads": 32, "vocab_size": 163840, "intermediate_size": 9216,
+            "moe_intermediate_size": 1024, "num_experts": 256, "num_experts_per_token": 8,
+            "num_shared_experts": 1, "first_k_dense_replace": 1,
             "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4,
             "hidden_size": 2304, "torch_dtype": "bfloat16",
             "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
@@ -114,22 +118,13 @@ def _model_specs(name: str) -> tuple[KVCacheSpec | None, ...]:
     m = MODELS[name]
     d, arch = m["config"], m["arch"]
     dtype = torch.bfloat16
-    if arch in ("qwen3_next", "nemotron_h"):
+    if arch in ("qwen3_next", "nemotron_h", "kimi_linear"):
         cfg_cls, model_cls = {"qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
-                              "nemotron_h": (NemotronHConfig, NemotronHForCausalLM)}[arch]
+                              "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
+                              "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM)}[arch]
         with torch.device("meta"):  # the real model's modules, no memory
             model = model_cls(cfg_cls.from_hf(d))
         return tuple(model.kv_cache_specs(1, dtype))
-    if arch == "kimi_linear":
-        full = set(d["linear_attn_config"]["full_attn_layers"])  # 1-based, as the checkpoint
-        kinds = ["full_attention" if i + 1 in full else "linear_attention"
-                 for i in range(d["num_hidden_layers"])]
-        h, hd = d["linear_num_heads"], d["linear_head_dim"]
-        with torch.device("meta"):
-            kda = GatedDeltaNet(d["hidden_size"], h, h, hd, hd, d["linear_conv_kernel_dim"], 1e-6)
-        state = LinearStateSpec(1, state_shapes=kda.state_shapes(), dtype=torch.float32)
-        mla = MLAAttentionSpec.for_latent(1, d["kv_lora_rank"] + d["qk_rope_head_dim"], dtype)
-        return tuple(mla if k == "full_attention" else state for k in kinds)
     if arch == "qwen3_5":
         n, every = d["num_hidden_layers"], d["full_attention_interval"]
         with torch.device("meta"):

@@ -62,6 +62,7 @@ _TEMPLATE_MARKERS = (
 _MODEL_TYPES = {
     "gpt_oss": "harmony",
     "kimi_k2": "kimi_k2",
+    "kimi_linear": "kimi_k2",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v32": "deepseek_v3",
     "glm4_moe": "glm45",

@@ -164,16 +164,47 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of a batch of seqs: q, k [b, heads, k_dim]; v [b, heads, v_dim];
-    g, beta [b, heads]; state [b, heads, k_dim, v_dim] fp32, updated in place (the caller's
+    beta [b, heads]; g [b, heads] (one decay per head) or [b, heads, k_dim] (per key channel:
+    Kimi Delta Attention); state [b, heads, k_dim, v_dim] fp32, updated in place (the caller's
     gathered copy: a state is MBs per seq, and fresh temporaries of that size cost more in page
     faults than the arithmetic). Returns o [b, heads, v_dim] and the state."""
     b, h, dk, dv = state.shape
     q, k = q.float().reshape(b * h, 1, dk), k.float().reshape(b * h, 1, dk)
     s = state.view(b * h, dk, dv)
-    s.mul_(g.float().exp().reshape(b * h, 1, 1))
+    s.mul_(g.float().exp().reshape(b * h, -1, 1))
     u = (v.float().reshape(b * h, 1, dv) - torch.bmm(k, s)) * beta.float().reshape(b * h, 1, 1)
     s.baddbmm_(k.transpose(1, 2), u)
     return torch.bmm(q, s).view(b, h, dv), state
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, rec_cache: torch.Tensor, decodes: list[StateSeq],
+               prefills: list[StateSeq], chunk_rule=chunk_gated_delta_rule) -> torch.Tensor:
+    """The gated delta rule over a step's rows (q, k [tokens, heads, k_dim] normalized, q
+    scaled; v [tokens, heads, v_dim]; g, beta as the step and chunk forms take them): decodes
+    in one vectorized step, each prefill chunk by `chunk_rule` cut at its saves. Reads and
+    writes each seq's recurrent state in rec_cache [num_blocks, heads, k_dim, v_dim] (running
+    page and checkpoints). Returns the core output [tokens, heads, v_dim] fp32."""
+    core = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+    if decodes:
+        rows = torch.tensor([s.start for s in decodes], device=v.device)
+        blocks = torch.tensor([s.running_block for s in decodes], device=v.device)
+        o, st = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                           gather_states(rec_cache, blocks))
+        core[rows] = o
+        rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
+        for i, s in enumerate(decodes):
+            for _, dst in save_offsets(s):  # validates n == start_pos + 1
+                rec_cache[dst] = st[i].to(rec_cache.dtype)
+    for s in prefills:
+        st = rec_cache[s.running_block].float()
+        for lo, hi, dsts in segments(s):
+            r = slice(s.start + lo, s.start + hi)
+            core[r], st = chunk_rule(q[r], k[r], v[r], g[r], beta[r], st)
+            for dst in dsts:
+                rec_cache[dst] = st.to(rec_cache.dtype)
+        rec_cache[s.running_block] = st.to(rec_cache.dtype)
+    return core
 
 
 class GatedDeltaNet(nn.Module):
@@ -220,25 +251,7 @@ class GatedDeltaNet(nn.Module):
         v = v.view(n, hv, self.v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = torch.empty(n, hv, self.v_dim, dtype=torch.float32, device=x.device)
-        if decodes:
-            rows = torch.tensor([s.start for s in decodes], device=x.device)
-            blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
-            o, st = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                               gather_states(rec_cache, blocks))
-            core[rows] = o
-            rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
-            for i, s in enumerate(decodes):
-                for _, dst in save_offsets(s):  # validates n == start_pos + 1
-                    rec_cache[dst] = st[i].to(rec_cache.dtype)
-        for s in prefills:
-            st = rec_cache[s.running_block].float()
-            for lo, hi, dsts in segments(s):
-                r = slice(s.start + lo, s.start + hi)
-                core[r], st = chunk_gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], st)
-                for dst in dsts:
-                    rec_cache[dst] = st.to(rec_cache.dtype)
-            rec_cache[s.running_block] = st.to(rec_cache.dtype)
+        core = delta_rule(q, k, v, g, beta, rec_cache, decodes, prefills)
         o = self.norm(core, z.view(n, hv, self.v_dim), x.dtype)
         return self.out_proj(o.reshape(n, self.value_size))
 

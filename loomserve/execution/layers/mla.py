@@ -10,9 +10,11 @@ c_kv: k_nope_h = W_UK_h c_kv, v_h = W_UV_h c_kv (the rows of kv_b_proj), so
   back: the cache is read once for all heads, never expanded.
 - prefill (decompressed): a chunk's context rows go through kv_b_proj into per-head k_nope and v
   (compute-bound work, where the MHA form is cheaper than the absorbed one for long chunks).
-RoPE turns the last qk_rope_head_dim dims of q and k only. DeepSeek checkpoints lay those dims
-out in interleaved pairs (x0, x1), (x2, x3), ...; `deinterleave_rope_rows` reorders the
-producing weight rows at load to [evens | odds], after which the usual rotate-half RoPE gives
+RoPE turns the last qk_rope_head_dim dims of q and k only; `rope=None` in forward leaves them as
+they are (Kimi Linear's MLA is NoPE: its "rope" dims are a shared, unrotated key part). DeepSeek
+checkpoints lay those dims out in interleaved pairs (x0, x1), (x2, x3), ...;
+`deinterleave_rope_rows` reorders the producing weight rows at load to [evens | odds], after
+which the usual rotate-half RoPE gives
 exactly transformers' interleaved rotation (and q.k is unchanged: both sides move alike).
 Softmax scale: qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN.
 """
@@ -113,7 +115,7 @@ class MultiHeadLatentAttention(nn.Module):
         self._k_view = view
         self.latent_cache = None if view is None else latent_view(view, 2 * view.shape[-1])
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int],
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int] | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         if self.q_proj is None:
@@ -123,9 +125,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.view(n, self.heads, self.qk_dim).split([self.nope, self.rope], dim=-1)
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         ckv = self.kv_a_layernorm(ckv)
-        cos, sin, half = rope
-        q_pe = apply_rope(q_pe, cos, sin, half)
-        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
+        if rope is not None:  # None: NoPE (Kimi Linear)
+            cos, sin, half = rope
+            q_pe = apply_rope(q_pe, cos, sin, half)
+            k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, half).squeeze(1)
         latent = as_cached(torch.cat([ckv, k_pe], dim=-1), self.latent_cache.dtype)
         rows = meta.write_rows  # decode context parallelism: the rows this rank stores
         self.latent_cache[meta.slot_blocks, meta.slot_offsets, :self.latent_dim] = (

@@ -8,15 +8,16 @@ The variants differ in four ways, each an option; which model uses which:
     Gemma 3, Qwen3-Next (q/k, layer)  yes            yes            -         1
     Nemotron-H (block, final)         -              yes            -         1
     Qwen3-Next Gated DeltaNet         -              -              "after"   1
+    Kimi Delta Attention              -              yes            "after"   1   (sigmoid)
     Mamba2 (Nemotron-H)               -              -              "before"  n_groups
 
 zero_centered: the checkpoint stores w - 1 and the scale is 1 + w (kept in fp32: 1 + w in bf16
     would round w's low bits away). scale_in_fp32: scale the fp32 normalized values, then cast
     back to the model dtype; otherwise cast back first, then scale in the model dtype (Llama).
-gate: silu(z) multiplies the input before the normalization ("before") or the result after it
-    ("after"); a gated norm is called as norm(x, z, dtype), x being a recurrent core's fp32
-    output and `dtype` the model dtype. groups: normalize each of `groups` equal slices of the
-    last dimension on its own.
+gate: silu(z) (sigmoid(z) with gate_act="sigmoid") multiplies the input before the
+    normalization ("before") or the result after it ("after"); a gated norm is called as
+    norm(x, z, dtype), x being a recurrent core's fp32 output and `dtype` the model dtype.
+    groups: normalize each of `groups` equal slices of the last dimension on its own.
 
 The parameter is `weight`, as in every checkpoint. The options are resolved once, in __init__:
 forward is bound to one straight-line function, so no option costs a kernel or a branch per call.
@@ -31,14 +32,18 @@ from torch.nn import functional as F
 from loomserve.execution.layers import fused as _fused
 
 GATES = (None, "before", "after")
+_GATE_ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, zero_centered: bool = False, scale_in_fp32: bool = False,
-                 gate: str | None = None, groups: int = 1) -> None:
+                 gate: str | None = None, groups: int = 1, gate_act: str = "silu") -> None:
         super().__init__()
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, not {gate!r}")
+        if gate_act not in _GATE_ACTS:
+            raise ValueError(f"gate_act must be one of {tuple(_GATE_ACTS)}, not {gate_act!r}")
+        self._act = _GATE_ACTS[gate_act]
         if groups < 1 or dim % groups:
             raise ValueError(f"{dim} features do not split into {groups} groups")
         if zero_centered and not scale_in_fp32:
@@ -100,10 +105,10 @@ class RMSNorm(nn.Module):
         return self._finish(self._normalized(x.float()), x.dtype)
 
     def _gate_before(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._finish(self._normalized(x.float() * F.silu(z.float())), dtype)
+        return self._finish(self._normalized(x.float() * self._act(z.float())), dtype)
 
     def _gate_after(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (self._finish(self._normalized(x.float()), dtype) * F.silu(z.float())).to(dtype)
+        return (self._finish(self._normalized(x.float()), dtype) * self._act(z.float())).to(dtype)
 
     # --- their parts ----------------------------------------------------------------------------
 

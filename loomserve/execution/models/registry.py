@@ -20,15 +20,20 @@ The contract a model class implements (the runner calls nothing else):
     load_weights(iter of (HF name, tensor))
     init_rotary(max_positions, device, dtype)    after the weights: derived tables (RoPE)
     kv_cache_specs(block_size, dtype) -> list[KVCacheSpec | None]
-                                      one per layer, in layer order; None for a layer that keeps
-                                      no cache (an MLP-only layer). Linear-state specs choose
-                                      their own dtype (fp32 state in a bf16 model is fine).
+                                      one per cache entry: by default one per layer, in layer
+                                      order; None for a layer that keeps no cache (an MLP-only
+                                      layer). A model may return more entries than layers (a
+                                      layer keeping two caches of different kinds, e.g.
+                                      DeepSeek-V3.2's indexer keys after the latent rows: 2 x
+                                      layers); then it must define kv_cache_modules of the same
+                                      length. Linear-state specs choose their own dtype (fp32
+                                      state in a bf16 model is fine).
     kv_cache_modules() (optional) -> list[nn.Module | None]
-                                      the module that owns each layer's cache; default: the
+                                      the module that owns each entry's cache; default: the
                                       first of layer.self_attn / .linear_attn / .mixer that has
                                       a `k_cache` or `state_cache` attribute, over
                                       model.model.layers
-    set_layer_groups(groups)          group id per layer (None where the spec was None)
+    set_layer_groups(groups)          group id per spec entry (None where the spec was None)
 
     forward(input_ids, positions, attn_meta, state_batch) -> hidden [tokens, hidden]
         input_ids, positions: [tokens], the step's tokens flattened, decode rows first, then
@@ -74,8 +79,10 @@ MODELS = (
     ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", f"{_M}.qwen3_5:Qwen3_5ForCausalLM"),
     ("NemotronHForCausalLM", "nemotron_h", f"{_M}.nemotron_h:NemotronHForCausalLM"),
     ("DeepseekV3ForCausalLM", "deepseek_v3", f"{_M}.deepseek_v3:DeepseekV3ForCausalLM"),
+    ("DeepseekV32ForCausalLM", "deepseek_v32", f"{_M}.deepseek_v32:DeepseekV32ForCausalLM"),
     ("Glm4MoeForCausalLM", "glm4_moe", f"{_M}.glm4_moe:Glm4MoeForCausalLM"),
     ("MiniMaxM2ForCausalLM", "minimax_m2", f"{_M}.minimax_m2:MiniMaxM2ForCausalLM"),
+    ("KimiLinearForCausalLM", "kimi_linear", f"{_M}.kimi_linear:KimiLinearForCausalLM"),
 )
 ARCHITECTURES: dict[str, str] = {arch: target for arch, _, target in MODELS}
 # model_type -> architecture, for configs without `architectures`.
