@@ -24,6 +24,7 @@ from loomserve.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, Memo
 from loomserve.config.cache import DEFAULT_HYBRID_MAX_BLOCK
 from loomserve.kv.spec import (
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
@@ -175,7 +176,8 @@ def plan_context_parallel(local_specs: list[KVCacheSpec | None], block_size: int
     capacity_tokens is dcp x what one rank stores."""
     for spec in local_specs:
         if spec is not None and type(spec) not in (FullAttentionSpec, MLAAttentionSpec,
-                                                   SlidingWindowSpec, LinearStateSpec):
+                                                   IndexerKeySpec, SlidingWindowSpec,
+                                                   LinearStateSpec):
             raise NotImplementedError(f"decode context parallelism supports attention, MLA "
                                       f"and linear-state layers only so far, not {spec.kind} "
                                       f"({type(spec).__name__})")

@@ -82,6 +82,15 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class IndexerKeySpec(MLAAttentionSpec):
+    """DeepSeek Sparse Attention's lightning-indexer keys: per token one row holding the keys
+    (index_head_dim each) of a few layers side by side, laid out as an MLA latent row
+    (`for_latent`; models/deepseek_v32.py says how many). A class of its own so that it never
+    shares a group with the latent rows even at equal widths: the indexer keys are their own
+    full-attention group (hashed, prefix-hit, tiered and transferred like any other)."""
+
+
+@dataclass(frozen=True)
 class LinearStateSpec(KVCacheSpec):
     """A fixed-size recurrent state per request (Gated DeltaNet, Mamba2): conv + recurrent tensors.
 

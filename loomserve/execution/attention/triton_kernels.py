@@ -214,3 +214,58 @@ def prefill_split(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, tiles_ptr, sink_ptr, pa
         res = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(o_ptr + q_rows[:, None] * so_t + heads[:, None] * so_h + d[None, :],
                  res.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def sparse_mla_decode(q_ptr, c_ptr, slot_ptr, part_acc, part_ml,
+                      sq_d, sq_h, sc_b, sc_o, s_slot, scale, block_size, k_total, heads, n_split,
+                      RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr,
+                      ROPE_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """DeepSeek sparse attention, absorbed decode (layers/sparse_mla.py). Program (decode, head
+    tile, split): queries [q_lat | q_pe] (rank + rope wide) of BLOCK_H heads over one split of
+    the decode's k selected latent rows, each read in place from the pages by its pool slot
+    (block = slot // block_size, row = slot % block_size; slot -1: not a key). Only selected
+    rows are touched, so the cost is k's, not the context's. Writes the unnormalized acc
+    [rank] and (max, sum) per head and split; an empty split writes (-inf, 0)."""
+    dec = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < heads
+    r = tl.arange(0, RANK_PAD)
+    e = tl.arange(0, ROPE_PAD)
+    rmask = r < RANK
+    emask = e < ROPE
+    qrow = q_ptr + dec.to(tl.int64) * sq_d + h[:, None] * sq_h
+    q_lat = tl.load(qrow + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    q_pe = tl.load(qrow + RANK + e[None, :], mask=hmask[:, None] & emask[None, :], other=0.0)
+    per = ((k_total + n_split - 1) // n_split + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    start = split * per
+    end = tl.minimum(start + per, k_total)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
+    for j0 in range(start, end, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        slot = tl.load(slot_ptr + dec.to(tl.int64) * s_slot + j, mask=j < end, other=-1)
+        ok = slot >= 0
+        slot = tl.where(ok, slot, 0).to(tl.int64)
+        row = c_ptr + (slot // block_size) * sc_b + (slot % block_size) * sc_o
+        ckv = tl.load(row[:, None] + r[None, :], mask=ok[:, None] & rmask[None, :], other=0.0)
+        kpe = tl.load(row[:, None] + RANK + e[None, :], mask=ok[:, None] & emask[None, :],
+                      other=0.0)
+        ckv, kpe = ckv.to(q_ptr.dtype.element_ty), kpe.to(q_ptr.dtype.element_ty)
+        s = _dot(q_lat, tl.trans(ckv), IEEE) + _dot(q_pe, tl.trans(kpe), IEEE)
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(ckv.dtype), ckv, IEEE)
+        m = m_new
+    base = (dec.to(tl.int64) * n_split + split) * heads + h
+    tl.store(part_acc + base[:, None] * RANK_PAD + r[None, :], acc, mask=hmask[:, None])
+    tl.store(part_ml + base * 2, m, mask=hmask)
+    tl.store(part_ml + base * 2 + 1, l, mask=hmask)
