@@ -4,8 +4,15 @@ A block mixes in ExpertParallel and declares: `expert_params` (names, dotted for
 module, of its stacked per-expert parameters, each [experts, ...]), `expert(e, rows)` (local
 expert e on rows [n, width], unweighted) and `top_k`; `routed_width` when the width is not
 dim 1 of its `experts_down` ([experts, width, inter]); `acc_fp32` when the
-reference sums the experts' outputs in fp32 (Nemotron-H). `run_experts(x, weights, ids)` then
-sums the top-k experts' weighted outputs per token ([tokens, width], weights [tokens, k]).
+reference sums the experts' outputs in fp32 (Nemotron-H); `expert_act` when its expert is
+one layers/grouped_experts.py runs: "swiglu" (expert_params are gate_up [experts, 2 * inter,
+width], gate rows then up, and down [experts, width, inter]) or "relu2" (up [experts, inter,
+width] and down). `run_experts(x, weights, ids)` then sums the top-k experts'
+weighted outputs per token ([tokens, width], weights [tokens, k]).
+
+Local experts: such a block runs them as one grouped call (layers/grouped_experts.py: pairs
+sorted by expert, one C kernel call on the CPU, torch._grouped_mm on Hopper bf16) wherever its
+stacks allow; other blocks, devices and dtypes loop over the routed experts calling expert().
 
 Expert parallelism (`--enable-expert-parallel` with data parallelism): enable_ep() keeps only
 this rank's contiguous slice of every stacked parameter (experts / ranks each). Each MoE forward
@@ -24,9 +31,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loomserve.execution.layers import grouped_experts
+
 
 class ExpertParallel:
     expert_params: tuple[str, ...] = ()
+    expert_act: str | None = None  # grouped_experts.ACTS key when expert() is one of those
     acc_fp32 = False
     ep = None  # (group, rank, size, first local expert) once enable_ep() ran
     ep_calls = ep_pairs = ep_bytes = 0
@@ -54,7 +64,18 @@ class ExpertParallel:
         return self._local(x, weights, ids, 0, self.local_experts)
 
     def _local(self, x, weights, ids, first: int, count: int) -> torch.Tensor:
-        """Experts [first, first + count) over x (rows routed to other experts add 0)."""
+        """Experts [first, first + count) over x (rows routed to other experts add 0): grouped
+        where the block and its stacks allow, else the loop."""
+        if self.expert_act is not None:
+            w1, w2 = (self._stacked(name)[2] for name in self.expert_params[:2])
+            if w1.shape[0] == count and grouped_experts.usable(self.expert_act, w1, w2,
+                                                               ids.numel()):
+                y = grouped_experts.run(x, weights, ids, self.expert_act, w1, w2, first)
+                return y if self.acc_fp32 else y.to(x.dtype)
+        return self._loop(x, weights, ids, first, count)
+
+    def _loop(self, x, weights, ids, first: int, count: int) -> torch.Tensor:
+        """_local as one expert() call per routed expert."""
         acc = torch.zeros(x.shape, dtype=torch.float32 if self.acc_fp32 else x.dtype,
                           device=x.device)
         for e in torch.unique(ids).tolist():

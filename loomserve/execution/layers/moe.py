@@ -10,7 +10,8 @@ Routing, as transformers' DeepseekV3TopkRouter does it (all in fp32):
   1 when norm_topk_prob, times routed_scaling_factor, weight the experts' outputs.
 
 Experts are stacked [experts, 2 * inter, hidden] (gate; up) and [experts, hidden, inter] and run
-as a loop over the experts the step routes to (no grouped GEMM; correctness first).
+as grouped products (layers/grouped_experts.py: the step's pairs sorted by expert, one C call on
+the CPU), or as a loop over the routed experts where the grouped op does not apply.
 
 Expert parallelism (DEP): loomserve.execution.layers.expert_parallel (the mixin).
 """
@@ -66,6 +67,7 @@ class DeepseekMoE(ExpertParallel, nn.Module):
     """Routed SwiGLU experts + shared SwiGLU experts (one MLP n_shared times as wide)."""
 
     expert_params = ("experts_gate_up", "experts_down")
+    expert_act = "swiglu"  # grouped products (layers/grouped_experts.py)
 
     def __init__(self, hidden: int, inter: int, experts: int, top_k: int, n_group: int,
                  topk_group: int, norm_topk_prob: bool, scale: float, n_shared: int) -> None:

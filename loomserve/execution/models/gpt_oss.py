@@ -7,11 +7,12 @@ What differs from the Llama family, as transformers' modeling_gpt_oss does it:
   the softmax of their k logits; each expert is a clamped SwiGLU with biases whose fused
   gate_up columns interleave gate and up, computing (up + 1) * gate * sigmoid(alpha * gate).
 
-The experts run as a dense loop over the experts the step routes to (CPU-friendly, no grouped
-GEMM). The released checkpoints' MXFP4 experts (quantization_config quant_method "mxfp4") run
-in place when the loader sets `mxfp4_experts` (every --quantization but `none`, which widens
-them at load): Mxfp4GptOssExperts (layers/mxfp4.py: the CPU kernel on the 4-bit codes, or
-unpacked once to the model dtype on another device).
+The experts run as a dense loop over the experts the step routes to (their biases and clamped
+SwiGLU are not layers/grouped_experts.py's activations). The released checkpoints' MXFP4
+experts (quantization_config quant_method "mxfp4") run in place when the loader sets
+`mxfp4_experts` (every --quantization but `none`, which widens them at load):
+Mxfp4GptOssExperts (layers/mxfp4.py: the CPU kernel on the 4-bit codes, or unpacked once to the
+model dtype on another device).
 
 Tensor parallelism (GptOssTP): attention heads and their sinks split like Llama's; every expert's
 intermediate columns split (experts replicated, each expert's MLP split); attention and MoE

@@ -246,6 +246,7 @@ class MoE(ExpertParallel, nn.Module):
     fp32 as the reference does."""
 
     expert_params = ("experts_up", "experts_down")
+    expert_act = "relu2"  # grouped products (layers/grouped_experts.py)
     acc_fp32 = True
 
     def __init__(self, cfg: NemotronHConfig) -> None:

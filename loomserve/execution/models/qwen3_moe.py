@@ -12,9 +12,10 @@ As transformers' modeling_qwen3_moe does it:
 - with use_sliding_window every layer slides over sliding_window keys (HF's one mask).
 
 Experts are stacked as transformers 5 stores them, `mlp.experts.gate_up_proj` [experts, 2 * inter,
-hidden] (gate; up) and `mlp.experts.down_proj` [experts, hidden, inter], and run as a loop over
-the experts a step routes to (no grouped GEMM yet). load_weights takes both checkpoint layouts:
-the Hub's per-expert `mlp.experts.{e}.gate_proj.weight` (up_proj, down_proj) and the stacked one.
+hidden] (gate; up) and `mlp.experts.down_proj` [experts, hidden, inter], and run as grouped
+products (layers/grouped_experts.py; the per-expert loop where they do not apply). load_weights
+takes both checkpoint layouts: the Hub's per-expert `mlp.experts.{e}.gate_proj.weight` (up_proj,
+down_proj) and the stacked one.
 
 Tensor parallelism (Qwen3MoeTP): attention heads split like Llama's; the dense MLPs and every
 expert split by intermediate columns (experts replicated, each one's MLP split); the attention
@@ -126,6 +127,7 @@ class SparseMoE(ExpertParallel, nn.Module):
     locally or sharded over DP ranks (layers/expert_parallel.py)."""
 
     expert_params = ("experts.gate_up_proj", "experts.down_proj")
+    expert_act = "swiglu"  # grouped products (layers/grouped_experts.py)
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()

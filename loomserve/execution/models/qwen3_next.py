@@ -197,6 +197,7 @@ class SparseMoE(ExpertParallel, nn.Module):
     locally or sharded over DP ranks (layers/expert_parallel.py)."""
 
     expert_params = ("experts_gate_up", "experts_down")
+    expert_act = "swiglu"  # grouped products (layers/grouped_experts.py)
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
