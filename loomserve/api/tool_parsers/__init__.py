@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from loomserve.api.tool_parsers.base import ToolParser
 from loomserve.api.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from loomserve.api.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
 from loomserve.api.tool_parsers.glm45 import Glm45ToolParser
 from loomserve.api.tool_parsers.harmony import HarmonyToolParser
 from loomserve.api.tool_parsers.hermes import HermesToolParser
@@ -26,6 +27,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Llama3JsonToolParser,
         MistralToolParser,
         DeepSeekV3ToolParser,
+        DeepSeekV32ToolParser,
         KimiK2ToolParser,
         Glm45ToolParser,
         MinimaxM2ToolParser,
@@ -50,6 +52,7 @@ _TEMPLATE_MARKERS = (
     ("<|channel|>", "harmony"),
     ("<minimax:tool_call>", "minimax_m2"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("｜DSML｜", "deepseek_v32"),
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<arg_key>", "glm45"),
     ("<function=", "qwen3_coder"),
@@ -64,7 +67,7 @@ _MODEL_TYPES = {
     "kimi_k2": "kimi_k2",
     "kimi_linear": "kimi_k2",
     "deepseek_v3": "deepseek_v3",
-    "deepseek_v32": "deepseek_v3",
+    "deepseek_v32": "deepseek_v32",  # V3.2 ships no Jinja template; V3.2-Exp's says V3.1
     "glm4_moe": "glm45",
     "minimax_m2": "minimax_m2",
     "qwen3_coder": "qwen3_coder",

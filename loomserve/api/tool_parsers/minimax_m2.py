@@ -16,6 +16,9 @@ do); it also ends at the next <parameter name= or at </invoke> (a missing </para
 call also ends at the next <invoke name= or at </minimax:tool_call>. Arguments stream one
 complete parameter at a time; a call cut off by the end of output keeps its complete
 parameters. A block with no call in it is content, tags included.
+
+The tags are class attributes and `_add_param` reads one parameter: DeepSeek-V3.2's DSML
+(deepseek_v32.py) is the same grammar with other tags and a string attribute.
 """
 
 from __future__ import annotations
@@ -26,9 +29,6 @@ from loomserve.api.tool_parsers.xml_args import XmlArgs
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 INVOKE, INVOKE_END = "<invoke name=", "</invoke>"
 PARAM, PARAM_END = "<parameter name=", "</parameter>"
-BLOCK_TAGS = (INVOKE, CLOSE)
-BODY_TAGS = (PARAM, INVOKE_END, INVOKE, CLOSE)
-VALUE_ENDS = (PARAM_END, PARAM, INVOKE_END, INVOKE, CLOSE)
 
 
 class MinimaxM2ToolParser(ToolParser):
@@ -36,9 +36,15 @@ class MinimaxM2ToolParser(ToolParser):
     needs_special_tokens = True  # the block tags are added tokens of MiniMax-M2's tokenizer
     triggers = [OPEN]
     call_separator = "\n"
+    tags = (OPEN, CLOSE, INVOKE, INVOKE_END, PARAM, PARAM_END)
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
+        open_, close, invoke, invoke_end, param, param_end = self.tags
+        self._open, self._invoke, self._param_end = open_, invoke, param_end
+        self._block_tags = (invoke, close)
+        self._body_tags = (param, invoke_end, invoke, close)
+        self._value_ends = (param_end, param, invoke_end, invoke, close)
         self._schemas = tool_schemas(self.tools)
         self._state = "text"  # text | block | name | body | key | value
         self._args: XmlArgs | None = None
@@ -55,18 +61,18 @@ class MinimaxM2ToolParser(ToolParser):
         """One move of the state machine; False when it needs more text."""
         state = self._state
         if state == "text":
-            if self._scan_text((OPEN,), final) is None:
+            if self._scan_text((self._open,), final) is None:
                 return False
-            self._raw, self._state, self._block_calls = OPEN, "block", 0
+            self._raw, self._state, self._block_calls = self._open, "block", 0
         elif state == "block":  # between calls: <invoke name= or the block's end
-            tag = self._tag(BLOCK_TAGS)
+            tag = self._tag(self._block_tags)
             if tag is None:
                 return False
             if tag == "":  # stray text
                 if not self._block_calls:
                     return self._not_a_call()
                 self._buf = self._buf[1:]
-            elif tag == INVOKE:
+            elif tag == self._invoke:
                 self._state = "name"
             else:
                 self._end_block()
@@ -83,18 +89,18 @@ class MinimaxM2ToolParser(ToolParser):
             self._args_upto(self._args.text())
             self._state = "body"
         elif state == "body":  # between parameters
-            tag = self._tag(BODY_TAGS)
+            tag = self._tag(self._body_tags)
             if tag is None:
                 return False
             if tag == "":
                 self._buf = self._buf[1:]  # stray text between parameters: dropped
-            elif tag == PARAM:
+            elif tag == self._body_tags[0]:
                 self._state = "key"
             else:
                 self._end_call()
-                if tag == INVOKE:  # </invoke> omitted: the next call opens
+                if tag == self._invoke:  # </invoke> omitted: the next call opens
                     self._state = "name"
-                elif tag == INVOKE_END:
+                elif tag == self._body_tags[1]:
                     self._state = "block"
                 else:
                     self._end_block()
@@ -102,18 +108,22 @@ class MinimaxM2ToolParser(ToolParser):
             got = self._take_until((">",))
             if got is None:
                 return False
-            self._key, self._state = _unquote(got[0]), "value"
+            self._key, self._state = got[0], "value"
         else:  # value
-            got = self._take_until(VALUE_ENDS)
+            got = self._take_until(self._value_ends)
             if got is None:
                 return False
             value, end = got
-            if end != PARAM_END:
+            if end != self._param_end:
                 self._buf = end + self._buf  # it opens or closes what follows
-            self._args.add(self._key, value.strip())
+            self._add_param(self._args, self._key, value)
             self._args_upto(self._args.text())
             self._state = "body"
         return True
+
+    def _add_param(self, args: XmlArgs, head: str, value: str) -> None:
+        """One parameter: head is the text between the parameter tag and its '>'."""
+        args.add(_unquote(head), value.strip())
 
     def _tag(self, tags: tuple[str, ...]) -> str | None:
         """After whitespace, the tag the buffer starts with (consumed), '' for other text, None

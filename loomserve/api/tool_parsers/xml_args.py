@@ -3,7 +3,9 @@
 Each value is text; the tool's parameter schema types it: a string parameter stays a string,
 number / integer / boolean / object / array / null values are parsed as JSON (object / array
 also as a Python literal, which these models sometimes write) when that gives the type; anything
-else, an unknown parameter included, stays a string.
+else, an unknown parameter included, stays a string. A format that says itself whether a value
+is a string (DeepSeek-V3.2's string="true|false") decides where the schema does not: for an
+untyped or unknown parameter, and between string and another type of a union.
 """
 
 from __future__ import annotations
@@ -35,9 +37,18 @@ def schema_types(prop: dict | None) -> set[str]:
     return types
 
 
-def convert_value(raw: str, prop: dict | None):
-    """The JSON value of one parameter's text, by its schema."""
+def convert_value(raw: str, prop: dict | None, is_string: bool | None = None):
+    """The JSON value of one parameter's text, by its schema (and the format's string flag)."""
     types = schema_types(prop)
+    if is_string is not None and (not types or "any" in types or
+                                  ("string" in types and len(types) > 1)):
+        if is_string:
+            return raw
+        try:  # written as JSON (NaN and Infinity are not JSON)
+            return json.loads(raw, parse_constant=_not_json)
+        except (ValueError, RecursionError):
+            if not types or "any" in types:
+                return raw
     if not types or types == {"string"}:
         return raw
     text = raw.strip()
@@ -58,6 +69,10 @@ def convert_value(raw: str, prop: dict | None):
     return raw
 
 
+def _not_json(name: str):
+    raise ValueError(name)
+
+
 class XmlArgs:
     """Builds a call's arguments as JSON object text, one complete parameter at a time.
 
@@ -69,8 +84,8 @@ class XmlArgs:
         self._text = "{"
         self.closed = False
 
-    def add(self, key: str, raw: str) -> None:
-        value = convert_value(raw, self._props.get(key))
+    def add(self, key: str, raw: str, is_string: bool | None = None) -> None:
+        value = convert_value(raw, self._props.get(key), is_string)
         sep = "" if self._text == "{" else ", "
         item = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
         self._text += sep + item

@@ -2,8 +2,8 @@
 
 Each sample: (parser, text, content, [(name, arguments as a Python value), ...]). Written from
 the formats' documentation and chat templates (Qwen2.5/3, Hermes, SmolLM2, Qwen3-Coder, Llama
-3.1, Mistral v3 and v11 tokenizers, DeepSeek-V3 / V3.1, Kimi-K2, GLM-4.5, MiniMax-M2, gpt-oss
-harmony).
+3.1, Mistral v3 and v11 tokenizers, DeepSeek-V3 / V3.1, DeepSeek-V3.2's DSML, Kimi-K2, GLM-4.5,
+MiniMax-M2, gpt-oss harmony).
 """
 
 from __future__ import annotations
@@ -114,6 +114,24 @@ SAMPLES = [
      '<parameter name="days">3</invoke></minimax:tool_call> and <minimax:tool_call>\n<invoke '
      'name="search"><parameter name="query">a < b</parameter></invoke></minimax:tool_call>',
      "and ", [PARIS, ("search", {"query": "a < b"})]),
+    # -- deepseek_v32 (DSML) ----------------------------------------------------------------
+    # as DeepSeek's encoder writes it: "\n\n" before the block, string="true" values verbatim
+    ("deepseek_v32", "Checking.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter '
+     'name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke '
+     'name="search">\n<｜DSML｜parameter name="query" string="true">' + CODE +
+     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>", "Checking.\n\n",
+     [PARIS, ("search", {"query": CODE})]),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n</｜DSML｜invoke>\n'
+     "</｜DSML｜function_calls>\n\nDone.", "Done.", [("search", {})]),
+    # JSON values typed by the flag where the schema does not say (an unknown parameter), a
+    # missing </｜DSML｜parameter> and </｜DSML｜invoke>
+    ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="search"><｜DSML｜parameter '
+     'name="filters" string="false">{"site": "a.b", "n": [1]}</｜DSML｜parameter><｜DSML｜'
+     'parameter name="query" string="true">a < b<｜DSML｜invoke name="get_weather"><｜DSML｜'
+     'parameter name="city" string="true">Paris</｜DSML｜parameter><｜DSML｜parameter name="days" '
+     'string="false">3</｜DSML｜function_calls> and DSML｜ text', "and DSML｜ text",
+     [("search", {"filters": {"site": "a.b", "n": [1]}, "query": "a < b"}), PARIS]),
     # -- harmony (gpt-oss) -------------------------------------------------------------------
     ("harmony", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"

@@ -41,6 +41,11 @@ EDGES = [
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
     ("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", []),
     ("hermes", "<tool_call>\n", "<tool_call>\n", []),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter '
+     'name="limit" string="false">5</｜DSML｜parameter>\n<｜DSML｜parameter name="query" '
+     'string="true">partial', "", [("search", {"limit": 5})]),
+    ("deepseek_v32", "<｜DSML｜function_calls>no call</｜DSML｜function_calls>",
+     "<｜DSML｜function_calls>no call</｜DSML｜function_calls>", []),
 ]
 
 
@@ -71,6 +76,22 @@ def test_schema_typed_values(raw, schema, value):
     assert convert_value(raw, schema) == value
 
 
+@pytest.mark.parametrize("raw,schema,is_string,value", [
+    (" 12 ", None, True, " 12 "),
+    ("[1, 2]", None, False, [1, 2]),
+    ("not json", None, False, "not json"),
+    ("NaN", None, False, "NaN"),  # not JSON
+    ("12", {"type": ["integer", "string"]}, True, "12"),
+    ("12", {"type": ["integer", "string"]}, False, 12),
+    ("12", {"type": "string"}, False, "12"),
+    ("12", {"type": "integer"}, True, 12),
+])
+def test_a_string_flag_decides_where_the_schema_does_not(raw, schema, is_string, value):
+    """DeepSeek-V3.2's string="true|false": for an untyped parameter and between the types of a
+    union; a schema of one type still wins."""
+    assert convert_value(raw, schema, is_string) == value
+
+
 def test_qwen3_coder_arguments_are_json_of_the_schema_types():
     text = ("<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n</parameter>\n"
             "<parameter=city>\n\"Paris\"\n</parameter>\n</function>\n</tool_call>")
@@ -85,6 +106,10 @@ def test_qwen3_coder_arguments_are_json_of_the_schema_types():
     ("{{- '<|python_tag|>' }}{% if builtin_tools %}ipython{% endif %}", "llama", "llama3_json"),
     ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]", "mistral", "mistral"),
     ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}", "deepseek_v3", "deepseek_v3"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}", "deepseek_v32", "deepseek_v3"),
+    ("{%- set dsml = '｜DSML｜' -%}{{ '<' ~ dsml ~ 'function_calls>' }}", "deepseek_v32",
+     "deepseek_v32"),
+    (None, "deepseek_v32", "deepseek_v32"),
     ("<|tool_calls_section_begin|>", "kimi_k2", "kimi_k2"),
     ("<tool_call>{{ name }}<arg_key>{{ k }}</arg_key>", "glm4_moe", "glm45"),
     ("<|start|>assistant<|channel|>", "gpt_oss", "harmony"),

@@ -32,6 +32,10 @@ MARKERS = {
     "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="search">',
                    "</invoke>", '<parameter name="query">', '<parameter name="limit">',
                    "</parameter>", "<invoke name="],
+    "deepseek_v32": ["<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
+                     '<｜DSML｜invoke name="search">', "</｜DSML｜invoke>", "<｜DSML｜invoke name=",
+                     '<｜DSML｜parameter name="query" string="true">', "</｜DSML｜parameter>",
+                     '<｜DSML｜parameter name="limit" string="false">', ' string="'],
     "harmony": ["<|channel|>", "analysis", "final", "commentary", " to=functions.search",
                 "<|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|start|>assistant"],
 }
@@ -79,7 +83,7 @@ def test_any_text_keeps_the_invariants(name, data):
 
 
 @pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45",
-                                  "minimax_m2"])
+                                  "minimax_m2", "deepseek_v32"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_any_text_through_reasoning_and_tools(name, data):

@@ -413,11 +413,46 @@ def test_dep_dp2_matches_hf(ref, monkeypatch, capfd):
     assert len(ranks) == 2 and all(p > 0 and b > 0 for p, b in ranks), ranks
 
 
-def test_tool_parser_detected_from_the_fixture():
-    """The fixture's template carries no tool markers (tiny-llama's, as tiny-deepseek-v3's):
-    model_type deepseek_v32 picks DeepSeek-V3's tool-call format."""
+def test_chat_template_picks_dsml_and_think_parsers():
+    """The fixture's template writes DeepSeek-V3.2's DSML calls: auto-detection picks deepseek_v32
+    and deepseek_r1; a call the template renders into the history parses back; the prompt ends
+    with </think> (chat) or <think> (thinking=True), and the output starts inside the reasoning
+    only in the latter. A V3.1-style template (V3.2-Exp's) still gets deepseek_v3."""
+    from loomserve.api.chat.frontend import ChatFrontend, ChatRequest
+    from loomserve.api.chat.output_parser import ChatOutputParser
     from loomserve.api.tool_parsers import detect_tool_parser
+    from loomserve.engine.tokenizer import Tokenizer
+    from tests.api.parsers.helpers import calls_of, fold, run
 
-    cfg = json.loads((FIXTURES / NAME / "config.json").read_text())
-    template = json.loads((FIXTURES / NAME / "tokenizer_config.json").read_text())["chat_template"]
-    assert detect_tool_parser(template, cfg["model_type"]) == "deepseek_v3"
+    fe = ChatFrontend(Tokenizer.from_folder(PATH), model_type="deepseek_v32")
+    assert (fe.tool_parser_name, fe.reasoning_parser_name) == ("deepseek_v32", "deepseek_r1")
+    tools = [{"type": "function", "function": {
+        "name": "search", "description": "Search the web.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+                                                        "limit": {"type": "integer"}}}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "search", "arguments": '{"query": " fox ", "limit": 3}'}}
+    history = [{"role": "user", "content": "find the fox"},
+               {"role": "assistant", "content": "On it.", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "a fox"}]
+    block = ('\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="search">\n'
+             '<｜DSML｜parameter name="query" string="true"> fox </｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="limit" string="false">3</｜DSML｜parameter>\n'
+             "</｜DSML｜invoke>\n</｜DSML｜function_calls>")
+    for thinking in (False, True):
+        prepared = fe.prepare(ChatRequest(history, tools=tools,
+                                          template_kwargs={"thinking": thinking}))
+        text = prepared.prompt_text
+        head = "<｜Assistant｜><think></think>" if thinking else "<｜Assistant｜></think>"
+        assert head + "On it." + block + "<｜end▁of▁sentence｜>" in text
+        assert "\n\n<function_results>\n<result>a fox</result>\n</function_results>" in text
+        assert text.endswith("<think>" if thinking else "</think>")
+        assert prepared.starts_in_reasoning == thinking
+    turn = "Looking.</think>On it." + block  # what the model writes after <think>
+    parser = ChatOutputParser(prepared.tool_parser_cls(prepared.tools),
+                              prepared.reasoning_parser_cls(prepared.starts_in_reasoning))
+    result = fold(run(parser, list(turn)))
+    assert (result.reasoning, result.content) == ("Looking.", "On it.\n\n")
+    assert calls_of(result) == [("search", {"query": " fox ", "limit": 3})]
+    v31 = "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}<think>"
+    assert detect_tool_parser(v31, "deepseek_v32") == "deepseek_v3"
