@@ -22,11 +22,13 @@ from loomserve.config.control import ROLES, ControlConfig
 from loomserve.config.model import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, ModelConfig
 from loomserve.config.parallel import ParallelConfig
 from loomserve.config.scheduler import SchedulerConfig
+from loomserve.config.speculative import SpeculativeConfig, SpeculativeOptions
 from loomserve.config.tier import TierConfig
 from loomserve.config.units import MemoryBudget, parse_bytes, parse_memory
 
 PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-         "tier": TierConfig, "parallel": ParallelConfig, "control": ControlConfig}
+         "tier": TierConfig, "parallel": ParallelConfig, "control": ControlConfig,
+         "speculative": SpeculativeOptions}
 
 
 @dataclass
@@ -37,6 +39,7 @@ class EngineConfig:
     tier: TierConfig = field(default_factory=TierConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -79,5 +82,6 @@ def flat_defaults() -> dict[str, Any]:
 __all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "DEFAULT_CPU_KV_BYTES", "DEFAULT_GPU_KV_FRACTION",
            "DTYPES", "EVICTION_POLICIES", "KV_CACHE_DTYPES", "CacheConfig", "ControlConfig",
            "EngineConfig", "MemoryBudget", "ModelConfig", "ParallelConfig", "ROLES",
-           "SchedulerConfig", "TierConfig", "flat_defaults", "flat_fields", "parse_bytes",
+           "SchedulerConfig", "SpeculativeConfig", "TierConfig", "flat_defaults", "flat_fields",
+           "parse_bytes",
            "parse_memory"]

@@ -25,6 +25,9 @@ class ScheduledSeq:
     passing them costs nothing (the worker-receives-diffs rule matters once the worker is
     another process).
     sample is True when the chunk ends at the request's latest token, so a next token is due.
+    Speculative decoding: the last num_draft of token_ids are drafts after the request's latest
+    token (token_ids[0]); the runner runs the 1 + num_draft tokens as decode rows, each gets
+    logits and the drafts are verified (loomserve.execution.rejection_sampler).
     """
 
     request_id: str
@@ -44,7 +47,8 @@ class ScheduledSeq:
     history: list[int] | None = None
     num_prompt_tokens: int = 0
     suppress: list[int] | None = None
-    bitmask_row: int | None = None
+    bitmask_row: int | None = None  # with drafts: the first of its 1 + num_draft rows
+    num_draft: int = 0
 
 
 @dataclass
@@ -66,4 +70,7 @@ class ModelOutput:
     # request_id -> sampled token id, only for seqs with sample=True.
     sampled: dict[str, int]
     # request_id -> (sampled token's logprob, top-k ids, their logprobs), for seqs asking.
-    logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
+    # (a request with drafts: a list of those, one per token of `verified`)
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    # request_id -> accepted drafts then the token sampled after them, seqs with drafts only.
+    verified: dict[str, list[int]] = field(default_factory=dict)

@@ -1,7 +1,9 @@
 """ModelRunner: owns the model, the paged KV buffer and the sampler; turns a ModelInput into tokens.
 
 One step is one forward pass over all scheduled tokens flattened together (decode tokens first,
-then prefill chunks), logits only for the rows that end a seq due a token, then sampling.
+then prefill chunks), logits only for the rows that end a seq due a token, then sampling. A seq
+with drafts (speculative decoding) runs as one decode row per token, each with logits, and is
+verified instead of sampled (rejection_sampler.py).
 
 KV groups. The model declares one KVCacheSpec per layer; layers with equal specs form a group,
 ordered full attention first, then sliding window, then linear state (within a kind, by first
@@ -50,6 +52,7 @@ from loomserve.execution.parallel import prefill_context_parallel as pcp
 from loomserve.execution.parallel.context_parallel import DcpBackend, layout_for
 from loomserve.execution.parallel.shared_pool import map_pool
 from loomserve.execution.parallel.state import get_dcp, get_group, get_pcp, get_tp
+from loomserve.execution.rejection_sampler import verify
 from loomserve.execution.sampler import Sampler
 from loomserve.kv.planning import (
     PageSizing,
@@ -242,27 +245,33 @@ class ModelRunner:
         due, logits = self.compute_logits(inp)
         if not due:
             return ModelOutput(sampled={})
+        if any(s.num_draft for s in due):  # speculative decoding: drafts to verify
+            return verify(self.sampler, logits, due, inp.token_bitmask)
         out = self.sampler.sample(logits, due, inp.token_bitmask)
         return ModelOutput(sampled={s.request_id: t for s, t in zip(due, out.tokens)},
                            logprobs={due[i].request_id: lp for i, lp in out.logprobs.items()})
 
     @torch.inference_mode()
     def compute_logits(self, inp: ModelInput) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Forward pass; returns the seqs with sample=True (batch order) and their fp32 logits."""
+        """Forward pass; returns the seqs with sample=True (batch order) and their fp32 logits
+        (one row each; a seq with drafts: its last 1 + num_draft rows)."""
         seqs = [s for s in inp.seqs if s.token_ids]
         if not seqs:
             return [], torch.empty(0, self.vocab_size, device=self.device)
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
-        prefills = [s for s in seqs if len(s.token_ids) > 1]
+        # a seq with drafts runs as decode rows, one per token (_draft_rows)
+        decodes = [s for s in seqs if len(s.token_ids) == 1 or s.num_draft]
+        prefills = [s for s in seqs if len(s.token_ids) > 1 and not s.num_draft]
         for s in seqs:
             if s.start_pos + len(s.token_ids) > self.max_model_len:
                 raise ValueError(f"request {s.request_id} runs past max_model_len={self.max_model_len}")
-        ordered = decodes + prefills
         ids: list[int] = []
         last_row: dict[int, int] = {}  # id(seq) -> row of its last token in the flattened batch
-        for s in ordered:
+        for s in decodes + prefills:
             ids.extend(s.token_ids)
             last_row[id(s)] = len(ids) - 1
+        if any(s.num_draft for s in decodes):
+            decodes = _draft_rows(decodes)
+        ordered = decodes + prefills
         self._forget(inp, seqs)
         tables = self.block_tables
         if self.graphs is not None and not prefills and self.graphs.fits(len(decodes)):
@@ -314,7 +323,13 @@ class ModelRunner:
                        any(g is not None and g.rank != 0 for g in (self.dcp, self.pcp))):
             return [], torch.empty(0, self.vocab_size, device=self.device)
         # pinned and non-blocking: a pageable copy here would wait for the queued forward
-        rows = to_device(np.array([last_row[id(s)] for s in due], dtype=np.int64), self.device)
+        if any(s.num_draft for s in due):  # drafts to verify: logits of all 1 + d last rows
+            rows = to_device(np.array([r for s in due for r in range(
+                last_row[id(s)] - s.num_draft, last_row[id(s)] + 1)], dtype=np.int64),
+                self.device)
+        else:
+            rows = to_device(np.array([last_row[id(s)] for s in due], dtype=np.int64),
+                             self.device)
         return due, self.model.compute_logits(hidden[rows]).float()
 
     def _zero_new_blocks(self, meta, g: int) -> None:
@@ -375,6 +390,22 @@ class ModelRunner:
             out.append(StateSeq(row, row + n, s.start_pos, d.running_block, list(d.saves)))
             row += n
         return StateBatch(out)
+
+
+def _draft_rows(decodes: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The decode rows of a step whose seqs with drafts (speculative decoding) each become
+    1 + num_draft decode rows of the same request at consecutive positions. Every row's K/V is
+    written before attention reads the cache, so the row at position p sees the rows before it:
+    causal, through the decode kernels (the decode stack on a CPU), the same arithmetic as
+    decoding the tokens one at a time. Row order equals the flattened token order."""
+    out = []
+    for s in decodes:
+        if not s.num_draft:
+            out.append(s)
+            continue
+        out.extend(ScheduledSeq(s.request_id, [t], s.start_pos + j, s.block_ids, False, s.sampling,
+                                states=s.states) for j, t in enumerate(s.token_ids))
+    return out
 
 
 def _cache_modules(model, num_layers: int) -> list:

@@ -24,7 +24,12 @@ from loomserve.bench.metrics import DEFAULT_PRICES, compute_metrics
 from loomserve.bench.prompts import PromptBuilder
 from loomserve.bench.replay.driver import Replayer
 from loomserve.bench.replay.probe import probe_server
-from loomserve.bench.replay.scrape import counter_delta, scrape_hit_tokens_by_source
+from loomserve.bench.replay.scrape import (
+    counter_delta,
+    scrape_hit_tokens_by_source,
+    scrape_spec_decode,
+    spec_decode_summary,
+)
 from loomserve.bench.replay.timing import RealClock
 from loomserve.bench.replay.transport import HttpxTransport, Transport
 
@@ -133,6 +138,7 @@ async def run_replay(args, sessions, transport: Transport | None = None, on_reco
             temperature=getattr(args, "temperature", None), on_record=on_record)
         metrics_urls = getattr(args, "metrics_url", None)
         hits_before = await scrape_hit_tokens_by_source(transport, metrics_urls)
+        spec_before = await scrape_spec_decode(transport, metrics_urls)
         loop = asyncio.get_running_loop()
         try:
             loop.add_signal_handler(signal.SIGINT, replayer.interrupt)
@@ -157,6 +163,8 @@ async def run_replay(args, sessions, transport: Transport | None = None, on_reco
                 bar.close()
         hits_after = await scrape_hit_tokens_by_source(transport, metrics_urls) \
             if hits_before is not None else None
+        spec_after = await scrape_spec_decode(transport, metrics_urls) \
+            if spec_before is not None else None
     finally:
         if own:
             await transport.aclose()
@@ -165,6 +173,9 @@ async def run_replay(args, sessions, transport: Transport | None = None, on_reco
     metrics = compute_metrics(records, devices=args.devices,
                               device_price_per_hour=args.device_price_per_hour, prices=prices,
                               hit_tokens_by_source=counter_delta(hits_before, hits_after))
+    spec = spec_decode_summary(counter_delta(spec_before, spec_after))
+    if spec is not None:  # the server speculated (loomserve's spec_decode_* counters)
+        metrics["spec_decode"] = spec
     result = {
         "command": "agentx",
         "started_at": started,

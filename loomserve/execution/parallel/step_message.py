@@ -30,6 +30,7 @@ class SeqStep(msgspec.Struct, array_like=True, gc=False):
     # linear/SSM-state groups only (hybrid models): per group [g, running_block, init_from
     # (-1: none), zero_init, n0, page0, n1, page1, ...] (StateDirective, flattened)
     states: list[list[int]] = []
+    num_draft: int = 0  # speculative decoding: every rank computes the drafts' logits rows
 
 
 class StepMessage(msgspec.Struct, array_like=True, gc=False):
@@ -76,9 +77,9 @@ class BlockSyncSender:
             blocks.append(list(ids))
             now.append((ids, n))
         self.sent[s.request_id] = now
-        if s.states:
+        if s.states or s.num_draft:
             return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks,
-                           [_flat_state(g, d) for g, d in s.states.items()])
+                           [_flat_state(g, d) for g, d in s.states.items()], s.num_draft)
         return SeqStep(s.request_id, s.token_ids, s.start_pos, s.sample, reset, blocks)
 
 
@@ -103,7 +104,8 @@ class BlockSyncReceiver:
                 have[g].extend(ids)
                 out.append(have[g])
         self.tables[s.request_id] = out
-        seq = ScheduledSeq(s.request_id, s.token_ids, s.start_pos, out, s.sample, None)
+        seq = ScheduledSeq(s.request_id, s.token_ids, s.start_pos, out, s.sample, None,
+                           num_draft=s.num_draft)
         if s.states:
             seq.states = dict(_state_of(f) for f in s.states)
         return seq

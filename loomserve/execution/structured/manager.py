@@ -104,25 +104,42 @@ class StructuredManager:
     def fill_bitmask(self, model_input, requests: dict) -> None:
         """Set model_input.token_bitmask and each constrained seq's bitmask_row. One row per
         seq due a token, in the runner's order (seqs with tokens and sample=True), so the
-        sampler applies it to its logits rows as they are; other rows stay all-allowed."""
+        sampler applies it to its logits rows as they are; other rows stay all-allowed.
+        A seq with drafts has 1 + num_draft rows: row i is the mask after its first i drafts
+        (the matcher advanced over them, then rolled back; the core only schedules drafts the
+        grammar accepts)."""
         due = [s for s in model_input.seqs if s.token_ids and s.sample]
-        rows, matchers = [], []
-        for row, seq in enumerate(due):
+        rows, matchers, drafted = [], [], []
+        row = 0
+        for seq in due:
             req = requests.get(seq.request_id)
             if req is not None and req.grammar is not None:
-                rows.append(row)
-                matchers.append(req.grammar.matcher)
                 seq.bitmask_row = row
-        if not rows:
+                if seq.num_draft:
+                    drafted.append((row, seq, req.grammar.matcher))
+                else:
+                    rows.append(row)
+                    matchers.append(req.grammar.matcher)
+            row += 1 + seq.num_draft
+        if not rows and not drafted:
             return
         import xgrammar as xgr
-        bitmask = xgr.allocate_token_bitmask(len(due), self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(row, self.vocab_size)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        else:
+        elif matchers:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for first, seq, m in drafted:
+            m.fill_next_token_bitmask(bitmask, first)
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft:]
+            for i, t in enumerate(drafts):
+                if not m.accept_token(t):
+                    raise RuntimeError(f"request {seq.request_id}: a draft its grammar rejects "
+                                       "was scheduled")
+                m.fill_next_token_bitmask(bitmask, first + i + 1)
+            m.rollback(len(drafts))
         model_input.token_bitmask = bitmask
 
     def close(self) -> None:

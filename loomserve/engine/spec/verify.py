@@ -1,0 +1,129 @@
+"""The core's side of speculative decoding: drafts in, verified tokens out, counters.
+
+Flow per step (the scheduler calls in; loomserve.execution.rejection_sampler runs on rank 0):
+1. `begin_step` fixes the step's draft length from the budget (budget.py).
+2. For each running decode request, `drafts_for` asks the drafter for up to that many ids, cut
+   to what can be emitted (max_tokens, max_model_len, the step's token budget), before the
+   first stop token (nothing past a stop may be emitted, and a stop ends the request anyway)
+   and before the first id the request's grammar forbids. The request is scheduled as
+   1 + d query tokens: its last sampled token, then the drafts.
+3. The runner scores every row and accepts drafts left to right (exact rejection sampling);
+   `Scheduler.update` appends the accepted drafts and the one token sampled after them, and
+   rolls back the rest: num_computed_tokens drops to the accepted length. The KV rows of
+   rejected drafts are overwritten by the next tokens; no block is cached under their content
+   (blocks are hashed from the request's accepted tokens only). The blocks allocated for them
+   stay with the request, which fills them next (a block id list only grows: the runner's
+   block tables and the TP step message depend on it); every block returns at finish.
+4. `on_verified` feeds the budget and the metrics (vLLM's spec_decode_* counters);
+   `observe_step` gives the budget the time of each decode-only step and its row count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomserve.config.speculative import SpeculativeConfig
+from loomserve.engine.spec.budget import DraftBudget
+from loomserve.engine.spec.drafter import Drafter, DraftRequest
+from loomserve.engine.spec.ngram import NgramDrafter
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    """The drafter of config.method; any Drafter subclass plugs in through this."""
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    if config.method == "suffix":
+        from loomserve.engine.spec.suffix import SuffixDrafter
+        return SuffixDrafter(config)
+    raise ValueError(f"no drafter for method {config.method!r}")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counters, vLLM's meaning: a draft is one request's drafts in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 drafter: Drafter | None = None) -> None:
+        self.config = config
+        self.drafter = drafter or make_drafter(config)
+        self.budget = DraftBudget(config)
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.step_k = 0
+        self._views: dict[str, DraftRequest] = {}
+        self._step_accepted = self._step_rejections = 0
+
+    def begin_step(self, num_decodes: int) -> None:
+        self.step_k = self.budget.per_request(num_decodes)
+
+    def view(self, req) -> DraftRequest:
+        v = self._views.get(req.request_id)
+        if v is None:
+            v = self._views[req.request_id] = DraftRequest(
+                req.request_id, req.session_id, req.all_token_ids, req.num_prompt_tokens)
+        return v
+
+    def drafts_for(self, req, token_budget: int) -> list[int]:
+        """Drafts to verify for a decoding request this step (often none)."""
+        k = min(self.step_k, token_budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens)
+        if k <= 0:
+            return []
+        drafts = self.drafter.propose(self.view(req), k)[:k]
+        stops = req.stop_token_ids
+        for i, t in enumerate(drafts):
+            if t in stops:
+                del drafts[i:]
+                break
+        if drafts and req.grammar is not None:
+            drafts = _grammar_prefix(req.grammar.matcher, drafts)
+        return drafts
+
+    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        per_pos = s.accepted_per_pos
+        for i in range(min(num_accepted, len(per_pos))):
+            per_pos[i] += 1
+        self._step_accepted += num_accepted
+        self._step_rejections += num_accepted < num_drafts
+
+    def observe_step(self, scheduled: list, seconds: float) -> None:
+        """A step ran: a decode-only one (drafts included) teaches the budget its row cost."""
+        if all(req.num_tokens - req.num_computed_tokens == 1 for req, _ in scheduled):
+            self.budget.observe_step(sum(n for _, n in scheduled), seconds)
+
+    def end_step(self) -> None:
+        if self._step_accepted or self._step_rejections:
+            self.budget.observe(self._step_accepted, self._step_rejections)
+            self._step_accepted = self._step_rejections = 0
+
+    def on_finished(self, req) -> None:
+        v = self._views.pop(req.request_id, None) or DraftRequest(
+            req.request_id, req.session_id, req.all_token_ids, req.num_prompt_tokens)
+        self.drafter.on_finished(v)
+
+    def drop_session(self, session_id: str) -> None:
+        self.drafter.drop_session(session_id)
+
+
+def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The longest prefix of drafts the grammar accepts from its current state (left as it
+    was: accepted tokens are rolled back)."""
+    n = 0
+    for t in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(t):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
