@@ -26,6 +26,7 @@ from loomserve.config import (
     flat_fields,
 )
 from loomserve.config.hf_overrides import parse_hf_overrides
+from loomserve.config.speculative import SpeculativeConfig
 from loomserve.control.cluster.cli import add_cluster_parser
 from loomserve.control.router.cli import add_router_parser
 from loomserve.control.store_launcher import add_store_parser
@@ -50,6 +51,15 @@ def _json_object(value: str) -> dict | None:
         return parse_hf_overrides(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--hf-overrides ")) from None
+
+
+def _speculative(value: str):
+    """--speculative-config: checked here, so a bad one is a usage error."""
+    try:
+        return SpeculativeConfig.parse(value)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config")
+                                         .lstrip(": ")) from None
 
 
 def _add_serve(sub) -> None:
@@ -94,6 +104,13 @@ def _add_server(p) -> None:
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default: %(default)s)")
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text, or one JSON object per line (request logs: "
+                        "request_id, session_id, tokens, latency) (default: %(default)s)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="export OpenTelemetry traces over OTLP/HTTP to URL (a bare "
+                        "http://host:4318 gets /v1/traces) (default: "
+                        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing)")
 
 
 def _add_model(p) -> None:
@@ -203,6 +220,12 @@ def _add_scheduling(p) -> None:
                    default=_DEFAULTS["prefill_schedule_interval"],
                    help="admit new prefill work only every N steps (default: %(default)s = "
                         "every step)")
+    g.add_argument("--speculative-config", type=_speculative, metavar="JSON",
+                   default=_DEFAULTS["speculative_config"],
+                   help="speculative decoding, vLLM's keys: {\"method\": \"ngram\" or "
+                        "\"suffix\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": 2, "
+                        "\"prompt_lookup_max\": 5, \"disable_by_batch_size\": N}; "
+                        "docs/design/speculative.md (default: off)")
     g.add_argument("--stream-interval", type=int, metavar="N",
                    default=_DEFAULTS["stream_interval"],
                    help="send a request's tokens to the client N at a time (default: "
@@ -274,8 +297,8 @@ def _add_chat(p) -> None:
                    help="a Jinja chat template file used instead of the model's")
     g.add_argument("--tool-call-parser", default="auto", metavar="NAME",
                    help="tool-call format: auto, none, hermes, qwen3_coder, llama3_json, "
-                        "mistral, deepseek_v3, kimi_k2, glm45, minimax_m2, harmony "
-                        "(default: %(default)s)")
+                        "mistral, deepseek_v3, deepseek_v32, kimi_k2, glm45, minimax_m2, "
+                        "harmony (default: %(default)s)")
     g.add_argument("--reasoning-parser", default="auto", metavar="NAME",
                    help="reasoning format: auto, none, qwen3, deepseek_r1, gpt_oss "
                         "(default: %(default)s)")

@@ -62,7 +62,8 @@ def register_anthropic_routes(app: FastAPI, h: Handler) -> None:
             it, first, timer = await h.start(request, prepared.prompt_token_ids, params,
                                             request_id, session_id=session,
                                             kv_transfer_params=body.kv_transfer_params,
-                                            priority=body.priority)
+                                            priority=body.priority,
+                                            prompt_text=prepared.prompt_text)
         except ClientGone:
             return Response(status_code=499)
         turn = _Turn(h, body, prepared.output_parser(), request_id, params, capped)
@@ -178,7 +179,10 @@ class _Turn:
 
 def _usage(out: RequestOutput, output_tokens: int | None = None) -> Usage:
     n = len(out.token_ids) if output_tokens is None else output_tokens
-    return Usage.of(len(out.prompt_token_ids), out.num_cached_tokens, n)
+    usage = Usage.of(len(out.prompt_token_ids), out.num_cached_tokens, n)
+    if out.miss_causes is not None:
+        usage.miss_causes = out.miss_causes  # extra="allow": serialized only when set
+    return usage
 
 
 class BlockAssembler:

@@ -309,7 +309,10 @@ def _unsupported(block: ContentBlock, at: str):
 
 class Usage(BaseModel):
     """Anthropic counts input_tokens without the cached ones: input_tokens +
-    cache_read_input_tokens + cache_creation_input_tokens is the prompt's length."""
+    cache_read_input_tokens + cache_creation_input_tokens is the prompt's length. Extension:
+    miss_causes, input_tokens by cause (loomserve.kv.miss_causes), absent when unknown."""
+
+    model_config = ConfigDict(extra="allow")
 
     input_tokens: int
     output_tokens: int

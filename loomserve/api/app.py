@@ -30,6 +30,7 @@ from loomserve.api.metrics import ServerMetrics
 from loomserve.api.openai_api import register_openai_routes
 from loomserve.api.protocol import ModelCard, ModelList
 from loomserve.api.responses_api import register_responses_routes
+from loomserve.api.tokenize_api import register_tokenize_routes
 from loomserve.engine.async_llm import EngineDeadError
 
 log = logging.getLogger("loomserve.api")
@@ -38,12 +39,14 @@ log = logging.getLogger("loomserve.api")
 def build_app(engine, api_keys: list[str] | None = None, *,
               served_model_names: list[str] | None = None, chat_template: str | None = None,
               tool_call_parser: str = "auto", reasoning_parser: str = "auto",
-              response_store=None) -> FastAPI:
+              response_store=None, otlp_traces_endpoint: str | None = None) -> FastAPI:
     """The app over an AsyncLLM-like engine; with api_keys, every route but /health and
     /metrics needs one of them. served_model_names: the names requests may use (default: the
     engine's); chat_template: a template's text overriding the model's; the parser names as
     the serve flags take them (auto, none, or a name); response_store: the Responses API's
-    store of previous responses (default: ResponseStore()). ValueError for an unknown parser."""
+    store of previous responses (default: ResponseStore()); otlp_traces_endpoint: where
+    traces go (tracing.py; None: no tracing, the SDK never imported). ValueError for an
+    unknown parser."""
     app = FastAPI(title="loomserve", docs_url=None, redoc_url=None)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=list(api_keys))
@@ -56,14 +59,20 @@ def build_app(engine, api_keys: list[str] | None = None, *,
              chat.reasoning_parser_name,
              "" if chat.renderer is None or chat.renderer.supports_tools
              else " (the chat template has no tools: Hermes fallback)")
-    h = Handler(engine, metrics, chat, names)
+    tracing = None
+    if otlp_traces_endpoint:
+        from loomserve.api.tracing import Tracing
+        tracing = Tracing(otlp_traces_endpoint, "loomserve")
+    h = Handler(engine, metrics, chat, names, tracing)
+    app.state.tracing = tracing
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.handler = h
     started = int(time.time())
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=started, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=started, max_model_len=engine.max_model_len,
+                         root=getattr(engine.ready, "model_folder", None) or name)
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,6 +115,7 @@ def build_app(engine, api_keys: list[str] | None = None, *,
     register_openai_routes(app, h)
     register_anthropic_routes(app, h)
     register_responses_routes(app, h, response_store)
+    register_tokenize_routes(app, h)
     return app
 
 

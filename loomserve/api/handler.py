@@ -29,6 +29,7 @@ from loomserve.api.errors import (
     overloaded,
 )
 from loomserve.api.metrics import RequestTimer, ServerMetrics
+from loomserve.api.prompt_diff import SessionPrompts
 from loomserve.engine.async_llm import EngineDeadError, EngineOverloadedError
 from loomserve.engine.output import RequestOutput
 from loomserve.sampling_params import SamplingParams
@@ -73,11 +74,15 @@ class Handler:
     names the model is served under (the first is the one responses report)."""
 
     def __init__(self, engine, metrics: ServerMetrics, chat=None,
-                 served_model_names: list[str] | None = None) -> None:
+                 served_model_names: list[str] | None = None, tracing=None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.tracing = tracing  # tracing.Tracing, or None: no span, no SDK import
         self.chat = chat
         self.served_model_names = list(served_model_names or [engine.model_name])
+        # Each session's latest rendered prompt: where a turn stopped extending the last one
+        # (the text side of the `diverged` miss cause, api.prompt_diff).
+        self.prompts = SessionPrompts()
 
     @property
     def model_name(self) -> str:
@@ -95,7 +100,8 @@ class Handler:
     async def start(self, request: Request, prompt: str | list[int], params: SamplingParams,
                     request_id: str, *, session_id: str | None = None,
                     cache_salt: str | None = None, sibling_of: str | None = None,
-                    kv_transfer_params: dict | None = None, priority: int = 0):
+                    kv_transfer_params: dict | None = None, priority: int = 0, n: int = 1,
+                    prompt_text: str | None = None):
         """Submit to the engine and wait for the first output.
 
         Waiting before any byte is sent lets engine-side validation errors (prompt too long,
@@ -103,8 +109,27 @@ class Handler:
         (Anthropic metadata.user_id, Responses prompt_cache_key), resolved by `session_of`.
         sibling_of: another sample of the same prompt (n > 1), whose prompt KV this one reuses.
         priority: the scheduling priority (lower first), passed on only when set.
+        n: the request's sample count (recorded once, by sample 0).
+        prompt_text: the rendered chat prompt, compared with the session's previous one.
         """
-        timer = self.metrics.tracker()
+        session = session_of(request, session_id)
+        trace = None if self.tracing is None else self.tracing.request(
+            request.headers, request_id, kv_transfer_params, self.model_name, params)
+        timer = self.metrics.tracker(request_id, session_id=session, max_tokens=params.max_tokens,
+                                     n=0 if sibling_of is not None else n, trace=trace)
+        if prompt_text is not None and sibling_of is None:
+            timer.divergence = self.prompts.observe(session, None, prompt_text)
+        try:
+            return await self._submit(request, prompt, params, request_id, timer, session,
+                                      cache_salt, sibling_of, kv_transfer_params, priority)
+        except BaseException as e:
+            if trace is not None:
+                trace.fail(e)
+            raise
+
+    async def _submit(self, request: Request, prompt, params: SamplingParams, request_id: str,
+                      timer: RequestTimer, session: str | None, cache_salt: str | None,
+                      sibling_of: str | None, kv_transfer_params: dict | None, priority: int):
         extra = {"sibling_of": sibling_of} if sibling_of is not None else {}
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params
@@ -113,7 +138,7 @@ class Handler:
         try:
             it = self.engine.generate(
                 prompt, params, request_id,
-                session_id=session_of(request, session_id),
+                session_id=session,
                 parent_session_id=request.headers.get("x-parent-session-id"),
                 cache_salt=cache_salt, **extra)
             if inspect.isawaitable(it):
@@ -139,7 +164,7 @@ class Handler:
         except BaseException:
             await self._abort(it, request_id)
             raise
-        timer.on_output(len(first.new_token_ids), first.finished, first.finish_reason)
+        timer.observe(first)
         return it, first, timer
 
     async def collect(self, request: Request, it, first: RequestOutput, timer: RequestTimer,
@@ -151,7 +176,7 @@ class Handler:
                     out = await it.__anext__()
                 except StopAsyncIteration:
                     break
-                timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+                timer.observe(out)
             return out
 
         try:
@@ -218,7 +243,7 @@ class Handler:
                     logger.exception("request %s failed mid-stream", request_id)
                     yield error(f"{type(e).__name__}: {e}", "internal_server_error", None)
                     break
-                timer.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+                timer.observe(out)
                 for payload in chunks(out, False):
                     yield encode(payload)
             if done:

@@ -4,11 +4,15 @@ Engine-side numbers (queue sizes, KV blocks, cumulative token counters, per-tier
 are read at scrape time from the latest stats the core sent (engine.stats()), so the core
 never touches prometheus.
 Latencies are only visible where tokens reach the client, so the server observes them.
+Every family is also exported under vLLM's name (vllm_metrics.py); a finished request's
+timing feeds those histograms, its trace (tracing.py) and the request log.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +24,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from loomserve.api.vllm_metrics import VLLMRequestMetrics, VLLMStatsCollector
+from loomserve.kv.miss_causes import CAUSES
 
 PREFIX = "loomserve"
 
@@ -91,6 +98,25 @@ class EngineStatsCollector(Collector):
                       getattr(s, "step_cost_samples", 0))
         yield counter("num_requests_rejected", "Requests refused with HTTP 429 because the "
                       "waiting queue was full (--max-waiting-requests).", s.num_rejected)
+        yield from self.spec_decode(s, counter)
+
+    def spec_decode(self, s, counter):
+        """vLLM's spec_decode_* families, only when the engine speculates."""
+        per_pos = getattr(s, "spec_decode_num_accepted_tokens_per_pos", None)
+        if not per_pos:
+            return
+        yield counter("spec_decode_num_drafts", "Speculative decoding: drafts verified (one "
+                      "request's drafts in one step).", s.spec_decode_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
+                      "verified.", s.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
+                      "accepted.", s.spec_decode_num_accepted_tokens)
+        c = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                "Speculative decoding: draft tokens accepted, by position in "
+                                "the draft (0: the first).", labels=["model_name", "position"])
+        for pos, n in enumerate(per_pos):
+            c.add_metric([self.model_name, str(pos)], n)
+        yield c
 
 
 class _TierSnapshot:
@@ -114,6 +140,8 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(VLLMStatsCollector(engine, model_name))
+        self.vllm = VLLMRequestMetrics(self.registry, model_name, engine.max_model_len)
         if engine.ready.tier_names:  # per tier: hits, misses, bytes moved, latency, health
             from loomserve.kv.tiers import prometheus_collector
             self.registry.register(prometheus_collector(lambda: tier_stats(engine.stats()),
@@ -126,6 +154,10 @@ class ServerMetrics:
                           "capacity_tokens"], registry=self.registry).labels(
             model_name, str(r.block_size), r.kv_cache_dtype, str(r.kv_blocks_total),
             str(r.kv_capacity_tokens)).set(1)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              labelnames=["block_size", "cache_dtype", "num_gpu_blocks", "engine"],
+              registry=self.registry).labels(str(r.block_size), r.kv_cache_dtype,
+                                             str(r.kv_blocks_total), "0").set(1)
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
                               "Time from request arrival to the first output token.",
@@ -140,35 +172,133 @@ class ServerMetrics:
                                  "Requests finished, by finish reason.",
                                  labelnames=["model_name", "finished_reason"],
                                  registry=self.registry)
+        self._miss = Counter(f"{PREFIX}_prefix_cache_miss_tokens",
+                             "Uncached prompt tokens of finished requests, by why they missed "
+                             "(loomserve.kv.miss_causes); they sum to prompt - cached tokens.",
+                             labelnames=["model_name", "cause"], registry=self.registry)
+        for cause in CAUSES:  # present at 0, so dashboards see every series
+            self._miss.labels(model_name, cause)
 
-    def tracker(self) -> "RequestTimer":
-        return RequestTimer(self)
+    def tracker(self, request_id: str | None = None, *, session_id: str | None = None,
+                max_tokens: int | None = None, n: int = 1, trace=None) -> "RequestTimer":
+        return RequestTimer(self, request_id, session_id=session_id, max_tokens=max_tokens,
+                            n=n, trace=trace)
 
     def finished(self, reason: str | None) -> None:
         self._finished.labels(self.model_name, reason or "unknown").inc()
+
+    def missed(self, causes: dict[str, int]) -> None:
+        for cause, tokens in causes.items():
+            self._miss.labels(self.model_name, cause).inc(tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class RequestTimer:
-    """Observes one request's latencies as its outputs reach the server."""
+request_log = logging.getLogger("loomserve.requests")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+
+@dataclass
+class RequestTiming:
+    """One finished request, as the server saw it (seconds). queue_s: the core's wait before
+    admission (on a decode leg it holds the KV pull); prefill_s: admission to the first token;
+    decode_s: first token to the last; prefill_s + queue_s + decode_s == e2e_s."""
+
+    arrival_ns: int  # wall clock, for spans
+    e2e_s: float
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    ttft_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    tier_cached_tokens: int
+    output_tokens: int
+    max_tokens: int | None
+    n: int
+
+
+class RequestTimer:
+    """Observes one request's latencies as its outputs reach the server; at its finished output,
+    records it once: vLLM's histograms, its trace (when traced), a request log line."""
+
+    def __init__(self, metrics: ServerMetrics, request_id: str | None = None, *,
+                 session_id: str | None = None, max_tokens: int | None = None, n: int = 1,
+                 trace=None) -> None:
         self.metrics = metrics
+        self.request_id, self.session_id = request_id, session_id
+        self.max_tokens, self.n, self.trace = max_tokens, n, trace
         self.arrival = time.monotonic()
+        self.arrival_ns = time.time_ns()
+        self.first: float | None = None
         self.last: float | None = None
+        self.done = False
+        self.divergence = None  # api.prompt_diff.Divergence from the session's last prompt
+
+    def observe(self, out) -> None:
+        """One RequestOutput as it reached the server."""
+        self.on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+        if out.finished and not self.done:
+            self.done = True
+            self._record(out)
 
     def on_output(self, num_new_tokens: int, finished: bool, finish_reason: str | None) -> None:
         now = time.monotonic()
+        m = self.metrics
         if num_new_tokens > 0:
             if self.last is None:
-                self.metrics.ttft.observe(now - self.arrival)
+                self.first = now
+                m.ttft.observe(now - self.arrival)
+                m.vllm.tokens(num_new_tokens, None)
             else:
                 gap = (now - self.last) / num_new_tokens
                 for _ in range(num_new_tokens):
-                    self.metrics.itl.observe(gap)
+                    m.itl.observe(gap)
+                m.vllm.tokens(num_new_tokens, now - self.last)
             self.last = now
         if finished:
-            self.metrics.e2e.observe(now - self.arrival)
-            self.metrics.finished(finish_reason)
+            self.end = now
+            m.e2e.observe(now - self.arrival)
+            m.finished(finish_reason)
+
+    def timing(self, out) -> RequestTiming:
+        e2e = self.end - self.arrival
+        first = self.first if self.first is not None else self.end
+        queue = min(max(out.queued_s or 0.0, 0.0), first - self.arrival)
+        return RequestTiming(
+            self.arrival_ns, e2e, queue, first - self.arrival - queue, self.end - first,
+            None if self.first is None else self.first - self.arrival,
+            len(out.prompt_token_ids), out.num_cached_tokens, out.num_tier_cached_tokens,
+            len(out.token_ids), self.max_tokens, self.n)
+
+    def _log_miss(self, t: RequestTiming, miss: dict, detail: dict) -> None:
+        """The debug-level line: why the uncached prompt tokens missed, and where the prompt
+        stopped extending the session's previous one (text side)."""
+        div = self.divergence.as_dict() if self.divergence is not None else None
+        request_log.debug(
+            "request %s missed %d prompt tokens: %s %s%s", self.request_id,
+            t.prompt_tokens - t.cached_tokens, miss, detail,
+            "" if div is None else f" prompt diverged: {div}", extra={
+                "request_id": self.request_id, "session_id": self.session_id,
+                "miss_causes": miss, "miss_detail": detail, "prompt_divergence": div})
+
+    def _record(self, out) -> None:
+        t = self.timing(out)
+        self.metrics.vllm.finished(t, out.finish_reason)
+        miss = getattr(out, "miss_causes", None)
+        if miss:
+            self.metrics.missed(miss)
+            if request_log.isEnabledFor(logging.DEBUG):
+                self._log_miss(t, miss, getattr(out, "miss_detail", None) or {})
+        if self.trace is not None:
+            self.trace.finish(t, out)
+        if request_log.isEnabledFor(logging.INFO):
+            request_log.info(
+                "request %s finished (%s): prompt %d tokens (%d cached), output %d tokens, "
+                "%.3f s", self.request_id, out.finish_reason, t.prompt_tokens, t.cached_tokens,
+                t.output_tokens, t.e2e_s, extra={
+                    "request_id": self.request_id, "session_id": self.session_id,
+                    "finish_reason": out.finish_reason, "prompt_tokens": t.prompt_tokens,
+                    "cached_tokens": t.cached_tokens, "output_tokens": t.output_tokens,
+                    "latency_s": round(t.e2e_s, 6),
+                    "ttft_s": None if t.ttft_s is None else round(t.ttft_s, 6)})

@@ -79,7 +79,8 @@ def register_openai_routes(app: FastAPI, h: Handler) -> None:
             samples = await start_samples(
                 h, request, prepared.prompt_token_ids, prepared.apply(params), request_id,
                 body.n, session_id=body.prompt_cache_key, cache_salt=body.cache_salt,
-                kv_transfer_params=body.kv_transfer_params, priority=body.priority)
+                kv_transfer_params=body.kv_transfer_params, priority=body.priority,
+                prompt_text=prepared.prompt_text)
         except ClientGone:
             return Response(status_code=499)
         parsers = [prepared.output_parser() for _ in range(body.n)]

@@ -21,7 +21,18 @@ class Lenient(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
+    """cached_tokens, and once known the extension miss_causes: the uncached prompt tokens
+    by cause (loomserve.kv.miss_causes; absent, not null, when unknown)."""
+
+    model_config = ConfigDict(extra="allow")
+
     cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> "PromptTokensDetails":
+        if out.miss_causes is None:
+            return cls(cached_tokens=out.num_cached_tokens)
+        return cls(cached_tokens=out.num_cached_tokens, miss_causes=out.miss_causes)
 
 
 class Usage(BaseModel):
@@ -42,8 +53,7 @@ class Usage(BaseModel):
         completion = sum(len(o.token_ids) for o in outs)
         return cls(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(
-                       cached_tokens=outs[0].num_cached_tokens))
+                   prompt_tokens_details=PromptTokensDetails.of(outs[0]))
 
 
 class ModelCard(BaseModel):
@@ -51,6 +61,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loomserve"
+    root: str | None = None  # vLLM's: the weights the name serves (its folder)
+    parent: str | None = None  # vLLM's: the base model of an adapter (none here)
     max_model_len: int | None = None
 
 

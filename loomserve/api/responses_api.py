@@ -247,7 +247,9 @@ class ResponsesService:
         usage = {
             "input_tokens": len(out.prompt_token_ids),
             "input_tokens_details": {"cached_tokens": out.num_cached_tokens,
-                                     "cache_write_tokens": 0},
+                                     "cache_write_tokens": 0,
+                                     **({"miss_causes": out.miss_causes}
+                                        if out.miss_causes is not None else {})},
             "output_tokens": len(out.token_ids),
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
                                                               len(out.token_ids))},
@@ -272,7 +274,8 @@ def register_responses_routes(app: FastAPI, h: Handler, store: ResponseStore | N
                                             turn.params, turn.response_id,
                                             session_id=turn.session_id,
                                             kv_transfer_params=body.kv_transfer_params,
-                                            priority=body.priority)
+                                            priority=body.priority,
+                                            prompt_text=turn.prepared.prompt_text)
         except ClientGone:
             return Response(status_code=499)
         builder = OutputBuilder(body.parallel_tool_calls, turn.namespace_of)

@@ -26,7 +26,7 @@ class Batch:
 
 
 class NullTimer:
-    def on_output(self, *args) -> None:
+    def observe(self, out) -> None:
         pass
 
 
@@ -74,7 +74,7 @@ class Samples:
 
     def _took(self, i: int, out: RequestOutput) -> tuple[int, RequestOutput]:
         """Sample i's new output, timed and recorded, as a batch part."""
-        self.timers[i].on_output(len(out.new_token_ids), out.finished, out.finish_reason)
+        self.timers[i].observe(out)
         self.latest[i] = out
         return i, out
 
@@ -105,7 +105,8 @@ async def start_samples(h, request: Request, prompt, params: SamplingParams, req
         return params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
 
     results = await asyncio.gather(*(
-        h.start(request, prompt, params_of(i), rid, sibling_of=ids[0] if i else None, **kw)
+        h.start(request, prompt, params_of(i), rid, sibling_of=ids[0] if i else None, n=n,
+                **kw)
         for i, rid in enumerate(ids)), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import os
 import sys
 
 from loomserve.config import EngineConfig
 
 DEAD_GRACE_S = 2.0
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 EXIT_CORE_DIED = 1
 
 
@@ -59,10 +60,11 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
     from loomserve.api.app import build_app
+    from loomserve.api.log_format import configure_logging, uvicorn_log_config
     from loomserve.engine.async_llm import AsyncLLM, EngineStartError
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = getattr(args, "log_format", "text")
+    configure_logging(args.log_level, log_format)
     try:
         options = chat_options(args)  # before the model loads: a typo fails fast
     except ValueError as e:
@@ -74,16 +76,22 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     except EngineStartError as e:
         print(f"loomserve: error: {e}", file=sys.stderr)
         return 1
+    app = None
     try:
-        app = build_app(engine, api_keys=[args.api_key] if args.api_key else None, **options)
+        app = build_app(engine, api_keys=[args.api_key] if args.api_key else None,
+                        otlp_traces_endpoint=traces_endpoint(
+                            getattr(args, "otlp_traces_endpoint", None)), **options)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level=args.log_level,
+                                               log_config=uvicorn_log_config(log_format),
                                                timeout_graceful_shutdown=5))
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(startup_line(engine, config, f"http://{host}:{args.port}"), flush=True)
         _run_loop(_run(server, engine))
     finally:
         engine.shutdown()
+        if app is not None and app.state.tracing is not None:
+            app.state.tracing.shutdown()  # export the spans still buffered
     if engine.dead is not None:
         print(f"loomserve: the engine core died ({engine.dead.error}); exiting",
               file=sys.stderr, flush=True)
@@ -159,3 +167,8 @@ async def _run(server, engine) -> None:
 
 def _stop(server) -> None:
     server.should_exit = True
+
+
+def traces_endpoint(flag: str | None) -> str | None:
+    """--otlp-traces-endpoint, else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else None (off)."""
+    return flag or os.environ.get(OTLP_ENDPOINT_ENV) or None

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from loomserve.bench.miss_gap import attribute_gap
+
 DEFAULT_PRICES = {"cached_input": 0.50, "uncached_input": 5.0, "output": 25.0}  # $ per M tokens
 
 
@@ -54,6 +56,9 @@ class RequestRecord:
     turn: int = 0
     prompt_ids: list[int] | None = None  # only with --record-prompts
     output_text: str | None = None       # only with --record-outputs
+    # server usage prompt_tokens_details.miss_causes (loomserve servers): uncached tokens by
+    # cause (loomserve.kv.miss_causes)
+    miss_causes: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -162,6 +167,8 @@ def compute_metrics(records, devices: int = 1, device_price_per_hour: float | No
         "ttft_cdf": _cdf(ttft),
         "timeline": timeline(ok, t0, t1, timeline_bins),
     }
+    if any(r.miss_causes is not None for r in ok):
+        m["miss_gap"] = miss_gap(ok)
     if hit_tokens_by_source is not None:
         split = hit_split(hit_tokens_by_source, recs)
         m["hit_rate"]["by_source"] = split.pop("shares")
@@ -199,6 +206,17 @@ def hit_split(delta: dict[str, float], records) -> dict:
         "attribution_factor": factor,
         "exact": total == cached,
     }
+
+
+def miss_gap(ok: list[RequestRecord]) -> dict:
+    """The served-vs-theoretical hit-rate gap attributed to the servers' miss causes
+    (loomserve.bench.miss_gap); the theoretical hit scaled to the served prompt's length."""
+    def theo(r: RequestRecord) -> int:
+        p, i = _prompt(r), r.intended_prompt_tokens
+        return r.theoretical_cached_tokens if not i or p == i else \
+            round(r.theoretical_cached_tokens * p / i)
+    return attribute_gap((_prompt(r), r.cached_tokens or 0, theo(r), r.miss_causes)
+                         for r in ok)
 
 
 def _prompt(r: RequestRecord) -> int:

@@ -17,6 +17,8 @@ import os
 import re
 import sys
 
+from loomserve.bench.miss_gap import format_gap
+
 WORK_TOLERANCE = 0.02  # prompt tokens per request may differ this much between compared runs
 
 # (label, path into the result, format, higher is better?)
@@ -44,6 +46,9 @@ ROWS = [
     ("E2E p99 s", ("metrics", "e2e_s", "p99"), "{:.3f}", False),
     ("hit rate served", ("metrics", "hit_rate", "served"), "{:.2%}", True),
     ("hit rate theoretical", ("metrics", "hit_rate", "theoretical"), "{:.2%}", None),
+    ("spec decode acceptance", ("metrics", "spec_decode", "acceptance_rate"), "{:.2%}", True),
+    ("spec decode mean accept length", ("metrics", "spec_decode", "mean_acceptance_length"),
+     "{:.2f}", True),
     ("prompt tokens", ("metrics", "tokens", "prompt"), "{:.0f}", None),
     ("output tokens", ("metrics", "tokens", "output"), "{:.0f}", None),
     ("tokens per $", ("metrics", "cost", "tokens_per_usd"), "{:.4g}", True),
@@ -67,9 +72,26 @@ def source_rows(results: list[dict]) -> list[tuple]:
                 None) for s in ordered])
 
 
+def gap_rows(results: list[dict]) -> list[tuple]:
+    """Rows for the hit-rate gap by miss cause, over the causes any result has."""
+    causes: dict[str, float] = {}
+    for r in results:
+        for c, v in (get(r, ("metrics", "miss_gap", "points")) or {}).items():
+            causes[c] = max(causes.get(c, 0.0), v)
+    if not causes and not any(get(r, ("metrics", "miss_gap", "gap_points")) is not None
+                              for r in results):
+        return []
+    return ([("hit gap points", ("metrics", "miss_gap", "gap_points"), "{:.2f}", False)]
+            + [(f"gap from {c}", ("metrics", "miss_gap", "points", c), "{:.2f}", False)
+               for c in sorted(causes, key=lambda c: -causes[c])]
+            + [("gap unattributed", ("metrics", "miss_gap", "unattributed_points"), "{:.2f}",
+                None)])
+
+
 def rows_for(results: list[dict]) -> list[tuple]:
-    """ROWS, with the split by source (when any run has it) after the served hit rate."""
-    extra = source_rows(results)
+    """ROWS, with the split by source and the gap by miss cause (when any run has them)
+    after the theoretical hit rate."""
+    extra = source_rows(results) + gap_rows(results)
     if not extra:
         return list(ROWS)
     at = next(i for i, r in enumerate(ROWS) if r[0] == "hit rate theoretical") + 1
@@ -107,6 +129,7 @@ def summary_table(result: dict) -> str:
         lines.append(f"  note: hit split from /metrics: {scrape['server_delta_total']:.0f} hit "
                      f"tokens on the server vs {scrape['replay_cached_tokens']:.0f} in the "
                      "measured usage (primers or other traffic); attributed pro rata")
+    lines.extend(format_gap(m.get("miss_gap") or {}))
     errs = m.get("errors_by_kind") or {}
     if errs:
         lines.append("  errors by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(errs.items())))
@@ -263,9 +286,43 @@ def plot_hit_rate(result: dict, path: str) -> str:
     return path
 
 
+def plot_miss_gap(gaps: list[dict], labels: list[str], path: str) -> str:
+    """One stacked bar per run: the served hit rate, then the gap to the theoretical one by
+    miss cause (loomserve.bench.miss_gap), the unattributed remainder last."""
+    plt = _plt()
+    causes = sorted({c for g in gaps for c in g.get("points", {})})
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.3 * len(gaps) + 3.5), 4.5))
+    x = range(len(gaps))
+    bottom = [100 * g.get("served", 0.0) for g in gaps]
+    ax.bar(x, bottom, color="#4c72b0", label="served hit")
+    cmap = plt.get_cmap("tab10")
+    for k, c in enumerate(causes + ["unattributed"]):
+        h = [g.get("points", {}).get(c, 0.0) if c != "unattributed"
+             else max(0.0, g.get("unattributed_points", 0.0)) for g in gaps]
+        ax.bar(x, h, bottom=bottom, color="#bbbbbb" if c == "unattributed" else cmap(k + 1),
+               label=c)
+        bottom = [b + v for b, v in zip(bottom, h)]
+    for i, g in enumerate(gaps):
+        if "theoretical" in g:
+            ax.plot([i - 0.4, i + 0.4], [100 * g["theoretical"]] * 2, "k--", lw=1)
+    ax.set_xticks(list(x), labels, rotation=20, fontsize=8)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("prompt tokens (%)")
+    ax.set_title("served hits, then the gap to the theoretical (dashed) by miss cause",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_run_plots(result: dict, folder: str) -> list[str]:
     os.makedirs(folder, exist_ok=True)
-    return [plot_hit_rate(result, os.path.join(folder, "hit_rate_over_time.png")),
+    gap = get(result, ("metrics", "miss_gap"))
+    extra = [plot_miss_gap([gap], ["run"], os.path.join(folder, "miss_gap.png"))] \
+        if gap and "gap_points" in gap else []
+    return extra + [plot_hit_rate(result, os.path.join(folder, "hit_rate_over_time.png")),
             plot_ttft_cdf([result], os.path.join(folder, "ttft_cdf.png"), ["run"]),
             plot_pareto([result], os.path.join(folder, "pareto.png"), ["run"])]
 

@@ -30,6 +30,7 @@ from loomserve.engine.messages import (
 from loomserve.engine.sched.request import Request, RequestStatus
 from loomserve.engine.sched.scheduler import Scheduler
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
+from loomserve.engine.spec.verify import SpecDecoder
 from loomserve.engine.step_trace import StepTrace
 from loomserve.execution.batch import ModelOutput
 from loomserve.execution.model_runner import ModelRunner
@@ -82,6 +83,12 @@ def kv_model_name(config: EngineConfig, runner: ModelRunner) -> str:
     every K of the same weights differently: such KV must not be shared with a plain run)."""
     o = config.model.hf_overrides
     return runner.model_name + (f"+{json.dumps(o, sort_keys=True)}" if o else "")
+
+
+def _miss(req: Request) -> dict | None:
+    """A finished request's miss attribution as the front end reads it (CoreOutput.miss)."""
+    m = req.miss
+    return None if m is None else {"causes": m.causes, "detail": m.detail}
 
 
 def make_event_publisher(config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
@@ -139,6 +146,25 @@ def step_cost_model(runner: ModelRunner) -> StepCostModel:
                                                 mc.num_heads * mc.head_dim, rate))
 
 
+def make_spec_decoder(config: EngineConfig, runner: ModelRunner,
+                      max_model_len: int) -> SpecDecoder | None:
+    """Speculative decoding when --speculative-config asks for it. Refused on models with
+    linear-state (GDN, Mamba) layers: a rejected draft would leave their recurrent state past
+    the last accepted token, and restoring it is not implemented."""
+    spec = config.speculative.speculative_config
+    if spec is None:
+        return None
+    kinds = {g.spec.kind for g in runner.kv_cache_config.groups
+             if isinstance(g.spec, LinearStateSpec)}
+    if kinds:
+        raise ValueError(f"--speculative-config: speculative decoding is not supported on "
+                         f"models with linear-state layers ({', '.join(sorted(kinds))}): "
+                         "their state after the last accepted draft is not restored yet")
+    log.info("speculative decoding: %s, up to %d drafts a request a step", spec.method,
+             spec.num_speculative_tokens)
+    return SpecDecoder(spec, max_model_len)
+
+
 def _shape(inp) -> str:
     """A step's batch for the slow-step log: sequences, new tokens, longest context."""
     seqs = inp.seqs
@@ -180,6 +206,8 @@ class EngineCore:
         # A waiting request holds no block, but more of them than blocks could never all run.
         self.max_waiting_requests = (sc.max_waiting_requests if sc.max_waiting_requests
                                      is not None else self.kv.num_blocks)
+        self.spec = make_spec_decoder(config, self.runner, self.max_model_len)
+        self.scheduler.spec = self.spec
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_rejected = 0
@@ -224,6 +252,8 @@ class EngineCore:
     def end_session(self, session_id: str) -> None:
         """The agent session is over: release its pinned blocks and its prefix-hash memo."""
         self.kv.end_session(session_id)
+        if self.spec is not None:
+            self.spec.drop_session(session_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -246,7 +276,10 @@ class EngineCore:
         if inp.seqs:
             t0 = time.perf_counter()
             result = self.executor.execute_model(inp)
-            self.cost_model.observe(sched.features, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.cost_model.observe(sched.features, seconds)
+            if self.spec is not None:
+                self.spec.observe_step(sched.scheduled, seconds)
         else:
             result = (self.executor.execute_model(inp)
                       if inp.finished_request_ids else ModelOutput({}))
@@ -259,14 +292,17 @@ class EngineCore:
             self.structured.wait(0.005)  # only grammars are compiling: do not spin
         trace.mark("after")
         logprobs = result.logprobs
-        for req, tokens in self.scheduler.update(sched, result.sampled):
+        for req, tokens in self.scheduler.update(sched, result.sampled, result.verified):
             self.generation_tokens += len(tokens)
             done = req.status.finished
             lp = logprobs.get(req.request_id)
+            if lp is not None:  # a list with drafts: one per token verified, cut at the finish
+                lp = lp[:len(tokens)] if isinstance(lp, list) else [lp]
             outputs.append(CoreOutput(req.request_id, tokens, done,
                                       req.status.value if done else None, req.num_cached_tokens,
-                                      req.num_tier_cached_tokens, None if lp is None else [lp],
-                                      getattr(req, "kv_transfer_result", None) if done else None))
+                                      req.num_tier_cached_tokens, lp,
+                                      getattr(req, "kv_transfer_result", None) if done else None,
+                                      queued_s=req.queued_s, miss=_miss(req) if done else None))
         if self.events is not None:
             self.events.flush()
         trace.mark("update")
@@ -344,7 +380,17 @@ class EngineCore:
                 if self.tiers is not None else {"device": kv.stats.prefix_hit_tokens}),
             tiers=self.tiers.stats() if self.tiers is not None else {},
             tier_snapshots=self.tier_snapshots(),
+            **self.spec_stats(),
         )
+
+    def spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return {"spec_decode_num_drafts": s.num_drafts,
+                "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_pos)}
 
     def ready(self) -> CoreReady:
         """What the front end learns once the model is loaded (see CoreReady)."""

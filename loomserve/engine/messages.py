@@ -75,6 +75,12 @@ class CoreOutput(msgspec.Struct, array_like=True):
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
     # A finished prefill leg's kv_transfer_params for the decode leg (None: none staged).
     kv_transfer_params: dict[str, Any] | None = None
+    # Seconds from the core's receipt to the request's first admission (-1: not admitted
+    # yet); the front end's queue span and vllm:request_queue_time_seconds read it.
+    queued_s: float = -1.0
+    # On the finished output: why its uncached prompt tokens missed, {"causes": {cause:
+    # tokens}, "detail": {...}} (loomserve.kv.miss_causes); None otherwise.
+    miss: dict[str, Any] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -105,6 +111,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # Per tier: counters, health and latency histograms (loomserve.kv.tiers.stats snapshots,
     # histograms as {bounds, counts, total, count}).
     tier_snapshots: list[dict[str, Any]] = []
+    # Speculative decoding (loomserve.engine.spec.verify), cumulative, vLLM's meanings: drafts
+    # (one request's drafts in one step), draft tokens, accepted tokens, accepted at position i.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class CoreReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -25,3 +25,10 @@ class RequestOutput:
     # A finished prefill leg's kv_transfer_params for its decode leg (loomserve.kv.transfer);
     # None otherwise, and when nothing could be staged.
     kv_transfer_params: dict | None = None
+    # Seconds the core held the request before its first admission (None: not admitted yet).
+    queued_s: float | None = None
+    # Once finished: why its uncached prompt tokens missed, cause -> tokens (they sum to
+    # prompt tokens - num_cached_tokens; loomserve.kv.miss_causes), and details (diverged
+    # position, eviction policy and age). None without prefix caching or before the end.
+    miss_causes: dict[str, int] | None = None
+    miss_detail: dict | None = None

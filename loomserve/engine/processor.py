@@ -94,6 +94,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stopped_by_string = False  # the core must be told to abort this request
         self.stop_reason: str | None = None  # the stop string that matched
+        self.queued_s: float | None = None  # the core's wait before admission, once known
         # Tokens whose text never shows when they end the request (tool parsers keep special
         # tokens, but the closing <|im_end|> is not content).
         # (with ignore_eos an EOS can still end it: the one a completed grammar allows)
@@ -105,9 +106,13 @@ class RequestState:
         new_lps: list | None = [] if self.params.logprobs is not None else None
         cached = tier_cached = 0
         transfer = None
+        miss = None
         for out in outs:
+            miss = getattr(out, "miss", None) or miss
             cached = out.num_cached_tokens
             tier_cached = getattr(out, "num_tier_cached_tokens", 0)
+            if getattr(out, "queued_s", -1.0) >= 0:
+                self.queued_s = out.queued_s
             if self.finished:
                 break
             lps = getattr(out, "logprobs", None)
@@ -135,7 +140,9 @@ class RequestState:
         self._sent_text = end
         return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
                              new_ids, new_text, self.finished, self.finish_reason, max(cached, 0),
-                             tier_cached, new_lps, self.logprobs, self.stop_reason, transfer)
+                             tier_cached, new_lps, self.logprobs, self.stop_reason, transfer,
+                             self.queued_s, miss_causes=miss and miss.get("causes"),
+                             miss_detail=miss and miss.get("detail"))
 
     def _detokenize(self, token: int) -> str:
         self._ids.append(token)

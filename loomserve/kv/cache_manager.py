@@ -26,11 +26,12 @@ from loomserve.kv.events import EventHook
 from loomserve.kv.eviction import FlopAwareEvictor, FlopModel
 from loomserve.kv.hashing import BlockHasher
 from loomserve.kv.managers import count_free, manager_class
+from loomserve.kv.miss_causes import RELEASE_PREEMPTED, DropRecord, MissAttribution, MissAttributor
 from loomserve.kv.pool import Block, BlockPool
 from loomserve.kv.retention import RetentionConfig, SessionPins
 from loomserve.kv.spec import FullAttentionSpec, KVCacheConfig
 
-__all__ = ["KVCacheManager", "KVCacheStats", "KVHit", "KVRequest", "StaleHitError",
+__all__ = ["RELEASE_PREEMPTED", "KVCacheManager", "KVCacheStats", "KVHit", "KVRequest", "StaleHitError",
            "RetentionConfig", "FlopModel", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "flop_aware")
@@ -115,6 +116,14 @@ class KVCacheManager:
         self.token_block_groups = [m.token_blocks for m in managers]
         self.prefix_closed_groups = [m.prefix_closed_hits for m in managers]
         self.has_state_groups = bool(self.state_groups)
+        # Miss attribution (kv.miss_causes): the pool notes every hash it drops.
+        self.misses: MissAttributor | None = None
+        if enable_caching:
+            self.pool.drops = DropRecord(clock=clock)
+            self._live_group = next(m.group_id for m in managers if m.token_blocks)
+            live = self.pool.cached[self._live_group]
+            self.misses = MissAttributor(self.block_size, live, self.has_state_groups,
+                                         eviction, self.pool.drops, clock=clock)
         self.pins: SessionPins | None = None
         if self.retention.pinning and enable_caching:
             page = config.page_bytes
@@ -198,8 +207,22 @@ class KVCacheManager:
                                                    tokens)
         return True
 
-    def free(self, req: KVRequest) -> None:
-        """Release all of req's blocks, tail first; no-op if it holds none. With state groups,
+    def explain_miss(self, req: KVRequest, num_cached: int, tiers: bool = False
+                     ) -> MissAttribution | None:
+        """Split req's uncached prompt tokens (num_prompt_tokens - num_cached) by cause (see
+        kv.miss_causes); call once, at its first admission. None without prefix caching."""
+        if self.misses is None:
+            return None
+        n = req.num_prompt_tokens
+        hashes = self.hasher.ensure(req, max(0, n - 1) // self.block_size)
+        blocks = self.coordinator.request_blocks(req.request_id)
+        own = blocks[self._live_group] if blocks is not None else ()
+        return self.misses.attribute(req.all_token_ids, n, hashes, num_cached, req.cache_salt,
+                                     self.hasher.previous(req), tiers, own)
+
+    def free(self, req: KVRequest, release: str | None = None) -> None:
+        """Release all of req's blocks, tail first; no-op if it holds none. release (e.g.
+        "preempted"): why, marked on the blocks it held last (kv.miss_causes). With state groups,
         the checkpoints of its last step become hittable (that step has run), and the state at
         the last boundary it crossed is kept. With pinning, the session's latest hit boundary
         (checkpoint + prefix blocks) is pinned first."""
@@ -216,9 +239,19 @@ class KVCacheManager:
                 blocks = coord.blocks_for_hit_at(hashes, n) if n > 0 else None
                 if blocks:
                     self.pins.pin(req.session_id, blocks)
+        if release is not None:
+            self._mark_release(rid, release)
         coord.free(rid)
         if self.enable_caching:
             self.hasher.remember(req)
+            self.hasher.drop_previous(req)
+
+    def _mark_release(self, request_id: str, release: str) -> None:
+        blocks = self.coordinator.request_blocks(request_id)
+        for group in blocks or ():
+            for b in group:
+                if b is not None and b.ref_cnt == 1 and b.block_hash is not None:
+                    b.release = release
 
     def _parent_active(self, req: KVRequest) -> None:
         """A subagent request is in the engine: its parent session counts as active, so the

@@ -106,6 +106,9 @@ class BlockHasher:
         self._memo_tokens = 0
         self._sessions: OrderedDict[str, tuple[str | None, list[int], list[bytes], int]] = (
             OrderedDict())
+        # session -> the entry a newer request of it replaced, until that request is freed
+        # (its miss is attributed before: kv.miss_causes); a few, LRU.
+        self._before: OrderedDict[str, tuple] = OrderedDict()
         # Counters for tests and benchmarks.
         self.hashed_blocks = 0
         self.reused_blocks = 0
@@ -155,6 +158,12 @@ class BlockHasher:
         old = sessions.get(sid)
         if old is not None:
             self._memo_tokens -= old[3]
+            if old[1] is not req.all_token_ids:
+                before = self._before
+                before[sid] = old
+                before.move_to_end(sid)
+                if len(before) > 64:
+                    before.popitem(last=False)
         n = len(req.all_token_ids)
         sessions[sid] = (req.cache_salt, req.all_token_ids, req.block_hashes, n)
         self._memo_tokens += n
@@ -162,6 +171,25 @@ class BlockHasher:
         while len(sessions) > self.max_sessions or (
                 self._memo_tokens > self.max_memo_tokens and len(sessions) > 1):
             self._memo_tokens -= sessions.popitem(last=False)[1][3]
+
+    def previous(self, req) -> tuple | None:
+        """The session's request before req, (cache_salt, all_token_ids, block_hashes, n), or
+        None."""
+        sid = req.session_id
+        if sid is None:
+            return None
+        entry = self._sessions.get(sid)
+        if entry is not None and entry[1] is req.all_token_ids:
+            return self._before.get(sid)
+        return entry
+
+    def drop_previous(self, req) -> None:
+        """req is freed: the entry of its predecessor, kept for previous(), goes (freeing its
+        tokens here, where remember() would have without it)."""
+        sid = req.session_id
+        entry = self._sessions.get(sid) if sid is not None else None
+        if entry is not None and entry[1] is req.all_token_ids:
+            self._before.pop(sid, None)
 
     def end_session(self, session_id: str) -> None:
         old = self._sessions.pop(session_id, None)

@@ -24,7 +24,7 @@ from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Eve
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
-                 "saved_flops", "evict_ver")
+                 "saved_flops", "evict_ver", "release")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -36,6 +36,9 @@ class Block:
         # Set by managers when they cache the block, read by a FLOP-aware evictor only.
         self.saved_flops = 0.0
         self.evict_ver = 0  # bumped each time the block enters the evictor (lazy invalidation)
+        # Why a hashed block was last freed when that was not a request ending (a pin dropped,
+        # a preemption: kv.miss_causes); None once a request takes it again.
+        self.release: str | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -132,6 +135,8 @@ class BlockPool:
         # None: LRU by queue order. Otherwise an object with push(block) (a hashed block became
         # free) and pop() (the next hashed free block to evict), see loomserve.kv.eviction.
         self.evictor = evictor
+        # kv.miss_causes.DropRecord or None: every hash dropped is noted (why, when).
+        self.drops = None
 
     # -- events ---------------------------------------------------------------------------
     def subscribe(self, fn: EventHook) -> None:
@@ -170,6 +175,7 @@ class BlockPool:
         removed = 0
         for b in blocks:
             if b.ref_cnt == 0:
+                b.release = None
                 p = b.prev_free
                 n = b.next_free
                 p.next_free = n
@@ -221,6 +227,9 @@ class BlockPool:
         b.block_hash = None
         b.group_id = -1
         self.eviction_epoch += 1
+        if self.drops is not None:
+            self.drops.note(h, b.release)
+            b.release = None
         if self.hooks:
             dropped = dropped if dropped is not None else {}
             dropped.setdefault(g, []).append(h)

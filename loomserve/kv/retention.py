@@ -65,7 +65,7 @@ class SessionPins:
         self._pins[session_id] = (self.clock() + self.ttl_s, blocks)
         self.num_pinned += len(blocks)
         while self.num_pinned > self.budget_blocks:
-            self._drop_oldest()
+            self._drop_oldest("pin_budget")
         return True
 
     def refresh(self, session_id: str) -> bool:
@@ -85,9 +85,14 @@ class SessionPins:
             self.num_pinned -= len(entry[1])
             self.pool.free(reversed(entry[1]))
 
-    def _drop_oldest(self) -> None:
+    def _drop_oldest(self, why: str) -> None:
+        """Drop the oldest pin; why (pin_ttl / pin_budget) marks the blocks it held last, so
+        their later eviction is attributed to the pin (kv.miss_causes)."""
         _, (_, blocks) = self._pins.popitem(last=False)
         self.num_pinned -= len(blocks)
+        for b in blocks:
+            if b.ref_cnt == 1 and b.block_hash is not None:
+                b.release = why
         self.pool.free(reversed(blocks))
 
     def expire(self) -> None:
@@ -96,7 +101,7 @@ class SessionPins:
         now = self.clock()
         pins = self._pins
         while pins and next(iter(pins.values()))[0] <= now:
-            self._drop_oldest()
+            self._drop_oldest("pin_ttl")
 
     def blocks(self, session_id: str) -> list[Block]:
         entry = self._pins.get(session_id)

@@ -6,6 +6,7 @@ stream must end with an error (not hang), and its session must go on elsewhere."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,6 +221,10 @@ def test_metrics_say_why(cluster):
     for p in cluster.instances:
         assert f'loomserve_router_instance_up{{instance="{p.name}",role="both"}} 1.0' in text
     assert "loomserve_router_overlap_blocks_count" in text
+    # the instances' miss causes, counted by the router (the earlier tests' requests)
+    first = re.search(r'loomserve_prefix_cache_miss_tokens_total\{cause="first_sight"\} (\S+)',
+                      text)
+    assert first and float(first.group(1)) > 0
 
 
 def test_router_api_key_in_each_api_shape(cluster):

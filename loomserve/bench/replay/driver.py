@@ -324,6 +324,7 @@ class Replayer:
                     rec.output_tokens = usage.get("completion_tokens")
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = details.get("cached_tokens") or 0
+                    rec.miss_causes = details.get("miss_causes")
             rec.end_time = self.now()
             if texts is not None:
                 rec.output_text = "".join(texts)

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from loomserve.bench.miss_gap import format_gap
 from loomserve.bench.simulate.policies import PERCENTILES, POLICIES, _log
 from loomserve.bench.simulate.sweep import DEFAULT_SWEEP, simulate
 from loomserve.bench.simulate.workload import SEMANTICS, Workload
@@ -54,6 +55,12 @@ def format_result(res: dict) -> str:
         if pr["n"]:
             lines.append("    per-request hit rate " + " ".join(
                 f"p{q} {pr[f'p{q}']:.3f}" for q in PERCENTILES) + f" mean {pr['mean']:.3f}")
+        if run.get("miss_gap"):
+            lines.extend(format_gap(run["miss_gap"], "    "))
+            a = run.get("attribution_cpu_us")
+            if a:
+                lines.append(f"    miss attribution CPU per request: median {a['median']:.1f} "
+                             f"us, p99 {a['p99']:.1f} us")
         if "manager_cpu_us" in run:
             c = run["manager_cpu_us"]
             lines.append(f"    manager CPU per request: median {c['median']:.0f} us, "

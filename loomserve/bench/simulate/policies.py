@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loomserve.bench.belady import belady_hits, infinite_hits
+from loomserve.bench.miss_gap import attribute_gap
 from loomserve.bench.simulate.workload import Workload, _KVReq
 
 __all__ = ["POLICIES", "PERCENTILES", "RunResult", "run_lru", "run_optimal", "run_infinite",
@@ -57,6 +58,10 @@ class RunResult:
     evictions: int | None = None
     filled_before_window: bool | None = None
     capacity_fraction: float | None = None
+    # lru with the infinite cache's keys at hand: the gap to it by miss cause
+    # (loomserve.bench.miss_gap), and the attribution's CPU per measured request
+    miss_gap: dict | None = None
+    attribution_ns: list[int] = field(default_factory=list)
 
     @property
     def token_hit_rate(self) -> float:
@@ -79,6 +84,13 @@ class RunResult:
             c = np.asarray(self.cpu_ns, dtype=np.float64) / 1e3
             d["manager_cpu_us"] = {"median": float(np.median(c)),
                                    "p99": float(np.percentile(c, 99)), "mean": float(c.mean())}
+        if self.miss_gap is not None:
+            d["miss_gap"] = self.miss_gap
+        if self.attribution_ns:
+            a = np.asarray(self.attribution_ns, dtype=np.float64) / 1e3
+            d["attribution_cpu_us"] = {"median": float(np.median(a)),
+                                       "p99": float(np.percentile(a, 99)),
+                                       "mean": float(a.mean())}
         if self.policy == "lru":
             d["truncated_requests"] = self.truncated_requests
             d["evictions"] = self.evictions
@@ -115,8 +127,23 @@ def _allocate(kv, req: _KVReq, n_new: int, hit=None, n_hit: int = 0) -> bool:
     return False
 
 
-def run_lru(w: Workload, capacity_tokens: int, progress: bool = False) -> RunResult:
-    """Replay w through loomserve's KVCacheManager with capacity_tokens of KV."""
+def _counted_causes(causes: dict[str, int], excess: int) -> dict[str, int]:
+    """causes less the `excess` prompt tokens beyond the counted ones (a trailing marker
+    token: partial_block first)."""
+    out = dict(causes)
+    for c in ("partial_block", "first_sight", *sorted(out)):
+        take = min(out.get(c, 0), excess)
+        if take:
+            out[c] -= take
+            excess -= take
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def run_lru(w: Workload, capacity_tokens: int, progress: bool = False,
+            attribute: bool = False) -> RunResult:
+    """Replay w through loomserve's KVCacheManager with capacity_tokens of KV. attribute:
+    also split each measured request's misses by cause (kv.miss_causes, not timed as manager
+    CPU) and attribute the gap to the infinite cache (res.miss_gap)."""
     bs = w.block_size
     cache_blocks = capacity_tokens // bs
     if cache_blocks < 1:
@@ -131,6 +158,9 @@ def run_lru(w: Workload, capacity_tokens: int, progress: bool = False) -> RunRes
     hit_tokens = counted = truncated = 0
     filled = False
     full_at = num_blocks - (1 if w.kvsim else 0)
+    inf = infinite_hits(w.keys, w.caps) if attribute else None
+    gap_items: list[tuple[int, int, int, dict]] = []
+    attr_ns = res.attribution_ns
     start = time.perf_counter()
     last_log = start
     for r in w.requests:
@@ -146,6 +176,15 @@ def run_lru(w: Workload, capacity_tokens: int, progress: bool = False) -> RunRes
             toks.extend(w.output_tokens(r))  # append-only, as KVRequest requires
             if not _allocate(kv, req, r.out_tokens):
                 truncated += 1
+        if inf is not None and r.measured:
+            ta = clock()
+            miss = kv.explain_miss(req, n_hit)
+            t_attr = clock() - ta
+            attr_ns.append(t_attr)
+            t0 += t_attr
+            c = r.counted_tokens
+            gap_items.append((c, min(n_hit, c), min(inf[r.index] * bs, c),
+                              _counted_causes(miss.causes, n - c) if n > c else miss.causes))
         kv.free(req)
         cpu[r.index] = clock() - t0
         if r.measured:
@@ -163,6 +202,8 @@ def run_lru(w: Workload, capacity_tokens: int, progress: bool = False) -> RunRes
     res.cpu_ns = cpu
     res.evictions = pool.eviction_epoch
     res.filled_before_window = filled if w.warmup_requests else None
+    if inf is not None:
+        res.miss_gap = attribute_gap(gap_items)
     return res
 
 
@@ -196,9 +237,9 @@ def run_infinite(w: Workload) -> RunResult:
 
 
 def run_policy(w: Workload, policy: str, capacity_tokens: int | None,
-               progress: bool = False) -> RunResult:
+               progress: bool = False, attribute: bool = False) -> RunResult:
     if policy == "lru":
-        return run_lru(w, capacity_tokens, progress)  # type: ignore[arg-type]
+        return run_lru(w, capacity_tokens, progress, attribute)  # type: ignore[arg-type]
     if policy == "optimal":
         return run_optimal(w, capacity_tokens)  # type: ignore[arg-type]
     if policy == "infinite":

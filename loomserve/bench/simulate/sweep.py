@@ -55,7 +55,7 @@ def simulate(w: Workload, policies: list[str], capacities: list[int] | None = No
         raise ValueError("lru and optimal need a capacity (--capacity-tokens or a sweep)")
     for cap, frac in points:
         for p in bounded:
-            r = run_policy(w, p, cap, progress)
+            r = run_policy(w, p, cap, progress, attribute="infinite" in policies)
             if frac is None and "working_set_tokens" in info and info["working_set_tokens"]:
                 frac = cap / info["working_set_tokens"]
             r.capacity_fraction = frac

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from loomserve.api.auth import APIKeyMiddleware
 from loomserve.api.errors import error_response, install_error_handlers
 from loomserve.control.router.instances import Instance, Lease
+from loomserve.control.router.miss_causes import RouteView, find_causes, rewrite_usage
 from loomserve.control.router.pd import decode_body, prefill_body
 from loomserve.control.router.proxy import (
     ClosingStream,
@@ -69,14 +70,39 @@ def _error(status: int, message: str, path: str, code: str) -> JSONResponse:
 class RouterService:
     """The request paths of the app (the routes only parse and dispatch)."""
 
-    def __init__(self, router: Router, instance_api_key: str | None, read_timeout: float):
+    def __init__(self, router: Router, instance_api_key: str | None, read_timeout: float,
+                 tracing=None):
         self.router = router
+        self.tracing = tracing  # api.tracing.Tracing, or None: no span, no SDK import
         self.metrics = router.metrics
         self.instance_api_key = instance_api_key
         self.upstream = Upstream(read_timeout)
         self._background: set[asyncio.Task] = set()  # held until done (tasks are weak refs)
 
     async def generate(self, request: Request, api: str) -> Response:
+        if self.tracing is None:
+            return await self._generate(request, api, None)
+        from loomserve.api.tracing import ProxyTrace
+        trace = ProxyTrace(self.tracing, request.headers, api)
+        try:
+            resp = await self._generate(request, api, trace)
+        except BaseException as e:
+            trace.end(error=e)
+            raise
+        if isinstance(resp, ClosingStream):  # the request ends with its stream
+            inner = resp.on_close
+
+            async def on_close() -> None:
+                try:
+                    await inner()
+                finally:
+                    trace.end(resp.status_code)
+            resp.on_close = on_close
+        else:
+            trace.end(resp.status_code)
+        return resp
+
+    async def _generate(self, request: Request, api: str, trace) -> Response:
         path = request.url.path
         raw = await request.body()
         try:
@@ -104,13 +130,20 @@ class RouterService:
             if not pd_done:
                 pd_done = True
                 if (target := self.router.prefill_target(req, d)) is not None:
-                    params = await self._prefill(target, api, path, body, headers)
+                    leg, leg_headers = (None, headers) if trace is None else trace.leg(
+                        "prefill_leg", target.name, headers)
+                    params = await self._prefill(target, api, path, body, leg_headers)
+                    if leg is not None:
+                        leg.end()
                     content = json.dumps(decode_body(body, params) if params else body).encode()
                     extra["x-loomserve-prefill"] = target.name + ("" if params else " (failed)")
             tokens = req.known_tokens or prompt_size(api, body, raw)
             lease = Lease(d.instance, tokens, self.router.instances.block_size())
+            leg_headers = headers if trace is None else trace.leg(
+                "decode_leg" if "x-loomserve-prefill" in extra else "upstream", d.instance.name,
+                headers)[1]
             try:
-                resp = await self.upstream.open(d.instance, "POST", path, content, headers)
+                resp = await self.upstream.open(d.instance, "POST", path, content, leg_headers)
             except asyncio.CancelledError:  # the client went away: nothing holds the lease
                 lease.release()
                 raise
@@ -123,7 +156,8 @@ class RouterService:
             except (httpx.HTTPError, InstanceLost) as e:
                 lease.release()
                 return self._failed(d.instance, e, path)
-            return await self._answer(resp, d.instance, lease, api, body, extra, path)
+            return await self._answer(resp, d.instance, lease, api, body, extra, path,
+                                      self.router.miss_view(req, d))
         return _error(502, "No instance could be reached.", path, "instance_unreachable")
 
     def _release_session(self, home: Instance, session: str, headers: dict) -> None:
@@ -142,7 +176,8 @@ class RouterService:
         task.add_done_callback(self._background.discard)
 
     async def _answer(self, resp: httpx.Response, inst: Instance, lease: Lease, api: str,
-                      body: dict, extra: dict, path: str) -> Response:
+                      body: dict, extra: dict, path: str, view: RouteView | None = None
+                      ) -> Response:
         hdrs = response_headers(resp.headers, extra)
         remember = ((lambda rid: self.router.remember_response(rid, inst))
                     if api == API_RESPONSES else None)
@@ -151,9 +186,9 @@ class RouterService:
                 lease.release()
                 await resp.aclose()
             return ClosingStream(
-                self.upstream.relay(resp, inst, lease, api,
-                                    lambda kind: self.metrics.errors.labels(kind).inc(),
-                                    remember),
+                self._count_misses(self.upstream.relay(
+                    resp, inst, lease, api, lambda kind: self.metrics.errors.labels(kind).inc(),
+                    remember), view),
                 status_code=200, headers=hdrs, media_type=resp.headers.get("content-type"),
                 on_close=on_close)
         try:
@@ -164,7 +199,52 @@ class RouterService:
             lease.release()
         if remember is not None and resp.status_code == 200 and (rid := response_id_in(data)):
             remember(rid)
+        if resp.status_code == 200:
+            new = self._attribute(data, view)
+            if new is not data:  # its length changed: Response sets it anew
+                hdrs = {k: v for k, v in hdrs.items() if k.lower() != "content-length"}
+            data = new
         return Response(data, status_code=resp.status_code, headers=hdrs)
+
+    def _attribute(self, data: bytes, view: RouteView | None) -> bytes:
+        """Move the router's miss causes into a JSON answer's usage and count them."""
+        if b'"miss_causes"' not in data:
+            return data
+        if view is None:
+            self._count(find_causes(data))
+            return data
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return data
+        causes = rewrite_usage(body, view, self.router.instances.block_size())
+        self._count(causes)
+        return json.dumps(body).encode() if causes is not None else data
+
+    async def _count_misses(self, chunks, view: RouteView | None):
+        """A stream passes through unchanged; its usage's causes are counted (the router's
+        own moved in when the decision looked the prompt up)."""
+        bs = self.router.instances.block_size()
+        async for chunk in chunks:
+            if b'"miss_causes"' in chunk:
+                for line in chunk.split(b"\n"):
+                    if line.startswith(b"data:") and b'"miss_causes"' in line:
+                        self._count_line(line[5:], view, bs)
+            yield chunk
+
+    def _count_line(self, line: bytes, view: RouteView | None, bs: int) -> None:
+        if view is None:
+            self._count(find_causes(line))
+            return
+        try:
+            self._count(rewrite_usage(json.loads(line), view, bs) or find_causes(line))
+        except ValueError:
+            self._count(find_causes(line))
+
+    def _count(self, causes: dict | None) -> None:
+        for cause, n in (causes or {}).items():
+            if isinstance(n, int) and n > 0:
+                self.metrics.miss.labels(cause).inc(n)
 
     def _failed(self, inst: Instance, e: Exception, path: str) -> JSONResponse:
         kind = "instance_lost" if isinstance(e, InstanceLost) else "upstream_error"
@@ -213,8 +293,13 @@ class RouterService:
 
 def build_router_app(router: Router, *, api_keys: list[str] | None = None,
                      instance_api_key: str | None = None,
-                     read_timeout: float = 600.0) -> FastAPI:
-    svc = RouterService(router, instance_api_key, read_timeout)
+                     read_timeout: float = 600.0,
+                     otlp_traces_endpoint: str | None = None) -> FastAPI:
+    tracing = None
+    if otlp_traces_endpoint:  # else the SDK is never imported
+        from loomserve.api.tracing import Tracing
+        tracing = Tracing(otlp_traces_endpoint, "loomserve-router")
+    svc = RouterService(router, instance_api_key, read_timeout, tracing)
     instances = router.instances
 
     @contextlib.asynccontextmanager
@@ -227,6 +312,8 @@ def build_router_app(router: Router, *, api_keys: list[str] | None = None,
             tok.cancel()
             await instances.stop()
             await svc.upstream.aclose()
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(title="loomserve router", lifespan=lifespan)
     app.state.router = router

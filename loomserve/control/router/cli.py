@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from loomserve.api.log_format import configure_logging, uvicorn_log_config
 from loomserve.control.router.pd import DEFAULT_PD_THRESHOLD_TOKENS
 from loomserve.control.router.policies import (
     OVERLAP_WEIGHT,
@@ -64,11 +65,18 @@ def add_router_parser(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default: %(default)s)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text, or one JSON object per line (default: %(default)s)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="export OpenTelemetry traces over OTLP/HTTP to URL; the router's spans "
+                        "parent the instances' (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+                        "else no tracing)")
     p.set_defaults(func=run_router)
 
 
 def build_from_args(args: argparse.Namespace):
     """The router app the flags describe (tests build it the same way)."""
+    from loomserve.api.serve import traces_endpoint
     from loomserve.control.router.app import build_router_app
     from loomserve.control.router.instances import InstanceSet
     from loomserve.control.router.kv_index import KVIndex
@@ -92,13 +100,15 @@ def build_from_args(args: argparse.Namespace):
                     chat_template=template, pd_threshold_tokens=args.pd_threshold_tokens)
     return build_router_app(router, api_keys=args.api_key,
                             instance_api_key=args.instance_api_key,
-                            read_timeout=args.read_timeout)
+                            read_timeout=args.read_timeout,
+                            otlp_traces_endpoint=traces_endpoint(
+                                getattr(args, "otlp_traces_endpoint", None)))
 
 
 def run_router(args: argparse.Namespace) -> int:
     import uvicorn
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = getattr(args, "log_format", "text")
+    configure_logging(args.log_level, log_format)
     # httpx logs every request at INFO: the health checks alone would be 2 lines/s/instance
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
@@ -107,5 +117,5 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"loomserve router: error: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                log_config=uvicorn_log_config(log_format), timeout_graceful_shutdown=5)
     return 0

@@ -12,6 +12,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from loomserve.kv.miss_causes import ALL_CAUSES
+
 _P = "loomserve_router_"
 OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
@@ -47,6 +49,13 @@ class RouterMetrics:
                                    "instance (from its KV events)", ["instance"], registry=r)
         self.sessions = Gauge(_P + "sessions", "Sessions the policy keeps a home for",
                               registry=r)
+        # The instances' name: with the router's causes moved in (control.router.miss_causes).
+        self.miss = Counter("loomserve_prefix_cache_miss_tokens", "Uncached prompt tokens of "
+                            "relayed responses, by why they missed (the instance's causes, "
+                            "with placed_elsewhere, session_moved and index_stale from the "
+                            "router)", ["cause"], registry=r)
+        for cause in ALL_CAUSES:
+            self.miss.labels(cause)
 
     def refresh(self, instances, index, policy) -> None:
         for i in instances.instances:

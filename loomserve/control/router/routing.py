@@ -22,6 +22,7 @@ from collections import OrderedDict
 from loomserve.control.router.instances import Instance, InstanceSet
 from loomserve.control.router.kv_index import KVIndex
 from loomserve.control.router.metrics import RouterMetrics
+from loomserve.control.router.miss_causes import RouteView, view_of
 from loomserve.control.router.pd import (
     client_candidates,
     prefill_candidates,
@@ -138,6 +139,15 @@ class Router:
             self.metrics.pd.labels("local").inc()
             return None
         return self._prefill_policy.choose(req, prefills).instance
+
+    def miss_view(self, req: RouteRequest, decision: Decision) -> RouteView | None:
+        """The KV index's view at this decision, for the router's miss causes, when the prompt
+        was hashed for it; None otherwise (nothing is hashed just for this)."""
+        if req.known_tokens is None:
+            return None
+        moved = decision.moved_from
+        return view_of(self.index, req.keys()[1], decision.instance.name,
+                       moved.name if moved is not None else None)
 
     def remember_response(self, response_id: str, inst: Instance) -> None:
         self._responses[response_id] = inst.name

@@ -51,6 +51,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = -1  # set at first admission; -1 = not admitted yet
         self.num_tier_cached_tokens = 0  # of those, loaded from a KV tier (host/disk/remote)
+        self.queued_s = -1.0  # arrival to first admission (set then; -1 = not admitted yet)
+        # Why its uncached prompt tokens missed (kv.miss_causes.MissAttribution), set at
+        # first admission; None before, or without prefix caching.
+        self.miss = None
         self.num_preemptions = 0
         # Set at each admission: its uncached work exceeded one long-prefill chunk, so the
         # step-time budget cuts its chunks (a short prefill, e.g. a warm turn, goes whole).

@@ -40,6 +40,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     features: object = None  # np.ndarray of step_cost.FEATURES for the scheduled step
     target_s: float | None = None  # the step-time target this step was filled to (None: none)
+    num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> drafts verified
 
 
 class Scheduler:
@@ -74,6 +75,9 @@ class Scheduler:
         self.last_target_s: float | None = None  # the latest step's time target (stats)
         # Hybrid models only: per-step state directives ride along with each seq.
         self._states = kv.state_directives if getattr(kv, "has_state_groups", False) else None
+        # Speculative decoding (loomserve.engine.spec.verify.SpecDecoder) or None: decode
+        # requests may carry drafts, verified in the step and rolled back in update().
+        self.spec = None
 
     # -- queue management ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -108,6 +112,8 @@ class Scheduler:
             self.transfer.on_freed(req, finished_ok=not aborted)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
+        if self.spec is not None:
+            self.spec.on_finished(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,6 +128,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan = self._plan()
         split = plan.target is not None and self.policy != "fcfs"
+        if self.spec is not None:
+            self.spec.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1
+                                     for r in self.running))
         if self.policy != "fcfs":  # higher priority first; victims come from later ones
             self.running.sort(key=lambda r: r.priority)
         done: set[str] = set()  # given blocks this step
@@ -154,6 +163,14 @@ class Scheduler:
         n = self._chunk(req, left, budget, plan, req.num_computed_tokens)
         if n == 0:
             return budget  # no time left for this prefill chunk this step
+        drafts = self.spec.drafts_for(req, budget) if left == 1 and self.spec is not None \
+            else ()
+        if drafts and not self.kv.allocate_slots(req, 1 + len(drafts)):
+            drafts = ()  # no room for the drafts: a plain decode step (which may preempt)
+        elif drafts:
+            self._add_to_batch(out, req, 1, drafts)
+            done.add(req.request_id)
+            return budget - 1 - len(drafts)
         while not self.kv.allocate_slots(req, n):
             victim = self._victim(req, n, done)
             self.running.remove(victim)
@@ -256,6 +273,10 @@ class Scheduler:
         if first:
             req.num_cached_tokens = req.num_computed_tokens  # with a tail: all but the last
             req.num_tier_cached_tokens = tier_tokens
+            req.queued_s = time.monotonic() - req.arrival_time
+            explain = getattr(self.kv, "explain_miss", None)
+            if explain is not None:  # why the rest missed (kv.miss_causes)
+                req.miss = explain(req, req.num_cached_tokens, tiers is not None)
             if self.kv.enable_caching:
                 self.kv.stats.prefix_queried_tokens += len(req.all_token_ids)
                 self.kv.stats.prefix_hit_tokens += num_hit
@@ -291,9 +312,11 @@ class Scheduler:
             left = self.long_prefill_threshold
         return plan.chunk(min(left, budget), context, req.long_prefill)
 
-    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int,
+                      drafts: list[int] | tuple = ()) -> None:
+        """n of the request's tokens from num_computed_tokens, then its drafts (a decode's)."""
         start = req.num_computed_tokens
-        out.scheduled.append((req, n))
+        out.scheduled.append((req, n + len(drafts)))
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start:start + n],
@@ -303,6 +326,10 @@ class Scheduler:
             sampling=req.sampling,
             num_output_tokens=req.num_output_tokens,
         )
+        if drafts:
+            seq.token_ids += drafts
+            seq.num_draft = len(drafts)
+            out.num_drafts[req.request_id] = len(drafts)
         if self._states is not None:
             seq.states = self._states(req)
         sp = req.sampling
@@ -313,7 +340,7 @@ class Scheduler:
         out.model_input.seqs.append(seq)
 
     def _preempt(self, req: Request, cause: str) -> None:
-        self.kv.free(req)
+        self.kv.free(req, release="preempted")  # its evicted blocks: a preemption's misses
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -322,9 +349,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None
                ) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts, append sampled tokens, finish what stopped.
+        """Advance computed counts, append sampled tokens, finish what stopped. verified:
+        per request with drafts, its accepted drafts then the token sampled after them.
 
         Returns (request, new token ids) for every request that produced a token."""
         produced = []
@@ -332,6 +361,10 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            d = out.num_drafts.get(req.request_id) if out.num_drafts else None
+            if d:
+                produced.append((req, self._accept(req, d, verified[req.request_id])))
+                continue
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the prompt yet
@@ -339,4 +372,19 @@ class Scheduler:
             produced.append((req, [token]))
             if status is not None:
                 self.finish(req, status)
+        if self.spec is not None:
+            self.spec.end_step()
         return produced
+
+    def _accept(self, req: Request, num_drafts: int, tokens: list[int]) -> list[int]:
+        """A verified decode: roll num_computed_tokens back past the rejected drafts (their
+        KV rows are rewritten by later tokens), append the tokens up to a finishing one."""
+        accepted = len(tokens) - 1
+        req.num_computed_tokens -= num_drafts - accepted
+        self.spec.on_verified(num_drafts, accepted)
+        for i, token in enumerate(tokens):
+            status = req.append_token(token)
+            if status is not None:
+                self.finish(req, status)
+                return tokens[:i + 1]
+        return tokens

@@ -92,7 +92,7 @@ class FakeKV:
             self.blocks.setdefault(rid, []).extend(self._free.pop() for _ in range(need))
         return ok
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, release: str | None = None) -> None:
         self.calls.append(("free", req.request_id))
         self._free.extend(reversed(self.blocks.pop(req.request_id, [])))
 
