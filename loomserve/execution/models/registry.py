@@ -24,10 +24,11 @@ The contract a model class implements (the runner calls nothing else):
                                       order; None for a layer that keeps no cache (an MLP-only
                                       layer). A model may return more entries than layers (a
                                       layer keeping two caches of different kinds, e.g.
-                                      DeepSeek-V3.2's indexer keys after the latent rows: 2 x
-                                      layers); then it must define kv_cache_modules of the same
-                                      length. Linear-state specs choose their own dtype (fp32
-                                      state in a bf16 model is fine).
+                                      DeepSeek-V3.2's indexer-key entries after its latent
+                                      rows'); then it must define kv_cache_modules of the same
+                                      length, and its forward maps layers to entries.
+                                      Linear-state specs choose their own dtype (fp32 state in
+                                      a bf16 model is fine).
     kv_cache_modules() (optional) -> list[nn.Module | None]
                                       the module that owns each entry's cache; default: the
                                       first of layer.self_attn / .linear_attn / .mixer that has
