@@ -207,6 +207,8 @@ class EngineCore:
         self.max_waiting_requests = (sc.max_waiting_requests if sc.max_waiting_requests
                                      is not None else self.kv.num_blocks)
         self.spec = make_spec_decoder(config, self.runner, self.max_model_len)
+        if self.spec is not None and self.kv.pins is not None:  # drafts live as long as the KV
+            self.kv.pins.on_drop = self.spec.drop_session
         self.scheduler.spec = self.spec
         self.prompt_tokens = 0
         self.generation_tokens = 0

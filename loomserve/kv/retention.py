@@ -52,6 +52,9 @@ class SessionPins:
         self.clock = clock
         self._pins: OrderedDict[str, tuple[float, list[Block]]] = OrderedDict()
         self.num_pinned = 0
+        # called with the session id when its pin expires or the budget drops it (not on a
+        # re-pin or an explicit release): what was kept for the session goes with its KV
+        self.on_drop: Callable[[str], None] | None = None
 
     def pin(self, session_id: str, blocks: list[Block]) -> bool:
         """Replace the session's pin set with blocks (references taken before the old ones are
@@ -88,12 +91,14 @@ class SessionPins:
     def _drop_oldest(self, why: str) -> None:
         """Drop the oldest pin; why (pin_ttl / pin_budget) marks the blocks it held last, so
         their later eviction is attributed to the pin (kv.miss_causes)."""
-        _, (_, blocks) = self._pins.popitem(last=False)
+        session_id, (_, blocks) = self._pins.popitem(last=False)
         self.num_pinned -= len(blocks)
         for b in blocks:
             if b.ref_cnt == 1 and b.block_hash is not None:
                 b.release = why
         self.pool.free(reversed(blocks))
+        if self.on_drop is not None:
+            self.on_drop(session_id)
 
     def expire(self) -> None:
         if not self._pins:

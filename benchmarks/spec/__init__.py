@@ -1,0 +1,1 @@
+"""The speculative-decoding benchmark's agent-shaped workload (benchmarks/spec_decode.py)."""
