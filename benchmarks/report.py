@@ -340,6 +340,54 @@ def decode_throughput(r: Result) -> list[Block]:
     return out.out()
 
 
+def _spec_goal(set_name: str, c: str) -> str:
+    """Issue 45's goals: >= 2x at 1 stream and >= 1.3x at 8 on the edit set, never below 0.97x
+    on the control set or at 32 streams."""
+    if set_name == "control" or c == "32":
+        return "goal >= 0.97x"
+    return {"1": "goal >= 2x", "8": "goal >= 1.3x"}.get(c, "-") if set_name == "edit" else "-"
+
+
+def spec_decode(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    c = d.get("drafter_cost")
+    if c:
+        out.add(src, f"suffix drafter propose(), {c['prompt_tokens']:,}-token prompt: while "
+                     "copying / nothing to copy",
+                f"{num(c['propose_us_copy_median'])} / {num(c['propose_us_novel_median'])} us",
+                "-", "-", f"p90 {num(c['propose_us_copy_p90'])} / "
+                          f"{num(c['propose_us_novel_p90'])} us; ingest "
+                          f"{num(c['ingest_us_per_token'])} us/token")
+    systems = d.get("systems", {})
+    base = systems.get("none", {}).get("rounds", {})
+    for name in sorted(base, key=lambda n: (n.split("/")[0], int(n.split("/")[1]), n)):
+        set_name, cs = name.split("/")[:2]
+        label = f"{name.replace('/turn', ', turn ').split('/')[0]} set, {streams(cs)}" + (
+            f", turn {name.split('/turn')[1]}" if "/turn" in name else "")
+        b = base[name]
+        out.add(src, f"none, {label}: decode", f"{num(b['tok_per_s'])} tok/s", "-",
+                len(b["runs"]), "; ".join(x for x in (minmax([y["tok_per_s"] for y in b["runs"]]),
+                                                      _load(systems["none"])) if x != "-"))
+        for sys_name, s in sorted(systems.items()):
+            x = s["rounds"].get(name)
+            if sys_name == "none" or x is None:
+                continue
+            same = all(p["text_sha"] == q["text_sha"] for p, q in zip(x["runs"], b["runs"]))
+            out.add(src, f"{sys_name} / none, {label}",
+                    f"{x['tok_per_s'] / b['tok_per_s']:.2f}x", _spec_goal(set_name, cs),
+                    len(x["runs"]), f"acceptance length {num(x['acceptance_length'] or 1)}; "
+                    f"{num(x['tok_per_s'])} tok/s; greedy text "
+                    + ("identical" if same else "DIFFERS") + f"; {_load(s)}")
+    return out.out()
+
+
+def _load(system: dict) -> str:
+    """The host's load average as each pass of a system started (a shared host drifts)."""
+    loads = [h.get("loadavg_at_start", [float("nan")])[0] for h in system.get("hosts", [])]
+    return "load " + "/".join(num(x) for x in loads)
+
+
 def streams(c: Any, what: str = "stream") -> str:
     return f"{c} {what}" + ("" if int(c) == 1 else "s")
 
@@ -602,6 +650,29 @@ def mla_decode(r: Result) -> list[Block]:
         if "decompressed_ms" in x:
             out.add(src, f"{x['context']:,} context: decompressed", f"{num(x['decompressed_ms'])} ms",
                     f"{num(x['decompressed_limit_ms'])} ms")
+    return out.out()
+
+
+def sparse_mla_decode(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    topk, bw = d["shape"]["index_topk"], d["nominal_bandwidth_gbs"]
+    for x in d["decode_one_layer"]:
+        ctx = f"{x['context']:,} context"
+        for part, what in (("indexer", "indexer pass (every key)"),
+                           ("sparse_attention", f"sparse MLA over top-{topk:,}"),
+                           ("dense_mla", "dense MLA (absorbed, every row)")):
+            out.add(src, f"{ctx}: {what}", f"{num(x[part + '_ms'])} ms",
+                    f"{num(x[part + '_limit_ms'])} ms; {num(x[part + '_bytes'] / 2**20)} MiB "
+                    f"read = {num(x[part + '_roofline_30gbs_ms'])} ms at {num(bw)} GB/s",
+                    spread=f"min {num(x[part + '_min_ms'])} ms")
+        out.add(src, f"{ctx}: sparse step (indexer + sparse MLA) vs dense",
+                f"{num(x['sparse_total_ms'])} vs {num(x['dense_mla_ms'])} ms",
+                spread=f"min {num(x['sparse_total_min_ms'])} ms")
+    g = d["growth_8k_to_128k"]
+    out.add(src, f"growth 8K -> 128K ({num(g['context'])}x context)",
+            f"sparse MLA {num(g['sparse_attention'])}x, indexer {num(g['indexer'])}x, "
+            f"dense MLA {num(g['dense_mla'])}x")
     return out.out()
 
 
@@ -979,6 +1050,46 @@ def kv_events_cost(r: Result) -> list[Block]:
     return out.out()
 
 
+def miss_attribution_cost(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source(command="python benchmarks/miss_attribution_cost.py")
+    t = d["traces_part"]
+    for x in t["runs"]:
+        g, a, m = x["miss_gap"], x["attribution_cpu_us"], x["manager_cpu_us"]
+        pool = f"{t['traces']} traces, pool {x['capacity_fraction']:.0%} of the working set"
+        causes = ", ".join(f"{k} {num(v)}" for k, v in g["points"].items()) or "none"
+        n = x["measured_requests"]
+        out.add(src, f"{pool}, {n} requests: hit-rate gap, theoretical {g['theoretical']:.2%} "
+                f"- served {g['served']:.2%}", f"{num(g['gap_points'])} points", "-", 1,
+                f"by cause: {causes}; unattributed {num(abs(g['unattributed_points']))}")
+        out.add(src, f"{pool}: miss attribution CPU per request (manager: "
+                f"{num(m['median'])} us)", f"median {num(a['median'])} us",
+                "-", 1, f"p99 {num(a['p99'])} us, mean {num(a['mean'])} us")
+    e = d.get("engine_part")
+    if e:
+        out.add(src, f"engine, {e['streams']} streams (tiny Llama, CPU): attribution per step "
+                f"({e['admissions']} admissions in {e['steps']} steps)",
+                f"{num(e['attribution_us_per_step'])} us",
+                "< 1% of the step", 1,
+                f"{e['attribution_share_of_step_time']:.3%} of step time (median step "
+                f"{num(e['step_ms_median'])} ms); {num(e['attribution_us_per_admission'])} us "
+                f"per admission")
+    return out.out()
+
+
+def miss_gap_served(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source(command="python benchmarks/miss_gap_served.py")
+    for x in d["runs"]:
+        g = x["miss_gap"]
+        causes = ", ".join(f"{k} {num(v)}" for k, v in g["points"].items()) or "none"
+        out.add(src, f"{d['model']}, pool {x['pool']}, {x['requests']} requests: hit-rate gap, "
+                f"theoretical {g['theoretical']:.2%} - served {g['served']:.2%}",
+                f"{num(g['gap_points'])} points", "unattributed < 0.5", 1,
+                f"by cause: {causes}; unattributed {num(abs(g['unattributed_points']))}")
+    return out.out()
+
+
 def kv_transfer_bandwidth(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source()
@@ -1156,6 +1267,58 @@ def dep_comm(r: Result) -> list[Block]:
     return out.out()
 
 
+def moe_grouped(r: Result) -> list[Block]:
+    """Per dtype and tokens per step: the grouped call against the loop (one run, medians)."""
+    out, d = Blocks(), r.data
+    src = r.source()
+    for x in d["results"]:
+        g, lo = (Measure(v, "median ms", x["ms"][v], src.cpu, src.run) for v in ("grouped", "loop"))
+        runs = x["ms_all"]["grouped"]
+        out.add(src, f"{x['dtype']}, {streams(x['tokens'], 'token')}/step "
+                     f"({x['experts_touched']} experts), {streams(d['threads'], 'thread')}",
+                f"{num(x['ms']['grouped'])} ms = {num(x['tokens_per_s']['grouped'])} tok/s "
+                f"(loop {num(x['ms']['loop'])} ms: {num(ratio(lo, g))}x)",
+                f"{num(x['limit_ms'])} ms ({x['limit_by']}: {num(d['read_gbs'])} GB/s, "
+                f"{num(d['gemm_gflops'])} GFLOP/s)", len(runs),
+                f"{num(min(runs))}-{num(max(runs))} ms")
+    load = ((d.get("envelope") or {}).get("host") or {}).get("loadavg_at_start")
+    if load:
+        out.add(src, "host load average at the start (1, 5, 15 min)", ", ".join(map(str, load)))
+    return out.out()
+
+
+def moe_grouped_figure(r: Result, png: Path) -> None:
+    """tokens/s against tokens per step, grouped and loop per dtype, beside the roofline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.6, 4.0))
+    for dt, color in zip(sorted({x["dtype"] for x in r.data["results"]}), ("C0", "C2", "C3")):
+        xs = [x for x in r.data["results"] if x["dtype"] == dt]
+        n = [x["tokens"] for x in xs]
+        for v, style in (("grouped", "-o"), ("loop", "--s")):
+            ax.plot(n, [x["tokens_per_s"][v] for x in xs], style, color=color, label=f"{dt} {v}")
+        ax.plot(n, [x["tokens"] / x["limit_ms"] * 1e3 for x in xs], ":", color=color,
+                label=f"{dt} roofline")
+    src = r.source()
+    load = ((r.data.get("envelope") or {}).get("host") or {}).get("loadavg_at_start", ["?"])[0]
+    ax.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="tokens/s",
+           title=f"Qwen3-30B-A3B MoE layer: grouped experts vs loop, "
+                 f"{streams(r.data['threads'], 'thread')}\n{src.cpu}, load average {load} "
+                 f"at start, {src.date}")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(png, metadata={"Software": None})
+    plt.close(fig)
+
+
+# Figures drawn from a results file, written beside it as .png by `python -m benchmarks.report`.
+FIGURES: dict[str, Callable[[Result, Path], None]] = {"moe_grouped*.json": moe_grouped_figure}
+
+
 def gpu_tp_check(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source()
@@ -1169,6 +1332,12 @@ FAMILIES: tuple[Family, ...] = (
            "Aggregate decode tokens/s of streaming completions at 1-32 concurrent streams, the "
            "systems interleaved round by round on one host; the limit is the bandwidth roofline "
            "(weights + KV read per step at the measured read bandwidth).", decode_throughput),
+    Family("spec_decode*.json", "Speculative decoding on agent-shaped work",
+           "Decode tok/s of the built-in model with ngram and suffix drafts against none, on "
+           "edits that copy a source file, multi-turn sessions that re-read it and a control "
+           "set with nothing to copy (benchmarks/spec_decode.py); suffix-request is the suffix "
+           "drafter without its session tree. Acceptance length = 1 + accepted / drafts.",
+           spec_decode),
     Family("default_long_context*.json", "Default model at a long prompt",
            "Decode ms/token of the default model (its Q4_1 GGUF, `--quantization gguf`) after a "
            "7,000-token prompt, one stream, each server alone; the limit is weights + KV read "
@@ -1211,6 +1380,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("mla_decode*.json", "MLA decode, one layer",
            "DeepSeek-V3's attention shape: the absorbed (latent) decode against decompressing "
            "to per-head K/V, beside their limits.", mla_decode),
+    Family("sparse_mla_decode*.json", "DeepSeek sparse attention decode, one layer",
+           "DeepSeek-V3.2's per-layer dims with 16 of its 128 MLA heads, fp32, caches filled "
+           "with random rows: the lightning indexer's pass over every key, MLA over its top-2,048 "
+           "latent rows read in place, and dense absorbed MLA over the whole context, each beside "
+           "its limit and the bytes it reads at 30 GB/s.", sparse_mla_decode),
     Family("quant_agreement*.json", "Quantized weights against the reference",
            "Teacher-forced agreement and logit error of the quantized modes against the GGUF "
            "dequantized to fp32.", quant_agreement),
@@ -1289,6 +1463,14 @@ FAMILIES: tuple[Family, ...] = (
            "hit rate by source, TPGS.", tiers_agentx),
     Family("kv_events_cost*.json", "KV event publishing cost",
            "The engine core's cost of publishing KV events per step.", kv_events_cost),
+    Family("miss_attribution_cost*.json", "Prefix-cache miss attribution",
+           "Why prompts missed the cache on the shared AgentX traces (the gap between the "
+           "served and the theoretical hit rate by cause) and what attributing it costs.",
+           miss_attribution_cost),
+    Family("miss_gap_served*.json", "Prefix-cache miss attribution, served replays",
+           "AgentX replays of the shared traces through a real server at three KV pool sizes: "
+           "the gap between the served and the theoretical hit rate, by miss cause.",
+           miss_gap_served),
     Family("kv_transfer_bandwidth*.json", "P/D KV transfer bandwidth",
            "KV transfer through Mooncake's transfer engine beside memcpy.", kv_transfer_bandwidth),
     Family("router_agentx*.json", "Router: AgentX-style replay per policy",
@@ -1319,6 +1501,14 @@ FAMILIES: tuple[Family, ...] = (
            "MoE dispatch bytes per token and layer, measured beside the formula.", dep_comm),
     Family("gpu_tp_check*.json", "Tensor parallel check",
            "Greedy agreement of TP=N with TP=1.", gpu_tp_check),
+    Family("moe_grouped*.json", "MoE grouped expert products",
+           "One Qwen3-30B-A3B MoE layer (2048 hidden, 128 experts of 768, top-8), random "
+           "weights: the routed experts as one grouped C call against a Python loop over "
+           "them, calls interleaved; the limit is the touched experts' weights at the read "
+           "bandwidth or the FLOPs at a measured fp32 GEMM rate.\n\n"
+           "![MoE grouped products](../benchmarks/results/moe_grouped.png)\n"
+           "![MoE grouped products, 1 thread](../benchmarks/results/moe_grouped-1thread.png)",
+           moe_grouped),
 )
 
 
@@ -1413,6 +1603,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     PAGE.parent.mkdir(parents=True, exist_ok=True)
     PAGE.write_text(page)
     print(f"wrote {PAGE.relative_to(ROOT)} ({len(page):,} bytes)")
+    for path in result_files(RESULTS):
+        for pattern, draw in FIGURES.items():
+            if fnmatch.fnmatchcase(path.name, pattern):
+                draw(load(path), path.with_suffix(".png"))
+                print(f"wrote {rel(path.with_suffix('.png'))}")
     return 0
 
 
