@@ -8,6 +8,7 @@ keys stream from DRAM from their bytes against the last-level cache (capped).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,3 +130,41 @@ def test_the_runner_gives_the_backend_its_kv_bytes_per_token():
     assert r.attention.kv_bytes_per_token == per_token
     drive(r, [list(range(5, 30))], 3)
     assert r.attention._from_dram == 0  # a few KB of keys: resident
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_its_batch(threads):
+    """Batch invariance: a decode row gives the same bits alone as beside other rows (the rows
+    of a verified draft, other requests' rows), at any thread count: each row's split of its
+    context follows from its own key count only (paged_attention.c row_split). Before, the
+    split followed the batch size and the threads, and greedy speculative decoding drifted
+    from plain decoding at near-ties."""
+    from loomserve.execution.attention import build_metadata, paged_attention, select_backend
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        bs, kvh, group, hd, n = 16, 2, 4, 32, 3000
+        nb = (n + 8 + bs - 1) // bs
+        pages = torch.randn(2 * nb, 2, bs, kvh, hd, generator=g)
+        tables = [np.arange(nb, dtype=np.int32), np.arange(nb, 2 * nb, dtype=np.int32)]
+        q = torch.randn(7, kvh * group, hd, generator=g)
+        backend = select_backend("cpu_paged", CPU, torch.float32)
+
+        def run(rows):  # rows: (table index, position); returns the attention of every row
+            meta, _ = build_metadata([(p, tables[t]) for t, p in rows], [], bs, CPU,
+                                     torch.float32, backend)
+            at = [(int(tables[t][p // bs]), p % bs) for t, p in rows]
+            k = torch.stack([pages[b, 0, o] for b, o in at])  # the rows' own keys and values,
+            v = torch.stack([pages[b, 1, o] for b, o in at])  # as already stored
+            return paged_attention(q[:len(rows)], k, v, pages[:, 0], pages[:, 1], meta,
+                                   hd ** -0.5, None)
+
+        alone = run([(0, n - 1)])[0]  # query q[0]
+        q[4] = q[1] = q[0]  # the same query as row 4 of a draft-shaped batch, row 1 beside
+        drafts = run([(0, n - 5), (0, n - 4), (0, n - 3), (0, n - 2), (0, n - 1), (1, 40)])
+        assert torch.equal(drafts[4], alone)
+        assert torch.equal(run([(1, 700), (0, n - 1)])[1], alone)
+    finally:
+        torch.set_num_threads(before)

@@ -25,7 +25,6 @@ backend for that call, so results never depend on the path.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 
 import numpy as np
@@ -140,7 +139,8 @@ class CpuPagedBackend:
         if out is None:
             return None
         d, heads, hd = q.shape
-        lse = self._lse(self._decode_plan(meta, heads // group, heads), d, heads, group, hd)
+        lse = self._lse(self._decode_plan(meta, heads // group, heads), d, heads, group, hd,
+                        meta.sliding_window)
         return out.masked_fill_(torch.isinf(lse).unsqueeze(-1), 0.0), lse
 
     def _kernel_decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -173,13 +173,14 @@ class CpuPagedBackend:
             kv_code(k_cache.dtype, q.dtype), threads)
         return out if rc == 0 else None
 
-    def _lse(self, plan, d: int, heads: int, group: int, hd: int) -> torch.Tensor:
+    def _lse(self, plan, d: int, heads: int, group: int, hd: int,
+             window: int | None = None) -> torch.Tensor:
         """[d, heads] log-sum-exp of the last _run, from its per-split partials in scratch:
         lse = logsumexp(max + log sum); -inf for a row with no keys."""
-        _, lens, split, max_splits, _, kv_heads = plan
+        _, lens, _, max_splits, _, kv_heads = plan
         part = self.scratch[:d * kv_heads * max_splits * group * (hd + 2)].view(
             d, kv_heads, max_splits, group, hd + 2)
-        nsplit = torch.from_numpy((lens.astype(np.int64) + split - 1) // split)
+        nsplit = torch.from_numpy(row_splits(lens, window)[1])
         stale = torch.arange(max_splits)[None, :] >= nsplit[:, None]  # splits not written
         logl = (part[..., hd] + torch.log(part[..., hd + 1])).masked_fill(
             stale[:, None, :, None], float("-inf"))
@@ -324,19 +325,31 @@ def kv_code(cache: torch.dtype, model: torch.dtype) -> int:
 _KV_CODES = {torch.float32: 0, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
 
+# A row's context is cut into splits of at least MIN_SPLIT keys and at most ROW_SPLITS of them,
+# by the row's own key count only (paged_attention.c row_split): never by the batch or the
+# threads, so a row rounds alike in any batch (a verified draft row equals its plain decode).
+MIN_SPLIT, ROW_SPLITS = 256, 16
+
+
+def row_splits(lens: np.ndarray, window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(keys per split, splits) per row, as the kernel's row_split."""
+    span = lens.astype(np.int64) if window is None else np.minimum(lens, window).astype(np.int64)
+    split = np.maximum(MIN_SPLIT, -(-span // ROW_SPLITS))
+    return split, -(-span // split)
+
+
 def _plan(tables, lens: np.ndarray, window: int | None, kv_heads: int, heads: int):
     """Table pointers, key counts and the split of the context for one kernel call:
-    (ptrs, lens, split, max_splits, threads, kv_heads)."""
+    (ptrs, lens, split, max_splits, threads, kv_heads); split is MIN_SPLIT (each row's own
+    split follows from its key count, row_splits)."""
     ptrs = np.fromiter((t.ctypes.data for t in tables), dtype=np.uint64, count=len(lens))
     span = int(lens.max()) if window is None else min(int(lens.max()), window)
     # One thread below SERIAL_WORK (~50 us of work): a team's fork and join would cost as
-    # much. Else enough tasks to keep every thread busy to the end, splits of >= 256 keys
-    # (a task is a split of one sequence over every kv head: paged_attention.c's run_task).
+    # much (the thread count never changes the arithmetic: tasks are (row, split)).
     work = (int(lens.sum()) if window is None else len(lens) * span) * heads
     threads = 1 if work < SERIAL_WORK else torch.get_num_threads()
-    per_seq = math.ceil(8 * threads / len(lens))
-    split = max(256, math.ceil(span / per_seq))
-    return ptrs, lens, split, math.ceil(span / split), threads, kv_heads
+    max_splits = max(1, int(row_splits(lens, window)[1].max()))
+    return ptrs, lens, MIN_SPLIT, max_splits, threads, kv_heads
 
 
 def _tile(meta: AttentionMetadata, c: PrefillChunk, k_cache, v_cache, a: int, b: int,

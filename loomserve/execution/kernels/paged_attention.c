@@ -198,6 +198,17 @@ static inline int64_t first_key(const Decode *d, int64_t len) {
     return (d->window > 0 && len > d->window) ? len - d->window : 0;
 }
 
+/* Keys per split of one row: split_tokens at least, and at most ROW_SPLITS splits. A function
+ * of the row's own key count only, never of the batch or the threads, so a row's rounding is
+ * the same in every batch (batch invariance: a verified draft row, or a request beside other
+ * traffic, gives the logits it gives alone). attention/cpu_backend.py computes the same. */
+#define ROW_SPLITS 16
+static inline int64_t row_split(const Decode *d, int64_t len) {
+    int64_t span = len - first_key(d, len);
+    int64_t per = (span + ROW_SPLITS - 1) / ROW_SPLITS;
+    return per > d->split_tokens ? per : d->split_tokens;
+}
+
 /* Task t = (seq, split) over every kv head; a split past a short seq's end does nothing.
  * Why every kv head in one task: a block's rows are [token, kv head, head_dim], so one kv
  * head's rows lie kv_heads x head_dim apart; a task per kv head read 1 / kv_heads of each row
@@ -207,9 +218,10 @@ static void run_task(const Decode *d, int64_t t) {
     int sp = (int)(t % d->max_splits);
     int i = (int)(t / d->max_splits);
     int64_t len = d->seq_lens[i];
-    int64_t k0 = first_key(d, len) + (int64_t)sp * d->split_tokens;
+    const int64_t split = row_split(d, len);
+    int64_t k0 = first_key(d, len) + (int64_t)sp * split;
     if (k0 >= len) return;
-    int64_t k1 = k0 + d->split_tokens < len ? k0 + d->split_tokens : len;
+    int64_t k1 = k0 + split < len ? k0 + split : len;
     const float *qi = d->q + (int64_t)i * d->heads * d->head_dim;
     const int64_t pstride = (int64_t)d->group * (d->head_dim + 2);
     float *part = d->scratch + ((int64_t)i * d->kv_heads * d->max_splits + sp) * pstride;
@@ -242,7 +254,8 @@ static void merge_row(const Decode *d, int64_t r) {
     int i = (int)(r / d->heads), hq = (int)(r % d->heads);
     int h = hq / d->group, g = hq % d->group;
     int64_t len = d->seq_lens[i];
-    int nsplit = (int)((len - first_key(d, len) + d->split_tokens - 1) / d->split_tokens);
+    const int64_t split = row_split(d, len);
+    int nsplit = (int)((len - first_key(d, len) + split - 1) / split);
     const float *first = d->scratch + ((int64_t)(i * d->kv_heads + h) * d->max_splits) * pstride
                          + g * (hd + 2);
     float mx = d->sinks ? d->sinks[hq] : -INFINITY;
