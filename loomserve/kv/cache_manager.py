@@ -118,9 +118,11 @@ class KVCacheManager:
         self.has_state_groups = bool(self.state_groups)
         # Miss attribution (kv.miss_causes): the pool notes every hash it drops.
         self.misses: MissAttributor | None = None
-        if enable_caching:
+        # Attribution reads one group whose pages grow with tokens; a model of state layers
+        # only has none (its misses go unexplained: the usage carries no causes).
+        self._live_group = next((m.group_id for m in managers if m.token_blocks), None)
+        if enable_caching and self._live_group is not None:
             self.pool.drops = DropRecord(clock=clock)
-            self._live_group = next(m.group_id for m in managers if m.token_blocks)
             live = self.pool.cached[self._live_group]
             self.misses = MissAttributor(self.block_size, live, self.has_state_groups,
                                          eviction, self.pool.drops, clock=clock)

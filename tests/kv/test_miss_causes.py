@@ -332,3 +332,13 @@ def test_hybrid_state_missing_through_the_engine():
     # attention blocks 0-1 live, the only checkpoint at block 3: nothing hits
     assert out.num_cached_tokens == 0
     assert out.miss_causes == {"state_missing": 2 * bs, "first_sight": bs, "partial_block": 3}
+
+
+def test_a_state_only_model_builds_without_attribution():
+    """A model of state layers only has no group whose pages grow with tokens: the manager
+    builds (it raised StopIteration) and explains nothing rather than guessing."""
+    from loomserve.kv.cache_manager import KVCacheManager
+    from tests.kv.conftest import make_hybrid_config
+
+    kv = KVCacheManager(make_hybrid_config(200, window=0, state=True, full=False))
+    assert kv.misses is None and kv.pool.drops is None
