@@ -42,7 +42,7 @@ serve: install
 
 test: services install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
