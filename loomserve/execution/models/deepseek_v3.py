@@ -265,26 +265,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _load_one(self, name: str, t: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
         m = _LAYER.match(name)
         if not m:
-            return [_copy_into(params, name, t)]
+            return [copy_into(params, name, t)]
         i, rest = int(m.group(1)), m.group(2)
         layer, pre = self.model.layers[i], f"model.layers.{i}."
         t = self.deinterleaved(rest, t)
-        em = _EXPERT.match(rest)
-        if em:
-            return [pre + "mlp." + layer.mlp.load_expert(int(em.group(1)), em.group(2), t)]
-        if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked (transformers 5)
-            moe = layer.mlp
-            dst = moe.experts_gate_up if rest.endswith("gate_up_proj") else moe.experts_down
-            _copy_to(dst.data, t, name)
-            return [pre + "mlp." + k for k in sorted(moe.expected_keys())
-                    if k.startswith("experts_gate_up" if rest.endswith("gate_up_proj") else "experts_down")]
-        sm = _SWIGLU.match(rest)
-        if sm:
-            mod = layer.get_submodule(sm.group(1))
-            j = 0 if sm.group(2) == "gate_proj" else 1
-            _copy_to(mod.gate_up_proj.weight.data.narrow(0, j * mod.intermediate, mod.intermediate), t, name)
-            return [f"{pre}{sm.group(1)}.gate_up_proj.weight#{j}"]
-        return [_copy_into(params, name, t)]
+        keys = load_mlp_weight(layer, pre, rest, name, t)
+        return keys if keys is not None else [copy_into(params, name, t)]
 
     def deinterleaved(self, rest: str, t: torch.Tensor) -> torch.Tensor:
         """Rope rows of the q and kv_a projections from pair-interleaved to [evens | odds] (rest:
@@ -299,13 +285,37 @@ class DeepseekV3ForCausalLM(nn.Module):
         return t
 
 
+def load_mlp_weight(layer: nn.Module, pre: str, rest: str, name: str,
+                    t: torch.Tensor) -> list[str] | None:
+    """One HF weight of a DeepSeek-style MLP (the DeepseekMoE's experts per expert or stacked,
+    a dense or shared SwiGLU's gate / up) into `layer` (model.layers.i, `pre` its prefix,
+    `rest` the name inside it); the keys the loader counts it under, or None when `rest` is
+    not such a weight. Shared with the models built on DeepSeek's MLP (Kimi Linear)."""
+    em = _EXPERT.match(rest)
+    if em:
+        return [pre + "mlp." + layer.mlp.load_expert(int(em.group(1)), em.group(2), t)]
+    if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked (transformers 5)
+        moe, up = layer.mlp, rest.endswith("gate_up_proj")
+        _copy_to((moe.experts_gate_up if up else moe.experts_down).data, t, name)
+        return [pre + "mlp." + k for k in sorted(moe.expected_keys())
+                if k.startswith("experts_gate_up" if up else "experts_down")]
+    sm = _SWIGLU.match(rest)
+    if sm:
+        mod = layer.get_submodule(sm.group(1))
+        j = 0 if sm.group(2) == "gate_proj" else 1
+        _copy_to(mod.gate_up_proj.weight.data.narrow(0, j * mod.intermediate, mod.intermediate),
+                 t, name)
+        return [f"{pre}{sm.group(1)}.gate_up_proj.weight#{j}"]
+    return None
+
+
 def _copy_to(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
     dst.copy_(src)
 
 
-def _copy_into(params: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
+def copy_into(params: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
     _copy_to(params[name].data, t, name)

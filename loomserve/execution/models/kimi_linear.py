@@ -43,6 +43,7 @@ from loomserve.execution.layers.mlp import SwiGLU
 from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.arch_config import eos_token_ids
+from loomserve.execution.models.deepseek_v3 import copy_into, load_mlp_weight
 from loomserve.execution.models.loading.weight_layout import lm_head_logits
 from loomserve.execution.models.qwen3_next import layer_groups, pick
 from loomserve.execution.parallel.state import TPGroup
@@ -233,8 +234,6 @@ class KimiLinearModel(nn.Module):
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _HUB_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SWIGLU = re.compile(r"^(mlp|mlp\.shared_experts)\.(gate_proj|up_proj)\.weight$")
 _HUB_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FORGET = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")
 
@@ -342,26 +341,13 @@ class KimiLinearForCausalLM(nn.Module):
     def _load_one(self, name: str, t: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
         m = _LAYER.match(name)
         if not m:
-            return [_copy_into(params, name, t)]
+            return [copy_into(params, name, t)]
         i, rest = int(m.group(1)), m.group(2)
         layer, pre = self.model.layers[i], f"model.layers.{i}."
         if rest.startswith("linear_attn."):
             return self._load_kda(layer.linear_attn, pre, rest[len("linear_attn."):], t)
-        em = _EXPERT.match(rest)
-        if em:
-            return [pre + "mlp." + layer.mlp.load_expert(int(em.group(1)), em.group(2), t)]
-        if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked (transformers 5)
-            moe, up = layer.mlp, rest.endswith("gate_up_proj")
-            _copy_to((moe.experts_gate_up if up else moe.experts_down).data, t, name)
-            return [pre + "mlp." + k for k in sorted(moe.expected_keys())
-                    if k.startswith("experts_gate_up" if up else "experts_down")]
-        sm = _SWIGLU.match(rest)
-        if sm:
-            mod = layer.get_submodule(sm.group(1))
-            j = 0 if sm.group(2) == "gate_proj" else 1
-            _copy_to(mod.gate_up_proj.weight.data.narrow(0, j * mod.intermediate, mod.intermediate), t, name)
-            return [f"{pre}{sm.group(1)}.gate_up_proj.weight#{j}"]
-        return [_copy_into(params, name, t)]
+        keys = load_mlp_weight(layer, pre, rest, name, t)
+        return keys if keys is not None else [copy_into(params, name, t)]
 
     @staticmethod
     def _load_kda(kda: KimiDeltaAttention, pre: str, rest: str, t: torch.Tensor) -> list[str]:
@@ -370,15 +356,3 @@ class KimiLinearForCausalLM(nn.Module):
             return [f"{pre}linear_attn.conv_weight#{x}" for x in "qkv"]
         return [pre + "linear_attn." + key]
 
-
-def _copy_to(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"weight {name!r}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
-    dst.copy_(src)
-
-
-def _copy_into(params: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
-    if name not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    _copy_to(params[name].data, t, name)
-    return name
