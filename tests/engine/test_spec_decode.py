@@ -25,6 +25,7 @@ from loomserve.execution.batch import ScheduledSeq
 from loomserve.execution.rejection_sampler import verify
 from loomserve.execution.sampler import Sampler
 from loomserve.sampling_params import StructuredOutputs
+from tests.kv.transfer.conftest import leg, prefill
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 # always_draft: verify drafts whatever the budget would say of this host's step times
@@ -357,3 +358,29 @@ def test_budget_drafts_only_where_the_measured_step_time_pays():
             b.observe(1, 1)  # a = 1/2
     assert cheap.per_request(1) == 4 and cheap.per_request(8) >= 2
     assert dear.per_request(1) == 0 and dear.per_request(8) == 0
+
+
+def test_pd_decode_instance_speculates_on_imported_kv():
+    """A decode instance with drafts after a P/D handover: it imports the prefill instance's
+    KV (only the tail computed), verifies drafts over it, and emits the single instance's
+    greedy tokens; nothing is left on it afterwards."""
+    from loomserve import LLM
+
+    def pd(role: str, spec: dict | None = None) -> LLM:
+        return LLM(fixture("tiny-llama"), dtype="float32", role=role, kv_cache_memory="2MiB",
+                   block_size=16, kv_transfer_backend="inproc", speculative_config=spec)
+
+    ref, a, b = pd("both"), pd("prefill"), pd("decode", NGRAM)
+    try:
+        prompt = BASE * 3 + BASE[:4]
+        want = leg(ref, "r", prompt, GREEDY).token_ids
+        b.free_at_start = b.core.kv.num_free_blocks
+        out = leg(b, "d", prompt, GREEDY, prefill(a, "p", prompt))
+        assert out.num_tier_cached_tokens == 96  # imported, not recomputed
+        assert out.token_ids == want
+        assert b.core.stats().spec_decode_num_accepted_tokens > 0
+        b.core.kv.reset_prefix_cache()
+        assert_clean(b)
+    finally:
+        for e in (ref, a, b):
+            e.close()
