@@ -1078,15 +1078,26 @@ def miss_attribution_cost(r: Result) -> list[Block]:
 
 
 def miss_gap_served(r: Result) -> list[Block]:
+    """A row per run: one instance at a pool, or (a -router file) N instances behind the
+    router at a pool each, with the router's own miss counter beside the client's gap."""
     out, d = Blocks(), r.data
-    src = r.source(command="python benchmarks/miss_gap_served.py")
+    router = d.get("router")
+    src = r.source(command="python benchmarks/miss_gap_served.py"
+                   + (f" --router {router['instances']}" if router else ""))
     for x in d["runs"]:
         g = x["miss_gap"]
         causes = ", ".join(f"{k} {num(v)}" for k, v in g["points"].items()) or "none"
-        out.add(src, f"{d['model']}, pool {x['pool']}, {x['requests']} requests: hit-rate gap, "
+        where = (f"{router['instances']} instances x pool {x['pool']} behind the router "
+                 f"({router['policy']} policy)" if router else f"pool {x['pool']}")
+        counted = ""
+        if router:
+            counted = "; the router's counter, tokens: " + ", ".join(
+                f"{k} {v}" for k, v in x["router"]["miss_tokens"].items())
+        out.add(src, f"{d['model']}, {where}, {x['requests']} requests: hit-rate gap, "
                 f"theoretical {g['theoretical']:.2%} - served {g['served']:.2%}",
                 f"{num(g['gap_points'])} points", "unattributed < 0.5", 1,
-                f"by cause: {causes}; unattributed {num(abs(g['unattributed_points']))}")
+                f"by cause: {causes}; unattributed {num(abs(g['unattributed_points']))}"
+                + counted)
     return out.out()
 
 
@@ -1468,8 +1479,9 @@ FAMILIES: tuple[Family, ...] = (
            "served and the theoretical hit rate by cause) and what attributing it costs.",
            miss_attribution_cost),
     Family("miss_gap_served*.json", "Prefix-cache miss attribution, served replays",
-           "AgentX replays of the shared traces through a real server at three KV pool sizes: "
-           "the gap between the served and the theoretical hit rate, by miss cause.",
+           "AgentX replays of the shared traces through a real server at three KV pool sizes, "
+           "and through the router over two instances at tight pools: the gap between the "
+           "served and the theoretical hit rate, by miss cause.",
            miss_gap_served),
     Family("kv_transfer_bandwidth*.json", "P/D KV transfer bandwidth",
            "KV transfer through Mooncake's transfer engine beside memcpy.", kv_transfer_bandwidth),

@@ -382,11 +382,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     if config.parallel.node_rank > 0:  # a worker node: its ranks or DP cores only, no HTTP
         if config.parallel.data_parallel_size > 1:
-            import logging
-
+            from loomserve.api.log_format import configure_logging
             from loomserve.engine.dp_remote import run_headless_dp
-            logging.basicConfig(level=args.log_level.upper(),
-                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            # its DP cores inherit the format (config.log_lines)
+            configure_logging(args.log_level, getattr(args, "log_format", "text"))
             return run_headless_dp(config, args.log_level)
         from loomserve.engine.executor.multiproc import run_headless
         return run_headless(config)

@@ -179,6 +179,12 @@ class ProxyTrace:
         self.legs.append(span)
         return span, with_traceparent(headers, span)
 
+    def miss(self, causes: dict[str, int]) -> None:
+        """The causes the client's usage reports (the router's moved in, a prefill leg's
+        merged: control.router.miss_causes), as the instances' spans carry theirs."""
+        for cause, tokens in causes.items():
+            self.span.set_attribute(f"loomserve.prefix_cache.miss_tokens.{cause}", tokens)
+
     def end(self, status_code: int | None = None, error: BaseException | None = None) -> None:
         """End every open leg, then the request."""
         for span in self.legs:

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from loomserve.config import EngineConfig
+from loomserve.config.log_lines import configure_child
 from loomserve.engine import faults
 from loomserve.engine.core_loop import CoreLoop
 from loomserve.engine.messages import CoreFailed, CoreInput, Shutdown, input_decoder
@@ -95,8 +96,7 @@ def run_core_process(config: EngineConfig, input_addr: str, event_addr: str, par
     die_with_parent(parent_pid)
     pc = config.parallel  # a data-parallel core labels its lines with its DP rank
     label = f"core dp{pc.data_parallel_rank}" if pc.data_parallel_size > 1 else "core"
-    logging.basicConfig(level=log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s")
+    configure_child(log_level, label)  # the front end's --log-format, inherited
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)

@@ -38,8 +38,12 @@ ALL_CAUSES = CAUSES + ROUTER_CAUSES
 RELEASE_PIN_TTL = "pin_ttl"
 RELEASE_PIN_BUDGET = "pin_budget"
 RELEASE_PREEMPTED = "preempted"
+# Dropped by reset_prefix_cache (an operator's or a weight update's): evicted, with release
+# "reset" in the detail, so the next miss is not read as first_sight.
+RELEASE_RESET = "reset"
 _CAUSE_OF_RELEASE = {None: "evicted", RELEASE_PIN_TTL: "pin_expired",
-                     RELEASE_PIN_BUDGET: "pin_expired", RELEASE_PREEMPTED: "preempted"}
+                     RELEASE_PIN_BUDGET: "pin_expired", RELEASE_PREEMPTED: "preempted",
+                     RELEASE_RESET: "evicted"}
 
 
 class DropRecord:

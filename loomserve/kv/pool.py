@@ -20,6 +20,7 @@ from itertools import takewhile
 from typing import Iterable, Iterator
 
 from loomserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHook
+from loomserve.kv.miss_causes import RELEASE_RESET
 
 
 class Block:
@@ -344,11 +345,16 @@ class BlockPool:
         self._emit(BlockStored(block_hashes[lo:hi], parent, toks, block_size, group_id))
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; only allowed when no block is in use."""
+        """Drop every cached hash; only allowed when no block is in use. Each is noted as
+        dropped by a reset (kv.miss_causes: a later miss on it is `evicted`)."""
         if self.num_used_blocks:
             return False
+        drops = self.drops
         for cached in self.cached:
-            for b in cached.values():
+            for h, b in cached.items():
+                if drops is not None:
+                    drops.note(h, RELEASE_RESET)
+                b.release = None
                 b.block_hash = None
                 b.group_id = -1
             cached.clear()

@@ -101,7 +101,12 @@ def test_cold_long_prompt_is_disaggregated_warm_turn_is_not(pd):
     assert r.headers["x-loomserve-prefill"] == prefill.name
     assert pd_count(pd, "disaggregated") == 1
     usage = r.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] > THRESHOLD  # imported, not computed
+    # The decode leg imported the prompt; the client's usage says what the prompt cost: the
+    # prefill leg's cached tokens and miss causes (a cold prompt: all of it computed there).
+    details = usage["prompt_tokens_details"]
+    assert details["cached_tokens"] == 0
+    assert sum(details["miss_causes"].values()) == usage["prompt_tokens"]
+    assert details["miss_causes"]["first_sight"] > THRESHOLD
     # the decode instance's KV events tell the router what it now holds
     wait_for(lambda: pd.row(decode.name)["cached_blocks"] * 16 > usage["prompt_tokens"] - 16,
              30, "the decode instance's KV events")
@@ -152,8 +157,24 @@ def test_one_trace_spans_router_prefill_and_decode(pd):
     assert prefill["attrs"]["gen_ai.usage.completion_tokens"] == 1
     assert decode["attrs"]["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
     assert decode["attrs"]["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
-    assert decode["attrs"]["gen_ai.usage.cached_tokens"] == \
-        usage["prompt_tokens_details"]["cached_tokens"] > THRESHOLD  # the imported prefix
+    # the decode leg counts its imported prefix as cached; the client's usage has the
+    # prefill leg's cached tokens and causes (router: miss_causes.PrefillLeg), which sum to
+    # the rest; each instance's span carries its own leg's causes
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert decode["attrs"]["gen_ai.usage.cached_tokens"] > THRESHOLD > cached
+    assert prefill["attrs"]["gen_ai.usage.cached_tokens"] == cached
+
+    def miss(span: dict) -> dict:
+        key = "loomserve.prefix_cache.miss_tokens."
+        return {k[len(key):]: v for k, v in span["attrs"].items() if k.startswith(key)}
+    # the router's span carries the client's causes (the prefill leg's, with any of the
+    # router's own moved in: the same total)
+    assert miss(root) == usage["prompt_tokens_details"]["miss_causes"]
+    assert sum(miss(prefill).values()) == sum(miss(root).values()) == \
+        usage["prompt_tokens"] - cached
+    assert miss(prefill)["first_sight"] > THRESHOLD
+    assert sum(miss(decode).values()) == \
+        usage["prompt_tokens"] - decode["attrs"]["gen_ai.usage.cached_tokens"] > 0
     assert decode["attrs"]["gen_ai.request.id"] == r.json()["id"]
     for req, first in ((prefill, "queue"), (decode, "kv_transfer")):
         phases = [one("loomserve", n, req["id"]) for n in (first, "prefill", "decode")]
@@ -171,9 +192,13 @@ def test_one_trace_spans_router_prefill_and_decode(pd):
     assert len(logged) == 1, lines[-5:]
     assert (logged[0]["prompt_tokens"], logged[0]["cached_tokens"],
             logged[0]["output_tokens"]) == (usage["prompt_tokens"],
-                                            usage["prompt_tokens_details"]["cached_tokens"],
+                                            decode["attrs"]["gen_ai.usage.cached_tokens"],
                                             usage["completion_tokens"])
     assert logged[0]["latency_s"] > 0 and logged[0]["session_id"] is None
+    # the engine core's own lines (its process) are JSON too, labelled with their component
+    core = [x for x in lines if x.get("component") == "core"]
+    assert any(x["message"].startswith("KV events: PUB") for x in core), lines[:10]
+    assert not any("[core]: " in line for line in open(decode_inst.log))
 
 
 def test_prefill_instance_dead_long_prompts_computed_on_decode(pd):

@@ -80,6 +80,21 @@ def test_evicted_with_tier_is_a_tier_miss():
     assert kv.explain_miss(req, n, tiers=True).causes == {"evicted_tier": 16, "partial_block": 1}
 
 
+def test_reset_prefix_cache_drops_read_as_evicted():
+    """A reset empties the pool: the next miss on what it held is `evicted` (release
+    "reset"), not first_sight."""
+    clock = Clock()
+    kv = KVCacheManager(make_config(32, BS), clock=clock)
+    run(kv, Req("a", toks(100, 16)))
+    clock.t = 3.0
+    assert kv.reset_prefix_cache()
+    clock.t = 4.5
+    n, miss = run(kv, Req("b", toks(100, 17)))
+    assert n == 0 and miss.causes == {"evicted": 16, "partial_block": 1}
+    assert miss.detail["evicted"]["release"] == "reset"
+    assert miss.detail["evicted"]["age_s"] == 1.5
+
+
 def test_chain_broken_early_inherits_the_cause():
     """Block 0 evicted, blocks 1..3 still live: all four missed because block 0 was lost."""
     kv = KVCacheManager(make_config(8, BS))

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import replace
 from urllib.parse import quote
 
 import httpx
@@ -28,7 +29,13 @@ from fastapi.responses import JSONResponse, Response
 from loomserve.api.auth import APIKeyMiddleware
 from loomserve.api.errors import error_response, install_error_handlers
 from loomserve.control.router.instances import Instance, Lease
-from loomserve.control.router.miss_causes import RouteView, find_causes, rewrite_usage
+from loomserve.control.router.miss_causes import (
+    PrefillLeg,
+    RouteView,
+    prefill_leg_of,
+    rewrite_json,
+    rewrite_sse,
+)
 from loomserve.control.router.pd import decode_body, prefill_body
 from loomserve.control.router.proxy import (
     ClosingStream,
@@ -116,6 +123,7 @@ class RouterService:
         headers = request_headers(request.headers, self.instance_api_key)
         tried: tuple[Instance, ...] = ()
         pd_done = False
+        leg_usage: PrefillLeg | None = None
         for _ in range(2):  # a second choice only when the first was unreachable
             try:
                 d = self.router.decide(req, body, tried)
@@ -132,9 +140,12 @@ class RouterService:
                 if (target := self.router.prefill_target(req, d)) is not None:
                     leg, leg_headers = (None, headers) if trace is None else trace.leg(
                         "prefill_leg", target.name, headers)
-                    params = await self._prefill(target, api, path, body, leg_headers)
+                    params, leg_usage = await self._prefill(target, api, path, body,
+                                                            leg_headers)
                     if leg is not None:
                         leg.end()
+                    if leg_usage is not None:
+                        leg_usage = replace(leg_usage, view=self.router.leg_view(req, target))
                     content = json.dumps(decode_body(body, params) if params else body).encode()
                     extra["x-loomserve-prefill"] = target.name + ("" if params else " (failed)")
             tokens = req.known_tokens or prompt_size(api, body, raw)
@@ -157,7 +168,7 @@ class RouterService:
                 lease.release()
                 return self._failed(d.instance, e, path)
             return await self._answer(resp, d.instance, lease, api, body, extra, path,
-                                      self.router.miss_view(req, d))
+                                      self.router.miss_view(req, d), leg_usage, trace)
         return _error(502, "No instance could be reached.", path, "instance_unreachable")
 
     def _release_session(self, home: Instance, session: str, headers: dict) -> None:
@@ -176,8 +187,8 @@ class RouterService:
         task.add_done_callback(self._background.discard)
 
     async def _answer(self, resp: httpx.Response, inst: Instance, lease: Lease, api: str,
-                      body: dict, extra: dict, path: str, view: RouteView | None = None
-                      ) -> Response:
+                      body: dict, extra: dict, path: str, view: RouteView | None = None,
+                      prefill: PrefillLeg | None = None, trace=None) -> Response:
         hdrs = response_headers(resp.headers, extra)
         remember = ((lambda rid: self.router.remember_response(rid, inst))
                     if api == API_RESPONSES else None)
@@ -186,9 +197,9 @@ class RouterService:
                 lease.release()
                 await resp.aclose()
             return ClosingStream(
-                self._count_misses(self.upstream.relay(
+                self._attribute_stream(self.upstream.relay(
                     resp, inst, lease, api, lambda kind: self.metrics.errors.labels(kind).inc(),
-                    remember), view),
+                    remember), view, prefill, trace),
                 status_code=200, headers=hdrs, media_type=resp.headers.get("content-type"),
                 on_close=on_close)
         try:
@@ -200,51 +211,44 @@ class RouterService:
         if remember is not None and resp.status_code == 200 and (rid := response_id_in(data)):
             remember(rid)
         if resp.status_code == 200:
-            new = self._attribute(data, view)
+            new, causes = rewrite_json(data, view, self.router.instances.block_size(),
+                                       prefill)
+            self._count(causes, trace)
             if new is not data:  # its length changed: Response sets it anew
                 hdrs = {k: v for k, v in hdrs.items() if k.lower() != "content-length"}
             data = new
         return Response(data, status_code=resp.status_code, headers=hdrs)
 
-    def _attribute(self, data: bytes, view: RouteView | None) -> bytes:
-        """Move the router's miss causes into a JSON answer's usage and count them."""
-        if b'"miss_causes"' not in data:
-            return data
-        if view is None:
-            self._count(find_causes(data))
-            return data
-        try:
-            body = json.loads(data)
-        except ValueError:
-            return data
-        causes = rewrite_usage(body, view, self.router.instances.block_size())
-        self._count(causes)
-        return json.dumps(body).encode() if causes is not None else data
-
-    async def _count_misses(self, chunks, view: RouteView | None):
-        """A stream passes through unchanged; its usage's causes are counted (the router's
-        own moved in when the decision looked the prompt up)."""
+    async def _attribute_stream(self, chunks, view: RouteView | None,
+                                prefill: PrefillLeg | None, trace):
+        """A stream relayed in whole lines: its usage line rewritten (the prefill leg's causes
+        merged, the router's moved in: miss_causes.rewrite_sse) and its causes counted. A
+        line split across chunks waits for its end (chunks are whole events as a rule)."""
         bs = self.router.instances.block_size()
+        held = b""
         async for chunk in chunks:
-            if b'"miss_causes"' in chunk:
-                for line in chunk.split(b"\n"):
-                    if line.startswith(b"data:") and b'"miss_causes"' in line:
-                        self._count_line(line[5:], view, bs)
-            yield chunk
+            data = held + chunk if held else chunk
+            cut = data.rfind(b"\n") + 1
+            held = data[cut:]
+            if cut:
+                yield self._rewrite_lines(data[:cut], view, bs, prefill, trace)
+        if held:
+            yield self._rewrite_lines(held, view, bs, prefill, trace)
 
-    def _count_line(self, line: bytes, view: RouteView | None, bs: int) -> None:
-        if view is None:
-            self._count(find_causes(line))
-            return
-        try:
-            self._count(rewrite_usage(json.loads(line), view, bs) or find_causes(line))
-        except ValueError:
-            self._count(find_causes(line))
+    def _rewrite_lines(self, block: bytes, view: RouteView | None, bs: int,
+                       prefill: PrefillLeg | None, trace) -> bytes:
+        block, found = rewrite_sse(block, view, bs, prefill)
+        for causes in found:
+            self._count(causes, trace)
+        return block
 
-    def _count(self, causes: dict | None) -> None:
-        for cause, n in (causes or {}).items():
-            if isinstance(n, int) and n > 0:
-                self.metrics.miss.labels(cause).inc(n)
+    def _count(self, causes: dict | None, trace=None) -> None:
+        """Count a relayed answer's causes (and put them on its trace's request span)."""
+        causes = {k: n for k, n in (causes or {}).items() if isinstance(n, int) and n > 0}
+        for cause, n in causes.items():
+            self.metrics.miss.labels(cause).inc(n)
+        if trace is not None and causes:
+            trace.miss(causes)
 
     def _failed(self, inst: Instance, e: Exception, path: str) -> JSONResponse:
         kind = "instance_lost" if isinstance(e, InstanceLost) else "upstream_error"
@@ -253,15 +257,16 @@ class RouterService:
                       "instance_failed")
 
     async def _prefill(self, target: Instance, api: str, path: str, body: dict,
-                       headers: dict) -> dict | None:
-        """The prefill leg; its kv_transfer_params, or None (the decode leg recomputes)."""
+                       headers: dict) -> tuple[dict | None, PrefillLeg | None]:
+        """The prefill leg: its kv_transfer_params, or None (the decode leg recomputes), and
+        its usage's miss causes (merged into the decode leg's answer)."""
         content = json.dumps(prefill_body(api, body)).encode()
         lease = Lease(target, 0, self.router.instances.block_size())
         try:
             resp = await self.upstream.open(target, "POST", path, content, headers)
             data = await self.upstream.read_all(resp, target)
-            params = json.loads(data).get("kv_transfer_params") if resp.status_code == 200 \
-                else None
+            answer = json.loads(data) if resp.status_code == 200 else {}
+            params = answer.get("kv_transfer_params")
         except (httpx.HTTPError, InstanceLost, ValueError, AttributeError) as e:
             logger.warning("prefill leg on %s failed: %s", target.name, e)
             params = None
@@ -269,7 +274,9 @@ class RouterService:
             lease.release()
         self.metrics.pd.labels("disaggregated" if isinstance(params, dict)
                                else "prefill_failed").inc()
-        return params if isinstance(params, dict) else None
+        if not isinstance(params, dict):
+            return None, None
+        return params, prefill_leg_of(answer)
 
     async def forward(self, request: Request, inst: Instance | None) -> Response:
         """A plain request (models, token counts, stored responses) to `inst` or any

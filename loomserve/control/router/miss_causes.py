@@ -3,14 +3,23 @@
 The instance splits the uncached prompt tokens by what it saw; the router knows what the
 instance could not: where the prompt was cached across instances when it chose. From the KV
 index at decision time (`RouteView`), it moves tokens to its own causes, taking them from the
-instance's in a fixed order (first_sight first: "never seen" there is often "held elsewhere"):
+instance's in the order of their positions in the prompt (the instance's held-then-lost
+blocks come first, the never-held ones after; the router's ranges are nested the same way):
 - index_stale: the index said the chosen instance held blocks it no longer had;
 - session_moved: the session left its home (overload, lost context, instance down), which held
   more of the prompt than the new instance;
 - placed_elsewhere: another instance held a longer prefix than the chosen one.
 The sum is unchanged (partial_block is never taken: no instance could have served it).
 
-Invariant: reattribute() returns counts with the same total as the instance's, each > 0.
+A disaggregated request's answer comes from its decode leg, which counts the prompt it
+imported as cached: its prefill leg's cached tokens and causes (`PrefillLeg`) replace the
+decode leg's when the prefill leg found less cached (it computed what was transferred), so
+the client sees what its prompt cost, not what the decode instance saved.
+
+Both apply to a JSON answer and to a stream's usage line alike (`rewrite_json`).
+
+Invariant: reattribute() returns counts with the same total as the instance's, each > 0;
+the rewritten usage's causes sum to its prompt - cached tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +28,10 @@ import json
 import re
 from dataclasses import dataclass
 
-# Instance causes the router's may replace, in the order they are taken.
-_TAKE_ORDER = ("first_sight", "evicted", "evicted_tier", "pin_expired", "preempted",
-               "state_missing", "diverged", "salt")
+# Instance causes the router's may replace, in the order they are taken: by position, the
+# blocks held once (kv.miss_causes: from the hit onwards) before the never-held ones.
+_TAKE_ORDER = ("evicted", "evicted_tier", "pin_expired", "preempted", "state_missing",
+               "first_sight", "salt", "diverged")
 _MISS_RE = re.compile(rb'"miss_causes"\s*:\s*(\{[^{}]*\})')
 
 
@@ -79,20 +89,107 @@ def find_causes(data: bytes) -> dict[str, int] | None:
     return causes if isinstance(causes, dict) else None
 
 
-def rewrite_usage(body: dict, view: RouteView, block_size: int) -> dict[str, int] | None:
-    """Reattribute the miss_causes of a JSON response body in place (OpenAI chat and
-    completions: usage.prompt_tokens_details; Responses: usage.input_tokens_details;
-    Anthropic: usage). Returns the new causes, None if the body has none."""
-    usage = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(usage, dict):
+@dataclass(frozen=True)
+class PrefillLeg:
+    """A prefill leg's usage: prompt tokens, cached tokens, and why the rest missed."""
+
+    prompt_tokens: int
+    cached: int
+    causes: dict[str, int]
+    view: RouteView | None = None  # the KV index's view when the prefill instance was chosen
+
+
+def _usage_of(body) -> dict | None:
+    """The usage dict of an answer or stream event (Responses: under response; Anthropic's
+    message_start: under message)."""
+    if not isinstance(body, dict):
         return None
-    for holder in (usage.get("prompt_tokens_details"), usage.get("input_tokens_details"),
-                   usage):
-        if isinstance(holder, dict) and isinstance(holder.get("miss_causes"), dict):
-            causes = holder["miss_causes"]
-            cached = holder.get("cached_tokens", usage.get("cache_read_input_tokens", 0))
-            total = sum(causes.values())
-            new = reattribute(causes, cached + total, cached, view, block_size)
-            holder["miss_causes"] = new
-            return new
+    for holder in (body, body.get("response"), body.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            return holder["usage"]
     return None
+
+
+def _causes_of(usage: dict) -> tuple[dict, str] | None:
+    """(the dict holding miss_causes, the name of its cached-tokens count): OpenAI chat and
+    completions: usage.prompt_tokens_details; Responses: usage.input_tokens_details;
+    Anthropic: usage, with cache_read_input_tokens."""
+    for holder, key in ((usage.get("prompt_tokens_details"), "cached_tokens"),
+                        (usage.get("input_tokens_details"), "cached_tokens"),
+                        (usage, "cache_read_input_tokens")):
+        if isinstance(holder, dict) and isinstance(holder.get("miss_causes"), dict):
+            return holder, key
+    return None
+
+
+def prefill_leg_of(body) -> PrefillLeg | None:
+    """The PrefillLeg of a prefill leg's JSON answer (None: no miss causes in it)."""
+    usage = _usage_of(body)
+    found = _causes_of(usage) if usage is not None else None
+    if found is None:
+        return None
+    holder, key = found
+    causes = {k: v for k, v in holder["miss_causes"].items() if isinstance(v, int)}
+    cached = holder.get(key, 0)
+    return PrefillLeg(cached + sum(causes.values()), cached, causes)
+
+
+def rewrite_usage(body: dict, view: RouteView | None, block_size: int,
+                  prefill: PrefillLeg | None = None) -> dict[str, int] | None:
+    """Merge the prefill leg's causes into (see the module doc), then reattribute, the
+    miss_causes of a JSON answer or stream event in place. Returns the new causes, None if
+    the body has none."""
+    usage = _usage_of(body)
+    found = _causes_of(usage) if usage is not None else None
+    if found is None:
+        return None
+    holder, key = found
+    causes = holder["miss_causes"]
+    cached = holder.get(key, 0)
+    prompt = cached + sum(causes.values())
+    if prefill is not None and prefill.prompt_tokens == prompt and prefill.cached < cached:
+        if key == "cache_read_input_tokens":  # Anthropic counts input without cached
+            usage["input_tokens"] = usage.get("input_tokens", 0) + cached - prefill.cached
+        # the prompt was computed on the prefill instance: judged by the view of that choice
+        cached, causes, view = prefill.cached, dict(prefill.causes), prefill.view
+        holder[key] = cached
+    new = reattribute(causes, prompt, cached, view, block_size) \
+        if view is not None else {k: v for k, v in causes.items() if v > 0}
+    holder["miss_causes"] = new
+    return new
+
+
+def rewrite_json(data: bytes, view: RouteView | None, block_size: int,
+                 prefill: PrefillLeg | None = None) -> tuple[bytes, dict[str, int] | None]:
+    """A JSON answer or an SSE data payload with its usage rewritten (rewrite_usage), and the
+    causes it now reports; `data` itself when there is nothing to change."""
+    if b'"miss_causes"' not in data:
+        return data, None
+    if view is None and prefill is None:
+        return data, find_causes(data)
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return data, find_causes(data)
+    causes = rewrite_usage(body, view, block_size, prefill)
+    if causes is None:
+        return data, find_causes(data)
+    return json.dumps(body, separators=(",", ":")).encode(), causes
+
+
+def rewrite_sse(block: bytes, view: RouteView | None, block_size: int,
+                prefill: PrefillLeg | None = None) -> tuple[bytes, list[dict[str, int]]]:
+    """Whole SSE lines with each data line's usage rewritten (rewrite_json); the causes of
+    the lines that had some."""
+    if b'"miss_causes"' not in block:
+        return block, []
+    lines = block.split(b"\n")
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith(b"data:") and b'"miss_causes"' in line:
+            cr = b"\r" if line.endswith(b"\r") else b""
+            payload, causes = rewrite_json(line[5:].strip(), view, block_size, prefill)
+            lines[i] = b"data: " + payload + cr
+            if causes is not None:
+                found.append(causes)
+    return b"\n".join(lines), found

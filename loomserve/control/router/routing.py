@@ -149,6 +149,12 @@ class Router:
         return view_of(self.index, req.keys()[1], decision.instance.name,
                        moved.name if moved is not None else None)
 
+    def leg_view(self, req: RouteRequest, inst: Instance) -> RouteView | None:
+        """As miss_view, for a prefill leg sent to `inst`."""
+        if req.known_tokens is None:
+            return None
+        return view_of(self.index, req.keys()[1], inst.name, None)
+
     def remember_response(self, response_id: str, inst: Instance) -> None:
         self._responses[response_id] = inst.name
         self._responses.move_to_end(response_id)

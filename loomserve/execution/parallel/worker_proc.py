@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from loomserve.config import EngineConfig
+from loomserve.config.log_lines import configure_child
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.parallel.state import (
     destroy_distributed,
@@ -89,8 +90,7 @@ def run_worker(spec: WorkerSpec) -> int:
 def main() -> None:
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
     die_with_parent(spec.parent_pid)
-    logging.basicConfig(level=os.environ.get("LOOMSERVE_LOG_LEVEL", "INFO").upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s")
+    configure_child(os.environ.get("LOOMSERVE_LOG_LEVEL", "INFO"), f"rank {spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     try:
         code = run_worker(spec)
