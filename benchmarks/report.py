@@ -1326,8 +1326,21 @@ def moe_grouped_figure(r: Result, png: Path) -> None:
     plt.close(fig)
 
 
+def miss_gap_figure(r: Result, png: Path) -> None:
+    """A stacked bar per run (served, then the gap by cause), titled with where it ran."""
+    from loomserve.bench.report import plot_miss_gap
+
+    d, src = r.data, r.source()
+    router = d.get("router")
+    labels = [f"{router['instances']} x {x['pool']}, {router['policy']}" if router
+              else x["pool"] for x in d["runs"]]
+    plot_miss_gap([x["miss_gap"] for x in d["runs"]], labels, str(png),
+                  note=f"{d['model']}; {src.cpu}, {src.commit}, {src.date}")
+
+
 # Figures drawn from a results file, written beside it as .png by `python -m benchmarks.report`.
-FIGURES: dict[str, Callable[[Result, Path], None]] = {"moe_grouped*.json": moe_grouped_figure}
+FIGURES: dict[str, Callable[[Result, Path], None]] = {"moe_grouped*.json": moe_grouped_figure,
+                                                      "miss_gap_served*.json": miss_gap_figure}
 
 
 def gpu_tp_check(r: Result) -> list[Block]:
@@ -1481,7 +1494,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("miss_gap_served*.json", "Prefix-cache miss attribution, served replays",
            "AgentX replays of the shared traces through a real server at three KV pool sizes, "
            "and through the router over two instances at tight pools: the gap between the "
-           "served and the theoretical hit rate, by miss cause.",
+           "served and the theoretical hit rate, by miss cause.\n\n"
+           "![miss gap, one instance](../benchmarks/results/miss_gap_served.png)\n"
+           "![miss gap, router](../benchmarks/results/miss_gap_served-router.png)\n"
+           "![miss gap, router, kv_aware](../benchmarks/results/"
+           "miss_gap_served-router-kv_aware.png)",
            miss_gap_served),
     Family("kv_transfer_bandwidth*.json", "P/D KV transfer bandwidth",
            "KV transfer through Mooncake's transfer engine beside memcpy.", kv_transfer_bandwidth),

@@ -286,9 +286,10 @@ def plot_hit_rate(result: dict, path: str) -> str:
     return path
 
 
-def plot_miss_gap(gaps: list[dict], labels: list[str], path: str) -> str:
+def plot_miss_gap(gaps: list[dict], labels: list[str], path: str, note: str = "") -> str:
     """One stacked bar per run: the served hit rate, then the gap to the theoretical one by
-    miss cause (loomserve.bench.miss_gap), the unattributed remainder last."""
+    miss cause (loomserve.bench.miss_gap), the unattributed remainder last; `note` (where and
+    when it was measured) goes under the title."""
     plt = _plt()
     causes = sorted({c for g in gaps for c in g.get("points", {})})
     fig, ax = plt.subplots(figsize=(max(5.5, 1.3 * len(gaps) + 3.5), 4.5))
@@ -308,8 +309,8 @@ def plot_miss_gap(gaps: list[dict], labels: list[str], path: str) -> str:
     ax.set_xticks(list(x), labels, rotation=20, fontsize=8)
     ax.set_ylim(0, 100)
     ax.set_ylabel("prompt tokens (%)")
-    ax.set_title("served hits, then the gap to the theoretical (dashed) by miss cause",
-                 fontsize=9)
+    ax.set_title("served hits, then the gap to the theoretical (dashed) by miss cause"
+                 + (f"\n{note}" if note else ""), fontsize=8 if note else 9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
