@@ -148,18 +148,12 @@ def step_cost_model(runner: ModelRunner) -> StepCostModel:
 
 def make_spec_decoder(config: EngineConfig, runner: ModelRunner,
                       max_model_len: int) -> SpecDecoder | None:
-    """Speculative decoding when --speculative-config asks for it. Refused on models with
-    linear-state (GDN, Mamba) layers: a rejected draft would leave their recurrent state past
-    the last accepted token, and restoring it is not implemented."""
+    """Speculative decoding when --speculative-config asks for it (on hybrid models too: the
+    linear-state groups keep the state after each draft and restore the accepted one,
+    kv/managers/linear_state.py)."""
     spec = config.speculative.speculative_config
     if spec is None:
         return None
-    kinds = {g.spec.kind for g in runner.kv_cache_config.groups
-             if isinstance(g.spec, LinearStateSpec)}
-    if kinds:
-        raise ValueError(f"--speculative-config: speculative decoding is not supported on "
-                         f"models with linear-state layers ({', '.join(sorted(kinds))}): "
-                         "their state after the last accepted draft is not restored yet")
     log.info("speculative decoding: %s, up to %d drafts a request a step", spec.method,
              spec.num_speculative_tokens)
     return SpecDecoder(spec, max_model_len)

@@ -397,14 +397,24 @@ def _draft_rows(decodes: list[ScheduledSeq]) -> list[ScheduledSeq]:
     1 + num_draft decode rows of the same request at consecutive positions. Every row's K/V is
     written before attention reads the cache, so the row at position p sees the rows before it:
     causal, through the decode kernels (the decode stack on a CPU), the same arithmetic as
-    decoding the tokens one at a time. Row order equals the flattened token order."""
+    decoding the tokens one at a time. Row order equals the flattened token order.
+    Linear-state groups: the rows share the running page, and the state layers take a
+    request's rows in order (gated_deltanet.decode_waves); each row carries the saves that
+    fall after it (the draft states the KV manager keeps for rollback), and only the first the
+    page copy or zeroing that starts the step."""
     out = []
     for s in decodes:
         if not s.num_draft:
             out.append(s)
             continue
-        out.extend(ScheduledSeq(s.request_id, [t], s.start_pos + j, s.block_ids, False, s.sampling,
-                                states=s.states) for j, t in enumerate(s.token_ids))
+        for j, t in enumerate(s.token_ids):
+            p = s.start_pos + j
+            states = {g: dataclasses.replace(
+                d, init_from=d.init_from if j == 0 else None, zero_init=d.zero_init and j == 0,
+                saves=[(n, page) for n, page in d.saves if n == p + 1])
+                for g, d in s.states.items()}
+            out.append(ScheduledSeq(s.request_id, [t], p, s.block_ids, False, s.sampling,
+                                    states=states))
     return out
 
 

@@ -175,13 +175,14 @@ class KVCacheManager:
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, hit: KVHit | None = None,
-                       num_hit_tokens: int = 0, cache: bool = True) -> bool:
+                       num_hit_tokens: int = 0, cache: bool = True, num_draft: int = 0) -> bool:
         """Cover num_computed_tokens + num_hit_tokens + num_new_tokens positions, claiming the
         hit first; all or nothing (False changes no block). Blocks full once these tokens are
         computed are cached under their hashes. Session pins past their time-to-live are
         released first, whatever the outcome (housekeeping). cache=False allocates without caching the new
         blocks (their content arrives later, e.g. a tier load); a later allocate_slots caches
-        them once num_computed_tokens covers them."""
+        them once num_computed_tokens covers them. num_draft: the last num_draft of the new
+        tokens are drafts (speculative decoding), whose states state groups keep for rollback."""
         bs = self.block_size
         if num_hit_tokens % bs:
             raise ValueError("num_hit_tokens must be block aligned")
@@ -195,7 +196,7 @@ class KVCacheManager:
             if self.enable_caching and self.has_state_groups:
                 self.hasher.ensure(req, min(total, len(req.all_token_ids)) // bs)
             ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes,
-                                req.num_computed_tokens, req.num_prompt_tokens)
+                                req.num_computed_tokens, req.num_prompt_tokens, num_draft)
         else:
             ok = coord.allocate(rid, total, hit, num_hit_tokens // bs, req.block_hashes)
         if not ok:
@@ -235,7 +236,7 @@ class KVCacheManager:
         if self.enable_caching and (coord.state_managers or self.pins is not None) and \
                 coord.block_ids(rid) is not None:
             hashes = self.hasher.ensure(req)
-            coord.finish(rid, hashes)
+            coord.finish(rid, hashes, req.num_computed_tokens)
             if self.pins is not None and req.session_id is not None:
                 n = coord.hit_boundary(rid)
                 blocks = coord.blocks_for_hit_at(hashes, n) if n > 0 else None

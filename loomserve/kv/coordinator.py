@@ -114,9 +114,10 @@ class KVCacheCoordinator:
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, hit: KVHit | None,
                  num_hit_blocks: int, block_hashes: list[bytes], num_computed: int = 0,
-                 num_prompt_tokens: int = 0) -> bool:
+                 num_prompt_tokens: int = 0, num_draft: int = 0) -> bool:
         """Cover num_tokens positions for the request. num_computed: tokens computed before
-        this call (the hit excluded); needed only by stepped (sliding/state) groups."""
+        this call (the hit excluded); needed only by stepped (sliding/state) groups.
+        num_draft: the last positions are that many drafts (state groups keep their states)."""
         managers = self.managers
         if hit is not None and num_hit_blocks > 0:
             if num_hit_blocks > hit.num_blocks:
@@ -140,7 +141,7 @@ class KVCacheCoordinator:
                 for mgr in self.state_managers:
                     mgr.begin_step(request_id, block_hashes)
                     mgr.prepare(request_id, start, num_tokens, num_prompt_tokens, block_hashes,
-                                marconi)
+                                marconi, num_draft)
         free = self.pool.num_free_blocks
         # Cheap upper bound first (every hit block counted as free); scan hits only if needed.
         for exact in (False, True):
@@ -177,10 +178,11 @@ class KVCacheCoordinator:
         return min(mgr.num_cached.get(request_id, 0) for mgr in self.token_managers)
 
     # -- release --------------------------------------------------------------------------
-    def finish(self, request_id: str, block_hashes: list[bytes]) -> None:
-        """Before free: the request's last step has run; state groups hash what it saved."""
+    def finish(self, request_id: str, block_hashes: list[bytes], num_computed: int = 0) -> None:
+        """Before free: the request's last step has run (num_computed tokens of it accepted);
+        state groups hash what it saved."""
         for mgr in self.state_managers:
-            mgr.finish(request_id, block_hashes)
+            mgr.finish(request_id, block_hashes, num_computed)
 
     def hit_boundary(self, request_id: str) -> int:
         """The longest boundary (blocks) a later request could hit from what this request

@@ -289,11 +289,6 @@ def test_metrics_families():
             'position="1"} 1.0') in text
 
 
-def test_hybrid_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="linear-state layers"):
-        make("tiny-qwen3-next")
-
-
 def test_tensor_parallel_two_ranks_identical(monkeypatch):
     """-tp 2: every rank computes the drafts' logits rows (the step message carries
     num_draft), rank 0 verifies; the output is the one-rank plain engine's."""

@@ -12,7 +12,7 @@ both eviction policies, with retention policies and session pinning. Invariants:
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from loomserve.kv.cache_manager import KVCacheManager, RetentionConfig
 from loomserve.kv.eviction import FlopModel
@@ -36,6 +36,7 @@ class HybridMachine(KVMachine):
                                  clock=lambda: self.now[0])
         self.sg = self.kv.state_groups[0]
         self.null = self.kv.pool.null_block.block_id
+        self.spec_running: dict[str, tuple] = {}  # rid -> (its state, start, running)
 
     def _check_hit(self, req, hit, n_hit):
         assert n_hit % BS == 0 and n_hit <= max(0, len(req.all_token_ids) - 1)
@@ -77,6 +78,80 @@ class HybridMachine(KVMachine):
         for n, dst in d.saves:  # the step runs now: the saved pages hold these states
             assert n % BS == 0 and n <= total
             self.shadow[dst] = ("state", req.cache_salt, tuple(req.all_token_ids[:n]))
+
+    @precondition(lambda self: self.running)
+    @rule(idx=st.integers(0, 10**6), tok=st.integers(0, 11),
+          drafts=st.lists(st.integers(0, 11), min_size=1, max_size=5), accept=st.integers(0, 5))
+    def spec_step(self, idx, tok, drafts, accept):
+        """A decode verifying drafts (speculative decoding), as the scheduler runs it: the
+        last sampled token then the drafts; `accept` drafts accepted, then a token other than
+        the first rejected draft appended (uncomputed), the rest rolled back. The state the
+        step starts from (a restored draft page, else the running page) must be the state
+        after exactly its computed tokens; a checkpoint hit (_check_hit) must never hold a
+        rejected draft's state."""
+        rid = sorted(self.running)[idx % len(self.running)]
+        req = self.running[rid]
+        if len(req.all_token_ids) - req.num_computed_tokens > 1:
+            return  # still prefilling
+        if len(req.all_token_ids) == req.num_computed_tokens:
+            req.all_token_ids.append(tok)  # sampled by a plain step
+        old = [len(x) for x in self.kv.get_block_ids(rid)]
+        start = req.num_computed_tokens
+        mgr = self.kv.coordinator.state_managers[0]
+        if not self.kv.allocate_slots(req, 1 + len(drafts), num_draft=len(drafts)):
+            event("drafts refused")
+            self.spec_running.pop(rid, None)
+            return self._decode_without_drafts(req, old)
+        view = req.all_token_ids + drafts
+        d = self.kv.state_directives(req)[self.sg]
+        st_obj, at, running = self.spec_running.pop(rid, (None, -1, None))
+        if st_obj is mgr.states[rid] and at == start:  # verified last step: its state now
+            event("state restored" if d.init_from is not None else "all drafts accepted")
+            state = self.shadow.get(d.init_from) if d.init_from is not None else running
+            assert state == ("state", req.cache_salt, tuple(view[:start]))
+        for n, dst in d.saves:
+            assert start < n <= len(view)
+            self.shadow[dst] = ("state", req.cache_salt, tuple(view[:n]))
+        a = min(accept, len(drafts))
+        bonus = tok if a == len(drafts) else (drafts[a] + 1 + tok % 11) % 12
+        req.all_token_ids.extend(drafts[:a] + [bonus])
+        req.num_computed_tokens = start + 1 + a
+        self.spec_running[rid] = (mgr.states[rid], start + 1 + a,
+                                  ("state", req.cache_salt, tuple(view)))
+        self._record_attention(req, old)
+
+    @invariant()
+    def tail_holds_an_accepted_state(self):
+        """A running request's tail page (hashed as a checkpoint when it is freed) holds the
+        state after its tail boundary of the request's own tokens, never a rejected draft's."""
+        mgr = self.kv.coordinator.state_managers[0]
+        for rid, req in self.running.items():
+            st_ = mgr.states.get(rid)
+            if st_ is not None and st_.tail is not None and st_.tail_pos:
+                want = ("state", req.cache_salt, tuple(req.all_token_ids[:st_.tail_pos * BS]))
+                assert self.shadow.get(st_.tail.block_id) == want
+
+    def _decode_without_drafts(self, req, old):
+        if self.kv.allocate_slots(req, 1):
+            req.num_computed_tokens += 1
+            self._record(req, old, 0)
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            self.waiting[req.request_id] = self.running.pop(req.request_id)
+
+    def _record_attention(self, req, old_lens):
+        """_record's shadow of the attention groups' blocks (computed, accepted tokens)."""
+        total = min(req.num_computed_tokens, len(req.all_token_ids))
+        ids = self.kv.get_block_ids(req.request_id)
+        for g in (0, 1):
+            for i in range(old_lens[g], len(ids[g])):
+                if ids[g][i] != self.null:
+                    self.shadow.pop(ids[g][i], None)
+            for i, bid in enumerate(ids[g]):
+                if bid != self.null and (i + 1) * BS <= total:
+                    want = (req.cache_salt, tuple(req.all_token_ids[:(i + 1) * BS]))
+                    assert self.shadow.setdefault(bid, want) == want
 
     @rule(dt=st.floats(0, 4))
     def tick(self, dt):

@@ -165,7 +165,7 @@ class Scheduler:
             return budget  # no time left for this prefill chunk this step
         drafts = self.spec.drafts_for(req, budget) if left == 1 and self.spec is not None \
             else ()
-        if drafts and not self.kv.allocate_slots(req, 1 + len(drafts)):
+        if drafts and not self.kv.allocate_slots(req, 1 + len(drafts), num_draft=len(drafts)):
             drafts = ()  # no room for the drafts: a plain decode step (which may preempt)
         elif drafts:
             self._add_to_batch(out, req, 1, drafts)

@@ -42,6 +42,24 @@ def split_batch(sb: StateBatch) -> tuple[list[StateSeq], list[StateSeq]]:
     return decodes, prefills
 
 
+def decode_waves(decodes: list[StateSeq]) -> list[list[StateSeq]]:
+    """Decode rows in waves of distinct running pages, each page's rows in batch order. A
+    request verifying drafts has one row per token on the same page (speculative decoding):
+    row i must see the state after rows 0..i-1, so wave i holds every request's row i and runs
+    after wave i-1 wrote the pages back. Without drafts: one wave, the rows as given."""
+    if len({s.running_block for s in decodes}) == len(decodes):
+        return [decodes] if decodes else []
+    waves: list[list[StateSeq]] = []
+    seen: dict[int, int] = {}
+    for s in decodes:
+        i = seen.get(s.running_block, 0)
+        seen[s.running_block] = i + 1
+        if i == len(waves):
+            waves.append([])
+        waves[i].append(s)
+    return waves
+
+
 def save_offsets(s: StateSeq) -> list[tuple[int, int]]:
     """(tokens of this chunk consumed, dst page) for each save, in order."""
     out = []
@@ -94,16 +112,16 @@ def causal_conv(x: torch.Tensor, cache: torch.Tensor, weight: torch.Tensor, bias
     out = torch.empty_like(x)
     width = weight.shape[1] - 1
     w = weight.to(x.dtype)
-    if decodes:
-        rows = torch.tensor([s.start for s in decodes], device=x.device)
-        blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
+    for wave in decode_waves(decodes):
+        rows = torch.tensor([s.start for s in wave], device=x.device)
+        blocks = torch.tensor([s.running_block for s in wave], device=x.device)
         window = torch.cat([cache[blocks].to(x.dtype), x[rows].unsqueeze(-1)], dim=-1)  # [d, C, K]
         y = (window * w).sum(-1)
         if bias is not None:
             y = y + bias
         out[rows] = F.silu(y)
         cache[blocks] = window[..., 1:].to(cache.dtype)
-        for i, s in enumerate(decodes):
+        for i, s in enumerate(wave):
             for _, dst in save_offsets(s):  # validates n == start_pos + 1
                 cache[dst] = window[i, :, 1:].to(cache.dtype)
     for s in prefills:
@@ -186,14 +204,14 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     writes each seq's recurrent state in rec_cache [num_blocks, heads, k_dim, v_dim] (running
     page and checkpoints). Returns the core output [tokens, heads, v_dim] fp32."""
     core = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-    if decodes:
-        rows = torch.tensor([s.start for s in decodes], device=v.device)
-        blocks = torch.tensor([s.running_block for s in decodes], device=v.device)
+    for wave in decode_waves(decodes):
+        rows = torch.tensor([s.start for s in wave], device=v.device)
+        blocks = torch.tensor([s.running_block for s in wave], device=v.device)
         o, st = recurrent_gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows],
                                            gather_states(rec_cache, blocks))
         core[rows] = o
         rec_cache.index_copy_(0, blocks, st.to(rec_cache.dtype))
-        for i, s in enumerate(decodes):
+        for i, s in enumerate(wave):
             for _, dst in save_offsets(s):  # validates n == start_pos + 1
                 rec_cache[dst] = st[i].to(rec_cache.dtype)
     for s in prefills:

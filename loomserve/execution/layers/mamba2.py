@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from loomserve.execution.layers.gated_deltanet import (
     causal_conv,
+    decode_waves,
     gather_states,
     save_offsets,
     segments,
@@ -123,13 +124,13 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
         a = -self.A_log.float().exp()
         y = torch.empty(n, h, p, dtype=torch.float32, device=x.device)
-        if decodes:
-            rows = torch.tensor([s.start for s in decodes], device=x.device)
-            blocks = torch.tensor([s.running_block for s in decodes], device=x.device)
+        for wave in decode_waves(decodes):  # a request's draft rows in order
+            rows = torch.tensor([s.start for s in wave], device=x.device)
+            blocks = torch.tensor([s.running_block for s in wave], device=x.device)
             o, st = ssd_step(xs[rows], dt[rows], a, b[rows], c[rows], gather_states(ssm_cache, blocks))
             y[rows] = o
             ssm_cache.index_copy_(0, blocks, st.to(ssm_cache.dtype))
-            for i, s in enumerate(decodes):
+            for i, s in enumerate(wave):
                 for _, dst in save_offsets(s):  # validates n == start_pos + 1
                     ssm_cache[dst] = st[i].to(ssm_cache.dtype)
         for s in prefills:

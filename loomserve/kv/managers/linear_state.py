@@ -7,9 +7,18 @@ and a reused `tail` page keeps the state at the last crossed boundary, hashed as
 when the request is freed. A hit needs a checkpoint exactly at its boundary, so hits are not
 prefix-closed. Pages, deferred hashing and hits in detail: docs/design/kv-cache.md.
 
+Speculative decoding: a step verifying d drafts takes d `draft` pages, saves holding the state
+after each of its first d rows (after the last row too where that ends a block; the state after
+the last row stays in `running`). The next allocation, rolled back to the accepted length,
+keeps the draft page at that length as `restore` (its directive copies it into `running`, as a
+hit's checkpoint; none when every draft was accepted), makes the page at a block boundary
+inside the accepted drafts the `tail` (row 0 of a plain decode step would have saved it there),
+and frees the others. Draft pages are hashed only as that tail, after acceptance: a checkpoint
+only ever holds the state after accepted tokens (docs/design/speculative.md).
+
 Invariants:
-- A request holds one reference on each of running, init, tail and each pending save page,
-  and nothing else in this group.
+- A request holds one reference on each of running, init, tail, restore and each pending save
+  and draft page, and nothing else in this group.
 - A hashed checkpoint page holds the state after exactly (its position) tokens of the chain
   whose last block hash it carries; a save is hashed only once its step has run.
 """
@@ -24,7 +33,8 @@ from loomserve.kv.retention import RetentionConfig
 
 class _ReqState:
     __slots__ = ("running", "init", "pending", "tail", "tail_pos", "end_pos", "kept",
-                 "marconi_pos", "directive", "plan")
+                 "marconi_pos", "directive", "plan", "drafts", "draft_end", "restore",
+                 "restoring")
 
     def __init__(self) -> None:
         self.running: Block | None = None
@@ -36,7 +46,12 @@ class _ReqState:
         self.kept = 0  # checkpoints kept by retention policies (bounded per path)
         self.marconi_pos = 0  # full-attention hit boundary without a checkpoint; 0 = none
         self.directive: StateDirective | None = None
-        self.plan: tuple[list[int], bool, int] | None = None  # (saves, tail save, last boundary)
+        # (saves, tail save, last boundary, drafts)
+        self.plan: tuple[list[int], bool, int, int] | None = None
+        self.drafts: list[tuple[Block, int]] = []  # (page, tokens consumed) of the verify step
+        self.draft_end = 0  # tokens consumed after the verify step's last row
+        self.restore: Block | None = None  # the draft page the next directive copies from
+        self.restoring: Block | None = None  # ... once that directive is out (freed next step)
 
 
 class LinearStateManager(SingleTypeKVManager):
@@ -95,6 +110,10 @@ class LinearStateManager(SingleTypeKVManager):
         if st.init is not None:
             pool.free((st.init,))
             st.init = None
+        if st.restoring is not None:
+            if st.restoring is not st.tail:  # a boundary's draft page stays, as the tail
+                pool.free((st.restoring,))
+            st.restoring = None
         if st.pending:
             pending = st.pending
             st.pending = []
@@ -110,18 +129,22 @@ class LinearStateManager(SingleTypeKVManager):
         self.pool.cache_blocks(self.group_id, [blk], [block_hashes[pos - 1]])
 
     def prepare(self, request_id: str, start: int, total: int, num_prompt_tokens: int,
-                block_hashes: list[bytes], marconi_pos: int) -> None:
-        """Decide this step's saves for the chunk [start, total) (no side effect on the pool)."""
+                block_hashes: list[bytes], marconi_pos: int, num_draft: int = 0) -> None:
+        """Decide this step's saves for the chunk [start, total), whose last num_draft tokens
+        are drafts (no side effect on the pool but settling the previous step's drafts).
+        Checkpoints stay within block_hashes, which cover accepted tokens only."""
         st = self.states.get(request_id)
         if st is None:
             st = _ReqState()
             st.marconi_pos = marconi_pos
             self.states[request_id] = st
+        if st.drafts:
+            self._settle_drafts(request_id, st, start, block_hashes)
         bs = self.block_size
         lo = start // bs + 1
         hi = min(total // bs, len(block_hashes))
         if hi < lo or not self.pool.enable_caching:
-            st.plan = ([], False, 0)
+            st.plan = ([], False, 0, num_draft)
             return
         ret = self.retention
         cached = self.pool.cached[self.group_id]
@@ -147,12 +170,52 @@ class LinearStateManager(SingleTypeKVManager):
                 saves.append(p)
                 room -= 1
         tail = hi not in saves and block_hashes[hi - 1] not in cached
-        st.plan = (saves, tail, hi)
+        st.plan = (saves, tail, hi, num_draft)
+
+    def _draft_pages(self, num_draft: int, total: int) -> int:
+        """Pages for the states after rows 0..d-1 of a verify step, and after row d where it
+        ends a block (the tail checkpoint, should every draft be accepted)."""
+        return num_draft + (num_draft > 0 and total % self.block_size == 0
+                            and self.pool.enable_caching)
+
+    def _settle_drafts(self, request_id: str, st: _ReqState, start: int,
+                       block_hashes: list[bytes]) -> None:
+        """The verify step has run and the scheduler rolled the request back to `start` tokens:
+        restore the draft page holding the state after exactly start tokens (none when every
+        draft was accepted: running holds it), make the latest block boundary inside the
+        accepted tokens the tail checkpoint, free the other pages."""
+        keep = None
+        if start != st.draft_end:
+            keep = next((b for b, n in st.drafts if n == start), None)
+            if keep is None:
+                raise ValueError(f"request {request_id} resumes at {start} tokens, which no "
+                                 f"draft state of its verify step ({st.draft_end}) holds")
+        self._promote_tail(st, start, block_hashes)
+        self.pool.free([b for b, _ in reversed(st.drafts) if b is not keep])
+        st.drafts = []
+        st.restore = keep
+
+    def _promote_tail(self, st: _ReqState, accepted: int, block_hashes: list[bytes]) -> None:
+        """The draft page at the latest block boundary within the first `accepted` tokens (the
+        verify step's accepted length) becomes the tail checkpoint, replacing the older one;
+        it leaves st.drafts."""
+        bs, cached = self.block_size, self.pool.cached[self.group_id]
+        for i in range(len(st.drafts) - 1, -1, -1):
+            blk, n = st.drafts[i]
+            if n <= accepted and n % bs == 0 and st.tail_pos < n // bs <= len(block_hashes) \
+                    and block_hashes[n // bs - 1] not in cached:
+                if st.tail is not None and st.tail is not st.restoring:
+                    self.pool.free((st.tail,))
+                st.tail, st.tail_pos = blk, n // bs
+                st.end_pos = max(st.end_pos, st.tail_pos)
+                del st.drafts[i]
+                return
 
     def num_blocks_to_allocate(self, request_id, num_tokens, hit_blocks, exact=True) -> int:
         st = self.states[request_id]
-        saves, tail, _ = st.plan
-        need = len(saves) + (st.running is None) + (tail and st.tail is None)
+        saves, tail, _, drafts = st.plan
+        need = len(saves) + (st.running is None) + (tail and st.tail is None) + \
+            self._draft_pages(drafts, num_tokens)
         if hit_blocks:
             ckpt = hit_blocks[-1]
             need += 1 if (ckpt.ref_cnt == 0 or not exact) else 0
@@ -174,13 +237,15 @@ class LinearStateManager(SingleTypeKVManager):
 
     def allocate_new(self, request_id: str, num_tokens: int) -> None:
         st = self.states[request_id]
-        saves, tail, hi = st.plan
+        saves, tail, hi, num_draft = st.plan
         st.plan = None
         blocks = self.req_blocks.setdefault(request_id, [])
         ids = self.req_block_ids.setdefault(request_id, [])
         self.num_cached.setdefault(request_id, 0)
-        n = len(saves) + (st.running is None) + (tail and st.tail is None)
+        pages = self._draft_pages(num_draft, num_tokens)
+        n = len(saves) + (st.running is None) + (tail and st.tail is None) + pages
         new = self.pool.allocate(n) if n else []
+        drafts = [new.pop() for _ in range(pages)]
         zero = False
         if st.running is None:
             st.running = new.pop()
@@ -198,10 +263,17 @@ class LinearStateManager(SingleTypeKVManager):
         if tail:
             out.append((hi * bs, st.tail.block_id))
             st.tail_pos = hi
+        if drafts:  # the state after row j: n = start + 1 + j (num_tokens: start + 1 + d)
+            start = num_tokens - 1 - num_draft
+            st.drafts = [(b, start + 1 + j) for j, b in enumerate(drafts)]
+            st.draft_end = num_tokens
+            out += [(n, b.block_id) for b, n in st.drafts]
         out.sort()
+        src = st.init if st.init is not None else st.restore
+        st.restoring, st.restore = st.restore, None
         st.directive = StateDirective(
             running_block=st.running.block_id,
-            init_from=st.init.block_id if st.init is not None else None,
+            init_from=src.block_id if src is not None else None,
             zero_init=zero, saves=out)
 
     def directive(self, request_id: str) -> StateDirective | None:
@@ -212,12 +284,15 @@ class LinearStateManager(SingleTypeKVManager):
         pass  # checkpoints are hashed when their step has run (begin_step / finish)
 
     # -- release --------------------------------------------------------------------------
-    def finish(self, request_id: str, block_hashes: list[bytes]) -> None:
-        """The request is being freed after its last step ran: hash pending saves and the tail
-        checkpoint at the last crossed boundary (references still held; free() drops them)."""
+    def finish(self, request_id: str, block_hashes: list[bytes], num_computed: int = 0) -> None:
+        """The request is being freed after its last step ran, num_computed tokens accepted:
+        hash pending saves and the tail checkpoint at the last crossed boundary, a verify
+        step's draft page there included (references still held; free() drops them)."""
         st = self.states.get(request_id)
         if st is None:
             return
+        if st.drafts:
+            self._promote_tail(st, num_computed, block_hashes)
         for blk, pos in st.pending:
             self._cache_checkpoint(blk, pos, block_hashes)
         if st.tail is not None and st.tail_pos and st.tail_pos == st.end_pos:
@@ -242,7 +317,9 @@ class LinearStateManager(SingleTypeKVManager):
         if st is None:
             return []
         out = [b for b in (st.running, st.init, st.tail) if b is not None]
+        out.extend(b for b in (st.restore, st.restoring) if b is not None and b is not st.tail)
         out.extend(b for b, _ in st.pending)
+        out.extend(b for b, _ in st.drafts)
         return out
 
     def free(self, request_id: str) -> None:
@@ -254,6 +331,8 @@ class LinearStateManager(SingleTypeKVManager):
             return
         # Running and unhashed pages go to the front; checkpoints to the back, latest last.
         out = [b for b, _ in st.pending]
+        out.extend(b for b in (st.restore, st.restoring) if b is not None and b is not st.tail)
+        out.extend(b for b, _ in st.drafts)
         if st.init is not None:
             out.append(st.init)
         if st.tail is not None:
