@@ -222,8 +222,8 @@ def _add_scheduling(p) -> None:
                         "every step)")
     g.add_argument("--speculative-config", type=_speculative, metavar="JSON",
                    default=_DEFAULTS["speculative_config"],
-                   help="speculative decoding, vLLM's keys: {\"method\": \"ngram\" or "
-                        "\"suffix\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": 2, "
+                   help="speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
+                        "\"suffix\" or \"mtp\", \"num_speculative_tokens\": K, \"prompt_lookup_min\": 2, "
                         "\"prompt_lookup_max\": 5, \"disable_by_batch_size\": N}; "
                         "docs/design/speculative.md (default: off)")
     g.add_argument("--stream-interval", type=int, metavar="N",

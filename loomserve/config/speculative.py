@@ -1,6 +1,7 @@
 """--speculative-config: which drafter proposes tokens and how many the engine verifies a step.
 
-vLLM's option shape and key names: a JSON object with "method" ("ngram" or "suffix"),
+vLLM's option shape and key names: a JSON object with "method" ("ngram", "suffix", or "mtp":
+the checkpoint's own multi-token-prediction modules, DeepSeek-V3 family),
 "num_speculative_tokens" (k, the most drafts per request per step), "prompt_lookup_min" /
 "prompt_lookup_max" (ngram: the n-gram lengths tried, longest first) and
 "disable_by_batch_size" (no drafts while more requests are running). loomserve's own keys
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "mtp")
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,9 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)} - {"extra"}
         extra = value.pop("extra", {})
         unknown = sorted(k for k in value if k not in known)
-        if unknown and value["method"] == "ngram":
+        if unknown and value["method"] in ("ngram", "mtp"):
             raise ValueError(f"--speculative-config: unknown key(s) {unknown} for method "
-                             f"ngram (known: {sorted(known)})")
+                             f"{value['method']} (known: {sorted(known)})")
         extra = {**extra, **{k: value.pop(k) for k in unknown}}  # other drafters' own keys
         return cls(**value, extra=extra)
 

@@ -287,6 +287,8 @@ class EngineCore:
         if not inp.seqs and self.structured is not None:
             self.structured.wait(0.005)  # only grammars are compiling: do not spin
         trace.mark("after")
+        if result.drafts and self.spec is not None:  # MTP: drafted by the runner (before the
+            self.spec.receive(result.drafts)  # update, so a request it finishes drops them)
         logprobs = result.logprobs
         for req, tokens in self.scheduler.update(sched, result.sampled, result.verified):
             self.generation_tokens += len(tokens)

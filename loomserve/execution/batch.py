@@ -74,3 +74,6 @@ class ModelOutput:
     logprobs: dict[str, Any] = field(default_factory=dict)
     # request_id -> accepted drafts then the token sampled after them, seqs with drafts only.
     verified: dict[str, list[int]] = field(default_factory=dict)
+    # MTP drafting (execution/spec_mtp.py): request_id -> (the request's token count they
+    # follow, draft ids), proposed to the next step by the core's MtpDrafter.
+    drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)

@@ -54,6 +54,7 @@ from loomserve.execution.parallel.shared_pool import map_pool
 from loomserve.execution.parallel.state import get_dcp, get_group, get_pcp, get_tp
 from loomserve.execution.rejection_sampler import verify
 from loomserve.execution.sampler import Sampler
+from loomserve.execution.spec_mtp import make_proposer
 from loomserve.kv.planning import (
     PageSizing,
     kv_budget_bytes,
@@ -88,6 +89,10 @@ class ModelRunner:
         self.model, self.model_config = loaded.model, loaded.config
         self.model_name = loaded.name
         self.model_folder = loaded.folder
+        # "method": "mtp": the checkpoint's MTP modules, loaded into the model before its KV
+        # specs are read (each adds an MLA layer); they draft after each step (spec_mtp.py)
+        self.mtp = make_proposer(config, self.model, self.model_folder)
+        self.step_seqs: list[ScheduledSeq] = []  # the last forward's seqs in hidden-row order
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         # --max-model-len, checked by the loader against what the (overridden) config's RoPE
@@ -240,8 +245,14 @@ class ModelRunner:
 
     # --- step ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
+        out = self._execute(inp)
+        if self.mtp is not None:  # the next step's drafts, from this step's hidden states
+            out.drafts = self.mtp.propose(self, self.step_seqs, out, inp.finished_request_ids)
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, inp: ModelInput) -> ModelOutput:
         due, logits = self.compute_logits(inp)
         if not due:
             return ModelOutput(sampled={})
@@ -269,6 +280,7 @@ class ModelRunner:
         for s in decodes + prefills:
             ids.extend(s.token_ids)
             last_row[id(s)] = len(ids) - 1
+        self.step_seqs = decodes + prefills  # the hidden rows' order, seq by seq
         if any(s.num_draft for s in decodes):
             decodes = _draft_rows(decodes)
         ordered = decodes + prefills

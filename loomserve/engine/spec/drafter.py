@@ -36,6 +36,10 @@ class Drafter:
         """Up to max_tokens draft ids that would follow req.tokens; [] when nothing matches."""
         return []
 
+    def receive(self, drafts: dict[str, tuple[int, list[int]]]) -> None:
+        """Drafts the execution plane made after a step (MTP: engine/spec/mtp.py), per request
+        (its token count they follow, ids); drafters of their own ignore them."""
+
     def on_finished(self, req: DraftRequest) -> None:
         """The request ended; its prompt and output may feed later drafts."""
 

@@ -35,6 +35,9 @@ def make_drafter(config: SpeculativeConfig) -> Drafter:
     if config.method == "suffix":
         from loomserve.engine.spec.suffix import SuffixDrafter
         return SuffixDrafter(config)
+    if config.method == "mtp":  # drafted by the runner after each step (execution/spec_mtp.py)
+        from loomserve.engine.spec.mtp import MtpDrafter
+        return MtpDrafter()
     raise ValueError(f"no drafter for method {config.method!r}")
 
 
@@ -85,6 +88,10 @@ class SpecDecoder:
         if drafts and req.grammar is not None:
             drafts = _grammar_prefix(req.grammar.matcher, drafts)
         return drafts
+
+    def receive(self, drafts: dict[str, tuple[int, list[int]]]) -> None:
+        """A step's output carried drafts made in the execution plane (MTP)."""
+        self.drafter.receive(drafts)
 
     def on_verified(self, num_drafts: int, num_accepted: int) -> None:
         s = self.stats

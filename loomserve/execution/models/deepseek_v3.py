@@ -7,7 +7,7 @@ MLAAttentionSpec group: a row of kv_lora_rank + qk_rope_head_dim per token per l
 
 Checkpoints load by their HF names; the rope rows of q_b_proj / q_proj and kv_a_proj_with_mqa
 are de-interleaved at load when rope_interleave (DeepSeek's layout), the MTP layers past
-num_hidden_layers are skipped, and FP8 block-scaled checkpoints are refused (dequantize first).
+num_hidden_layers are skipped (deepseek_mtp.py loads them for `"method": "mtp"`), and FP8 block-scaled checkpoints are refused (dequantize first).
 
 Runner contract: loomserve/execution/models/registry.py.
 
@@ -197,6 +197,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int | None] | None = None
         self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
+        # the checkpoint's MTP modules when drafting with them (deepseek_mtp.py), else None;
+        # with them, forward keeps its final hidden state before the norm: `last_hidden`
+        self.mtp = None
+        self.last_hidden: torch.Tensor | None = None
 
     # --- runner contract --------------------------------------------------------------------------
 
@@ -207,10 +211,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         spec = MLAAttentionSpec.for_latent(block_size, self.config.latent_dim, dtype)
-        return [spec] * self.config.num_layers
+        return [spec] * (self.config.num_layers + self._num_mtp())  # MTP: one more MLA layer each
 
     def kv_cache_modules(self) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.model.layers]
+        mtp = [m.block.self_attn for m in self.mtp.layers] if self.mtp is not None else []
+        return [layer.self_attn for layer in self.model.layers] + mtp
+
+    def _num_mtp(self) -> int:
+        return 0 if self.mtp is None else len(self.mtp.layers)
 
     def set_layer_groups(self, groups: list[int | None]) -> None:
         self.groups = list(groups)
@@ -225,6 +233,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer, g in zip(self.model.layers, groups):
             meta = attn_meta if isinstance(attn_meta, AttentionMetadata) else attn_meta[g]
             x = layer(x, rope, meta)
+        if self.mtp is not None:
+            self.last_hidden = x
         return self.model.norm(x)
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -1,0 +1,164 @@
+"""DeepSeek-V3's multi-token prediction (MTP) modules, loaded to draft for speculative decoding.
+
+DeepSeek-V3 / R1 checkpoints carry num_nextn_predict_layers MTP modules past the model's own
+layers, at model.layers.{N + i} (N = num_hidden_layers): enorm, hnorm, eh_proj, a full decoder
+layer (MLA, then MoE or a dense MLP as layer N + i would have), shared_head.norm, shared_head.head
+and sometimes embed_tokens (absent: the model's own, as in most releases). Module i at position p
+takes a hidden state h_p (the model's final one, before its norm, for the first module; the
+previous module's output after that) and the token at p + 1:
+
+    h'_p = DecoderLayer(eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)]))
+    logits_p = shared_head.head(shared_head.norm(h'_p))        (a guess of t_{p+2})
+
+The embedding at position 0 is zeroed, as vLLM and SGLang do (the layer was trained so).
+Each module's attention keeps its own latent rows: one more MLA layer in the model's KV group
+(DeepseekV3ForCausalLM.kv_cache_specs). transformers has no MTP code; the test reference is
+the formula above in plain torch around transformers' decoder layer.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+from loomserve.execution.layers.moe import DeepseekMoE
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.models.deepseek_v3 import (
+    DecoderLayer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    copy_into,
+    load_mlp_weight,
+)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+# names inside model.layers.{N + i} that belong to the decoder layer itself
+_BLOCK = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+
+class MtpLayer(nn.Module):
+    """One MTP module; embed and head fall back to the target model's when the checkpoint
+    has none of its own."""
+
+    def __init__(self, cfg: DeepseekV3Config, index: int, own_embed: bool, own_head: bool):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embed else None
+        self.shared_head = SharedHead(cfg, own_head)
+        self.block = DecoderLayer(cfg, index)  # layer N + i: MoE where DeepSeek puts it
+
+    def forward(self, target: DeepseekV3ForCausalLM, input_ids: torch.Tensor,
+                positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
+        """input_ids: the token at p + 1 for each row at position p; previous: h_p. Returns
+        the module's hidden state (before shared_head.norm), the next module's `previous`."""
+        embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
+        e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
+        cos, sin = target.rotary.lookup(positions)
+        return self.block(x, (cos, sin, target.rotary.half), meta)
+
+    def logits(self, target: DeepseekV3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.shared_head.norm(hidden)
+        if self.shared_head.head is None:
+            return target.compute_logits(h)
+        return self.shared_head.head(h)
+
+
+class DeepseekMTP(nn.Module):
+    """The checkpoint's MTP modules, in order (module i predicts i + 2 tokens ahead)."""
+
+    def __init__(self, layers: list[MtpLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+def mtp_tensor_names(folder: str, num_layers: int) -> dict[str, str]:
+    """{tensor name: safetensors file} of every tensor at layer index >= num_layers (read from
+    the index when there is one, else from each file's header)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = json.load(f)["weight_map"].items()
+        pairs = [(n, os.path.join(folder, f)) for n, f in names]
+    else:
+        from safetensors import safe_open
+        pairs = []
+        for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+            with safe_open(path, "pt") as f:
+                pairs.extend((n, path) for n in f.keys())
+    out = {}
+    for name, path in pairs:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= num_layers:
+            out[name] = path
+    return out
+
+
+def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
+             dtype: torch.dtype, device: torch.device) -> DeepseekMTP:
+    """The MTP modules of the checkpoint in `folder`, in `dtype` on `device`. Raises
+    ValueError when the checkpoint lacks them or holds FP8 block-scaled MTP weights."""
+    cfg = target.config
+    names = mtp_tensor_names(folder, cfg.num_layers)
+    if any(n.endswith("weight_scale_inv") for n in names):
+        raise ValueError("--speculative-config: the checkpoint's MTP weights are FP8 "
+                         "block-scaled, which the MTP drafter does not load; dequantize first")
+    layers = []
+    for i in range(num_nextn):
+        pre = f"model.layers.{cfg.num_layers + i}."
+        mine = {n: p for n, p in names.items() if n.startswith(pre)}
+        if not any(n[len(pre):].startswith("eh_proj.") for n in mine):
+            raise ValueError(f"--speculative-config: method 'mtp' needs the checkpoint's MTP "
+                             f"weights, and {folder} holds no {pre}eh_proj.weight "
+                             f"(num_nextn_predict_layers is {num_nextn})")
+        with torch.device("meta"):  # no time spent initializing what is loaded next
+            layer = MtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
+                             pre + "shared_head.head.weight" in mine)
+        layer = layer.to(dtype).to_empty(device=device)
+        _load_layer(target, layer, pre, mine)
+        layers.append(layer)
+    return DeepseekMTP(layers).eval().requires_grad_(False)
+
+
+def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
+                files: dict[str, str]) -> None:
+    """Every parameter of `layer` from its tensors (named under `pre`), exactly once."""
+    from safetensors import safe_open
+
+    params = dict(layer.named_parameters())
+    expected = {n + s for n in params if n.endswith("gate_up_proj.weight") for s in ("#0", "#1")}
+    expected |= {n for n in params if not n.endswith(("gate_up_proj.weight", "mlp.experts_gate_up",
+                                                      "mlp.experts_down"))}
+    if isinstance(layer.block.mlp, DeepseekMoE):
+        expected |= {f"block.mlp.{k}" for k in layer.block.mlp.expected_keys()}
+    seen: list[str] = []
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            for name in sorted(n for n, p in files.items() if p == path):
+                rest, t = name[len(pre):], f.get_tensor(name)
+                if rest.startswith(_BLOCK):
+                    t = target.deinterleaved(rest, t)
+                    keys = load_mlp_weight(layer.block, "block.", rest, name, t)
+                    seen.extend(keys if keys is not None
+                                else [copy_into(params, "block." + rest, t)])
+                else:
+                    seen.append(copy_into(params, rest, t))
+    missing = expected - set(seen)
+    dup = {n for n in seen if seen.count(n) > 1}
+    if missing or dup:
+        raise ValueError(f"MTP weights under {pre}: missing {sorted(missing)[:5]}, "
+                         f"duplicated {sorted(dup)[:5]}")
