@@ -796,6 +796,32 @@ def scheduler_step(r: Result) -> list[Block]:
     return out.out()
 
 
+def async_scheduling(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source()
+    load = "load average {:.1f} before, {:.1f} after (1 min)".format(
+        d["load_average_before"][0], d["load_average_after"][0])
+    for m in d["models"]:
+        name, n = Path(str(m["model"])).name, d["streams"]
+        ms = {}
+        for mode in ("sync", "async"):
+            x = m[mode]
+            ms[mode] = Measure(mode, "median ms/step", x["step_ms"], src.cpu, src.run,
+                               tuple(x["runs_step_ms"]))
+            out.add(src, f"{name}, {mode}: engine step at {streams(n)}",
+                    f"{num(x['step_ms'])} ms ({num(x['tok_per_s'])} tok/s)", "-",
+                    runs_of(x["runs_step_ms"]), minmax(x["runs_step_ms"], " ms"))
+            out.add(src, f"{name}, {mode}: host share of the step (core thread outside the "
+                    "model)", f"{100 * x['host_share']:.1f}% ({num(x['host_ms'])} ms)", "-",
+                    runs_of(x["runs_host_share"]),
+                    minmax([100 * s for s in x["runs_host_share"]], "%"))
+        out.add_ratio(src, ms["async"], ms["sync"], f"{name}, step time at {streams(n)}",
+                      interleaved=True, faster="lower")
+        out.add(src, f"{name}: greedy outputs identical", "yes" if m["greedy_identical"]
+                else "NO", "-", d["rounds"], load)
+    return out.out()
+
+
 def executor_overhead(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source()
@@ -1436,6 +1462,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("scheduler_step*.json", "Host CPU per engine step",
            "Scheduler + KV bookkeeping per step, and with the model runner's input preparation "
            "(the model stubbed), against a 1 ms target.", scheduler_step),
+    Family("async_scheduling*.json", "Async scheduling",
+           "Engine step time at 64 decoding streams with --async-scheduling (the next step "
+           "scheduled while this one executes on another thread) and without, rounds "
+           "alternating; the host share of the step (the core thread's time outside the model); "
+           "greedy outputs compared.", async_scheduling),
     Family("executor_overhead*.json", "Executor step overhead",
            "A decode step through the multiprocess executor at one rank against the in-process "
            "one, runs alternating; and the TP collectives' bytes beside their formula.",

@@ -230,6 +230,11 @@ def _add_scheduling(p) -> None:
                    default=_DEFAULTS["stream_interval"],
                    help="send a request's tokens to the client N at a time (default: "
                         "%(default)s = every token)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   default=_DEFAULTS["async_scheduling"],
+                   help="schedule the next step while this one executes (one rank, full and "
+                        "sliding-window attention; not with --speculative-config, KV tiers or "
+                        "P/D); docs/design/scheduler.md (default: off)")
 
 
 def _add_tiers(p) -> None:

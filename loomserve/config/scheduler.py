@@ -35,6 +35,10 @@ class SchedulerConfig:
     # values save the per-token hops (core -> API process -> client), which a small host pays
     # out of the decode (docs/design/scheduler.md).
     stream_interval: int = 1
+    # vLLM's --async-scheduling: step N+1 is scheduled while step N executes on another
+    # thread (loomserve.engine.step_overlap). Off until measured to help on the host it runs
+    # on (docs/design/scheduler.md, "Async scheduling").
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -2,9 +2,11 @@
 
 It owns the scheduler, the KV cache manager (data plane) and the executor (the model on every
 rank), and is driven by exactly one thread: the core loop (core_loop.py), in its own process
-or, for debugging and `LLM`, in the caller's. With KV tiers, a TierConnector (loomserve.kv.
-connector) sits beside the KV manager: the scheduler asks it about waiting requests, each step
-offers it the blocks just computed and polls it; its I/O runs on the tier store's threads.
+or, for debugging and `LLM`, in the caller's. Under --async-scheduling the model steps run on
+an execution thread of their own, one step ahead of the update (step_overlap.py).
+With KV tiers, a TierConnector (loomserve.kv.connector) sits beside the KV manager: the
+scheduler asks it about waiting requests, each step offers it the blocks just computed and
+polls it; its I/O runs on the tier store's threads.
 Invariants: every request added gets exactly one finished CoreOutput (a rejection included);
 at most `max_waiting_requests` requests wait for admission.
 """
@@ -28,11 +30,12 @@ from loomserve.engine.messages import (
     EngineStats,
 )
 from loomserve.engine.sched.request import Request, RequestStatus
-from loomserve.engine.sched.scheduler import Scheduler
+from loomserve.engine.sched.scheduler import Scheduler, SchedulerOutput
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
 from loomserve.engine.spec.verify import SpecDecoder
+from loomserve.engine.step_overlap import StepOverlap, refuse_unsupported
 from loomserve.engine.step_trace import StepTrace
-from loomserve.execution.batch import ModelOutput
+from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.model_runner import ModelRunner
 from loomserve.execution.models.loading.hub import pin_hub_model
 from loomserve.execution.parallel.shared_pool import layout_id
@@ -159,6 +162,17 @@ def make_spec_decoder(config: EngineConfig, runner: ModelRunner,
     return SpecDecoder(spec, max_model_len)
 
 
+def make_step_overlap(config: EngineConfig, executor: Executor,
+                      scheduler: Scheduler) -> StepOverlap | None:
+    """The execution thread of --async-scheduling (refusing what it does not support)."""
+    if not config.scheduler.async_scheduling:
+        return None
+    refuse_unsupported(config, executor.driver_runner.kv_cache_config)
+    scheduler.async_scheduling = True
+    log.info("async scheduling: the next step is scheduled while this one executes")
+    return StepOverlap(executor.execute_model)
+
+
 def _shape(inp) -> str:
     """A step's batch for the slow-step log: sequences, new tokens, longest context."""
     seqs = inp.seqs
@@ -204,6 +218,7 @@ class EngineCore:
         if self.spec is not None and self.kv.pins is not None:  # drafts live as long as the KV
             self.kv.pins.on_drop = self.spec.drop_session
         self.scheduler.spec = self.spec
+        self.overlap = make_step_overlap(config, self.executor, self.scheduler)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_rejected = 0
@@ -252,7 +267,8 @@ class EngineCore:
             self.spec.drop_session(session_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.overlap is not None and
+                                             self.overlap.in_flight)
 
     def step(self) -> list[CoreOutput]:
         trace = self.trace
@@ -268,17 +284,11 @@ class EngineCore:
         if self.structured is not None:
             self.structured.fill_bitmask(inp, self.scheduler.requests)
         trace.mark("schedule")
-        # Finished ids go to the workers even in a step without seqs (their per-request state).
-        if inp.seqs:
-            t0 = time.perf_counter()
-            result = self.executor.execute_model(inp)
-            seconds = time.perf_counter() - t0
-            self.cost_model.observe(sched.features, seconds)
-            if self.spec is not None:
-                self.spec.observe_step(sched.scheduled, seconds)
+        if self.overlap is not None:  # async scheduling: start this step, finish the one before
+            sched, result = self._swap(sched)
+            inp = sched.model_input
         else:
-            result = (self.executor.execute_model(inp)
-                      if inp.finished_request_ids else ModelOutput({}))
+            result = self._execute(sched)
         trace.mark("execute")
         if tiers is not None:
             tiers.after_execute()
@@ -307,6 +317,32 @@ class EngineCore:
         if trace.enabled:
             trace.end(_shape(inp))
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Run a scheduled step on the workers and time it for the cost model."""
+        inp = sched.model_input
+        # Finished ids go to the workers even in a step without seqs (their per-request state).
+        if not inp.seqs:
+            return (self.executor.execute_model(inp)
+                    if inp.finished_request_ids else ModelOutput({}))
+        t0 = time.perf_counter()
+        result = self.executor.execute_model(inp)
+        seconds = time.perf_counter() - t0
+        self.cost_model.observe(sched.features, seconds)
+        if self.spec is not None:
+            self.spec.observe_step(sched.scheduled, seconds)
+        return result
+
+    def _swap(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, ModelOutput]:
+        """Async scheduling: start sched; the step that ran before it, with its output, to
+        update now (an empty step when none was in flight)."""
+        done = self.overlap.swap(sched)
+        if done is None:
+            return SchedulerOutput(ModelInput([])), ModelOutput({})
+        sched, result, seconds = done
+        if sched.model_input.seqs:
+            self.cost_model.observe(sched.features, seconds)
+        return sched, result
 
     def _grammar_failures(self) -> list[CoreOutput]:
         """End the requests whose grammar failed to compile (the front end validated the spec,
@@ -344,6 +380,8 @@ class EngineCore:
             self.events.flush()
 
     def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         self.executor.shutdown()
         self.transfer.close()
         if self.structured is not None:

@@ -210,6 +210,19 @@ class KVCacheManager:
                                                    tokens)
         return True
 
+    def cache_computed_blocks(self, req: KVRequest) -> None:
+        """Cache the blocks req's computed tokens fill that allocate_slots left uncached: under
+        async scheduling a block's last token may have been a placeholder (not yet in
+        all_token_ids, so not hashable) when its step was allocated."""
+        rid = req.request_id
+        if not self.enable_caching or self.coordinator.block_ids(rid) is None:
+            return
+        tokens = req.all_token_ids
+        num_full = min(req.num_computed_tokens, len(tokens)) // self.block_size
+        if num_full > self.coordinator.num_cached_blocks(rid):
+            hashes = self.hasher.ensure(req, num_full)
+            self.coordinator.cache_full_blocks(rid, min(num_full, len(hashes)), hashes, tokens)
+
     def explain_miss(self, req: KVRequest, num_cached: int, tiers: bool = False
                      ) -> MissAttribution | None:
         """Split req's uncached prompt tokens (num_prompt_tokens - num_cached) by cause (see

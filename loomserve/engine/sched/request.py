@@ -12,6 +12,11 @@ import time
 
 from loomserve.sampling_params import SamplingParams
 
+# An output token not known yet (async scheduling): the step in flight samples it, the next
+# step's input carries this in its place and the execution thread fills it in
+# (loomserve.engine.step_overlap).
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -47,6 +52,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens a scheduled step will sample, counted in num_tokens but not
+        # yet in all_token_ids (which holds real tokens only: the KV manager hashes it).
+        self.num_output_placeholders = 0
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = -1  # set at first admission; -1 = not admitted yet
@@ -87,7 +95,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens so far, the ones a step in flight will sample included."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

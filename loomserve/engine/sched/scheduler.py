@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from loomserve.engine.sched.preemption import victim_for
-from loomserve.engine.sched.request import Request, RequestStatus
+from loomserve.engine.sched.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from loomserve.engine.sched.step_budget import StepPlan
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, StepFeatures
 from loomserve.engine.sched.waiting_queue import WaitingQueue
@@ -41,6 +41,13 @@ class SchedulerOutput:
     features: object = None  # np.ndarray of step_cost.FEATURES for the scheduled step
     target_s: float | None = None  # the step-time target this step was filled to (None: none)
     num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> drafts verified
+    # Async scheduling: the requests this step samples for, holding a placeholder until update.
+    placeholders: list[Request] = field(default_factory=list)
+
+
+def token_history(req: Request) -> list[int]:
+    """req's prompt and outputs, a placeholder for each token still in flight."""
+    return req.all_token_ids + [PLACEHOLDER_TOKEN] * req.num_output_placeholders
 
 
 class Scheduler:
@@ -78,6 +85,10 @@ class Scheduler:
         # Speculative decoding (loomserve.engine.spec.verify.SpecDecoder) or None: decode
         # requests may carry drafts, verified in the step and rolled back in update().
         self.spec = None
+        # Async scheduling (loomserve.engine.step_overlap): schedule() counts the step as
+        # computed at once and gives each sampling request a placeholder token; update() puts
+        # the real tokens in. Set by EngineCore.
+        self.async_scheduling = False
 
     # -- queue management ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -140,6 +151,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted by an earlier one this step
+            if self.async_scheduling and self._awaits_token(req):
+                continue
             if split and req.num_tokens - req.num_computed_tokens > 1:
                 deferred.append(req)
                 continue
@@ -149,8 +162,18 @@ class Scheduler:
         elif not out.preempted:
             self._admit_waiting(out, budget, plan)
         self._finish_plan(out, plan)
+        if self.async_scheduling:
+            for req, n in out.scheduled:  # as if the step had run: the next one follows it
+                req.num_computed_tokens += n
         self.step_number += 1
         return out
+
+    def _awaits_token(self, req: Request) -> bool:
+        """Async scheduling: req sits this step out until its placeholder is real, when the
+        token in flight may be its last (max_tokens: no extra step is run for it) or its
+        grammar must accept that token before the next mask is built."""
+        p = req.num_output_placeholders
+        return p > 0 and (req.grammar is not None or req.num_output_tokens + p >= req.max_tokens)
 
     def _prefill_allowed(self) -> bool:  # may this step admit new prefill work?
         return self.step_number % self.prefill_schedule_interval == 0
@@ -293,6 +316,8 @@ class Scheduler:
         """A waiting request sits out while its grammar compiles, its tail block (a decode leg)
         is read (at most TailReads.max_wait_s), or while the request whose prompt it shares
         (n > 1) has not prefilled it yet, so it then hits those blocks."""
+        if req.num_output_placeholders:
+            return True  # preempted with a token in flight: re-admitted once it is known
         if (req.grammar is not None and not req.grammar.ready) or \
                 (self.transfer is not None and self.transfer.tail_waiting(req)):
             return True
@@ -317,14 +342,18 @@ class Scheduler:
         """n of the request's tokens from num_computed_tokens, then its drafts (a decode's)."""
         start = req.num_computed_tokens
         out.scheduled.append((req, n + len(drafts)))
+        token_ids = req.all_token_ids[start:start + n]
+        if len(token_ids) < n:  # async scheduling: the token the step in flight samples
+            token_ids += [PLACEHOLDER_TOKEN] * (n - len(token_ids))
+        num_output = req.num_output_tokens + req.num_output_placeholders
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + n],
+            token_ids=token_ids,
             start_pos=start,
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=start + n == req.num_tokens,
             sampling=req.sampling,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=num_output,
         )
         if drafts:
             seq.token_ids += drafts
@@ -335,8 +364,13 @@ class Scheduler:
         sp = req.sampling
         if sp.uses_penalties:
             seq.history, seq.num_prompt_tokens = req.all_token_ids, req.num_prompt_tokens
-        if req.num_output_tokens < sp.min_tokens and req.grammar is None:  # a grammar decides
+            if self.async_scheduling:  # a copy: update() appends while the step runs
+                seq.history = token_history(req)
+        if num_output < sp.min_tokens and req.grammar is None:  # a grammar decides
             seq.suppress = sorted(req.stop_token_ids)
+        if self.async_scheduling and seq.sample:
+            req.num_output_placeholders += 1
+            out.placeholders.append(req)
         out.model_input.seqs.append(seq)
 
     def _preempt(self, req: Request, cause: str) -> None:
@@ -356,6 +390,8 @@ class Scheduler:
         per request with drafts, its accepted drafts then the token sampled after them.
 
         Returns (request, new token ids) for every request that produced a token."""
+        if self.async_scheduling:
+            return self._update_async(out, sampled)
         produced = []
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
@@ -374,6 +410,25 @@ class Scheduler:
                 self.finish(req, status)
         if self.spec is not None:
             self.spec.end_step()
+        return produced
+
+    def _update_async(self, out: SchedulerOutput, sampled: dict[str, int]
+                      ) -> list[tuple[Request, list[int]]]:
+        """Async scheduling: computed counts advanced at schedule time; here each placeholder
+        becomes its real token. A request that finished meanwhile (a stop token found by the
+        update before, an abort) drops it: its extra row in this step emits nothing. A request
+        preempted meanwhile keeps it, as it would have without async scheduling."""
+        produced = []
+        for req in out.placeholders:
+            req.num_output_placeholders -= 1
+            if req.status.finished:
+                continue
+            token = sampled[req.request_id]
+            status = req.append_token(token)
+            self.kv.cache_computed_blocks(req)  # a block that ended at the placeholder
+            produced.append((req, [token]))
+            if status is not None:
+                self.finish(req, status)
         return produced
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int]) -> list[int]:

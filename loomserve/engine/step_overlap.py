@@ -1,0 +1,112 @@
+"""Async scheduling (vLLM's --async-scheduling): step N executes on one execution thread
+while the core thread schedules step N+1, and applies step N's tokens once N+1 is running.
+
+The scheduler counts a scheduled step as computed at once and gives every request it samples
+for a placeholder token (engine/sched/scheduler.py); the next step's input carries
+PLACEHOLDER_TOKEN for it. Steps run on the execution thread one at a time, in schedule order,
+and each fills its placeholders from the step before's sampled ids (a placeholder always names
+the step just before: a request whose token is still unknown when the next step is scheduled
+is scheduled again only after it is known). So preparing step N+1 never waits for step N, and
+every KV read or write happens in schedule order, as without async scheduling: blocks freed
+while a step is in flight (a finish, an abort, a preemption) are reused only by later steps.
+
+Invariants: at most one step in flight; the core thread never touches the runner while one is
+(the runner's state belongs to the execution thread); a request's block-id lists only grow
+while it lives (KV managers), so the step in flight reads them safely while the core appends.
+
+Refused (refuse_unsupported): what reads or changes KV or tokens outside the step order.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from loomserve.config import EngineConfig
+from loomserve.engine.sched.request import PLACEHOLDER_TOKEN
+from loomserve.engine.sched.scheduler import SchedulerOutput
+from loomserve.execution.batch import ModelInput, ModelOutput
+from loomserve.kv.spec import KVCacheConfig, LinearStateSpec
+
+
+def refuse_unsupported(config: EngineConfig, kv_config: KVCacheConfig) -> None:
+    """ValueError naming each combination --async-scheduling does not support, and why."""
+    why = []
+    if config.speculative.speculative_config is not None:
+        why.append("--speculative-config (drafts are proposed from a request's latest token "
+                   "and rejected ones roll its computed count back; with a step in flight that "
+                   "token is a placeholder and the count is not known)")
+    if config.tier.enabled:
+        why.append("KV tiers (a tier write copies pages the scheduler counts as computed, "
+                   "which the step in flight may not have written yet)")
+    if config.control.role != "both":
+        why.append("prefill/decode roles (the KV hand-over reads pages the step in flight may "
+                   "not have written yet)")
+    pc = config.parallel
+    if pc.world_size > 1:
+        why.append("more than one rank (not measured or tested yet)")
+    if pc.enable_expert_parallel and pc.data_parallel_size > 1:
+        why.append("expert parallelism over DP ranks (the lockstep runs dummy MoE steps on "
+                   "the core thread, which would meet the step in flight's collectives out of "
+                   "order)")
+    kinds = sorted({g.spec.kind for g in kv_config.groups if isinstance(g.spec, LinearStateSpec)})
+    if kinds:
+        why.append(f"linear-state layers ({', '.join(kinds)}: not verified yet; a request "
+                   "that stopped still runs one extra row in the step in flight, which "
+                   "advances its recurrent state after its finish recorded its checkpoints)")
+    if why:
+        raise ValueError("--async-scheduling is not supported with " + "; ".join(why))
+
+
+class StepOverlap:
+    """One step in flight on the execution thread; `swap` hands it the next one."""
+
+    def __init__(self, execute) -> None:
+        self._execute = execute  # the executor's execute_model
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="loomserve-execute")
+        self._pending: tuple[SchedulerOutput, Future] | None = None
+        self._last_sampled: dict[str, int] = {}  # the execution thread's only
+        # Seconds the core thread waited for a step, and the execution thread spent in steps
+        # (benchmarks/async_scheduling.py: the host work the overlap hides).
+        self.wait_s = 0.0
+        self.execute_s = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def swap(self, sched: SchedulerOutput
+             ) -> tuple[SchedulerOutput, ModelOutput, float] | None:
+        """Start `sched` (when it has anything for the workers) and return the step in flight
+        before it, once done, with its output and execution seconds; None if there was none."""
+        inp = sched.model_input
+        started = None
+        if inp.seqs or inp.finished_request_ids:
+            started = (sched, self._thread.submit(self._run, inp))
+        done, self._pending = self._pending, started
+        if done is None:
+            return None
+        t0 = time.perf_counter()
+        output, seconds = done[1].result()  # re-raises the step's exception here
+        self.wait_s += time.perf_counter() - t0
+        return done[0], output, seconds
+
+    def _run(self, inp: ModelInput) -> tuple[ModelOutput, float]:
+        """On the execution thread: fill the placeholders, run the step."""
+        last = self._last_sampled
+        for s in inp.seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN:
+                s.token_ids[-1] = last[s.request_id]  # a decode's one token
+            if s.history and s.history[-1] == PLACEHOLDER_TOKEN:
+                s.history[-1] = last[s.request_id]
+        t0 = time.perf_counter()
+        out = self._execute(inp)
+        seconds = time.perf_counter() - t0
+        self.execute_s += seconds
+        self._last_sampled = out.sampled
+        return out, seconds
+
+    def close(self) -> None:
+        """Finish the step in flight (its output is dropped) and stop the thread."""
+        self._pending = None
+        self._thread.shutdown(wait=True)
