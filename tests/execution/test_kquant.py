@@ -257,3 +257,26 @@ def test_llama_quantize_q4_k_m_file_runs_in_place(caplog):
     table = Blocks(q.block_size).cover([], len(prompt))
     a, b = (logits_of(r, [seq("r", prompt, 0, table)])["r"] for r in (dense, q))
     assert (a - b).norm() < 0.05 * a.norm() and a.argmax() == b.argmax()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_product_does_not_depend_on_its_batch(threads):
+    """Batch invariance of the product: row i of an M-row call gives the bits it gives alone,
+    for every format and M = 1..19 (register blocks of up to 8 rows that share each unpacked
+    weight chunk, and their tails; at 2 threads, from 6 rows on, the tiles split over threads
+    and x is quantized in parallel past 8 rows), so a verified draft's rows and
+    other requests' rows beside it change no row's logits (greedy speculative decoding equals
+    plain decoding)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, qtype in enumerate(ALL_TYPES):
+            w, _ = part(qtype, 43, 512, seed=i)
+            lin = QuantLinear.of(w)
+            x = torch.randn(19, 512, generator=torch.Generator().manual_seed(i))
+            alone = torch.cat([lin(x[j:j + 1]) for j in range(19)])
+            for m in range(2, 20):
+                assert torch.equal(lin(x[:m]), alone[:m]), (qtype.name, m)
+    finally:
+        torch.set_num_threads(old)

@@ -28,6 +28,7 @@ def lib():
     yield lib
     lib.paged_decode_set_isa(2)
     lib.paged_decode_set_prefetch(0)
+    lib.paged_decode_set_runs(1)
 
 
 @pytest.mark.parametrize("group,head_dim,window", [(5, 16, None), (8, 32, 40), (16, 64, None),
@@ -166,5 +167,55 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads):
         drafts = run([(0, n - 5), (0, n - 4), (0, n - 3), (0, n - 2), (0, n - 1), (1, 40)])
         assert torch.equal(drafts[4], alone)
         assert torch.equal(run([(1, 700), (0, n - 1)])[1], alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim,kv_dtype", [(64, torch.float32), (32, torch.bfloat16),
+                                               (128, torch.float16), (64, torch.float8_e4m3fn)],
+                         ids=["fp32-64", "bf16-32", "fp16-128", "e4m3-64"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_drafts_rows_read_together_give_each_rows_bits_alone(lib, head_dim, kv_dtype, threads):
+    """A verified request's 1 + d rows (one sequence, consecutive positions) run as one task
+    per split that reads each K/V row once for all of them (paged_attention.c continues_run);
+    every row must still give the bits it gives alone: ends inside a block, on a block's end,
+    across a split's end (some rows have keys in the last split, some none), a run beside
+    other sequences, a run longer than MAX_RUN, and rows whose splits differ (past 16 x 256
+    keys), which do not share a task."""
+    from loomserve.execution.attention import build_metadata, paged_attention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(head_dim)
+        bs, kvh, group = 16, 3, 3
+        nb = 4200 // bs + 2
+        pages = torch.randn(nb, 2, bs, kvh, head_dim, generator=g).to(kv_dtype)
+        table = np.random.default_rng(head_dim).permutation(nb).astype(np.int32)
+        other = np.arange(nb, dtype=np.int32)
+        q = torch.randn(24, kvh * group, head_dim, generator=g)
+        backend = select_backend("cpu_paged", CPU, torch.float32)
+
+        def run(rows):  # rows: (table, position); the attention of each row, q[i] for row i
+            meta, _ = build_metadata([(p, t) for t, p in rows], [], bs, CPU, torch.float32,
+                                     backend)
+            at = [(int(t[p // bs]), p % bs) for t, p in rows]
+            k = torch.stack([pages[b, 0, o] for b, o in at])
+            v = torch.stack([pages[b, 1, o] for b, o in at])
+            return paged_attention(q[:len(rows)], k, v, pages[:, 0], pages[:, 1], meta,
+                                   head_dim ** -0.5, None)
+
+        for first, d in [(253, 4), (507, 8), (40, 20), (4090, 6)]:
+            rows = [(other, 77)] + [(table, first + j) for j in range(d + 1)] + [(other, 300)]
+            together = run(rows)
+            lib.paged_decode_set_runs(0)  # every row its own task (LOOMSERVE_DECODE_RUNS=0)
+            assert torch.equal(run(rows), together)
+            lib.paged_decode_set_runs(1)
+            for i, row in enumerate(rows):
+                saved = q[0].clone()
+                q[0] = q[i]
+                alone = run([row])[0]
+                q[0] = saved
+                assert torch.equal(together[i], alone), (first, d, i)
     finally:
         torch.set_num_threads(before)

@@ -65,10 +65,14 @@ def load_library() -> ctypes.CDLL | None:
     lib = kernels.bind("paged_attention", {"paged_decode": (argtypes, ctypes.c_int),
                                            "paged_decode_set_isa": ([i], None),
                                            "paged_decode_set_prefetch": ([i], None),
+                                           "paged_decode_set_runs": ([i], None),
                                            "paged_decode_path": ([i, i], i)})
     if lib is not None and os.environ.get("LOOMSERVE_DECODE_ISA"):
         # caps the kernel's vector path (2 AVX-512, 1 AVX2, 0 portable): for A/B runs and tests
         lib.paged_decode_set_isa(int(os.environ["LOOMSERVE_DECODE_ISA"]))
+    if lib is not None and os.environ.get("LOOMSERVE_DECODE_RUNS") == "0":
+        # a draft's rows one task each instead of one pass over their keys: for A/B runs
+        lib.paged_decode_set_runs(0)
     return lib
 
 

@@ -10,7 +10,9 @@
  * rows serving every kv head in turn and each kv head's rows all the query heads of its group
  * at once (GQA: each K/V row is read once), and leaves a partial (max, sum, acc) per
  * (kv head, query head). A merge pass combines the splits of a (sequence, query head), with
- * the attention sink (gpt-oss) joining the denominator there.
+ * the attention sink (gpt-oss) joining the denominator there. Consecutive rows of one sequence
+ * at consecutive positions (a verified request's 1 + drafts rows) share each split's pass over
+ * the keys on the AVX2 path (run_task), every row keeping the bits it has alone.
  *
  * Keys read for a sequence of length L: positions max(0, L - window) .. L - 1 (window 0 = all);
  * nothing else is read. Cache dtypes: 0 = float32, 1 = bfloat16 under a bf16 model (V weighted
@@ -20,6 +22,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fp8.h"
@@ -209,43 +212,83 @@ static inline int64_t row_split(const Decode *d, int64_t len) {
     return per > d->split_tokens ? per : d->split_tokens;
 }
 
-/* Task t = (seq, split) over every kv head; a split past a short seq's end does nothing.
- * Why every kv head in one task: a block's rows are [token, kv head, head_dim], so one kv
+/* Rows a task may share: a verified request's 1 + drafts rows (speculative decoding). */
+#define MAX_RUN 16
+
+/* Whether such rows share a task (1) or run one task each (0: tests and benchmarks compare
+ * the two; results are the same bits either way). */
+static int share_runs = 1;
+
+void paged_decode_set_runs(int on) { share_runs = on; }
+
+/* Whether row i continues row i - 1's run: the same sequence one position on (the same
+ * blocks, one more key) with the same split of its context, so the two rows' splits and
+ * chunks start at the same keys (row_split, chunk_rows) and a task can read each K/V row once
+ * for both. Only the length and the split decide the arithmetic, so results do not change. */
+static int continues_run(const Decode *d, int i) {
+    int64_t len = d->seq_lens[i], prev = d->seq_lens[i - 1];
+    if (len != prev + 1 || first_key(d, len) != first_key(d, prev)
+        || row_split(d, len) != row_split(d, prev))
+        return 0;
+    if (d->tables[i] == d->tables[i - 1]) return 1;
+    int64_t blocks = (len + d->block_size - 1) / d->block_size;
+    return memcmp(d->tables[i], d->tables[i - 1], sizeof(int32_t) * (size_t)blocks) == 0;
+}
+
+/* Task t = (run of rows, split) over every kv head; a split past a row's end does nothing for
+ * it. A run is a single row, or consecutive rows of one sequence at consecutive positions (a
+ * verified request's draft rows), which the AVX2 path serves in one pass over the keys: each
+ * K/V row is read once for all of them (each row's arithmetic is what it is alone). Why every
+ * kv head in one task: a block's rows are [token, kv head, head_dim], so one kv
  * head's rows lie kv_heads x head_dim apart; a task per kv head read 1 / kv_heads of each row
  * and skipped the rest (each row its own stream for the prefetchers). Covering every kv head,
  * a task reads its rows front to back. Partials stay per (seq, kv head, split). */
-static void run_task(const Decode *d, int64_t t) {
+static void run_task(const Decode *d, const int32_t *runs, int64_t t) {
     int sp = (int)(t % d->max_splits);
-    int i = (int)(t / d->max_splits);
-    int64_t len = d->seq_lens[i];
-    const int64_t split = row_split(d, len);
-    int64_t k0 = first_key(d, len) + (int64_t)sp * split;
-    if (k0 >= len) return;
-    int64_t k1 = k0 + split < len ? k0 + split : len;
-    const float *qi = d->q + (int64_t)i * d->heads * d->head_dim;
+    int64_t run = t / d->max_splits;
+    int i0 = runs[run], nrows = runs[run + 1] - i0;
     const int64_t pstride = (int64_t)d->group * (d->head_dim + 2);
-    float *part = d->scratch + ((int64_t)i * d->kv_heads * d->max_splits + sp) * pstride;
     const int64_t hstride = d->max_splits * pstride;  /* between one kv head's partials and the next's */
+    const int64_t rstride = d->kv_heads * hstride;    /* between one row's partials and the next's */
+    const int64_t qstride = (int64_t)d->heads * d->head_dim;
     const int path = paged_decode_path(d->head_dim, d->group);
     (void)path;
-#if PATH_MAX_ISA == 2
-    if (path == 2) {
-        split_attend_avx512(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
-                            d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, d->scale,
-                            d->dtype, part, hstride);
-        return;
-    }
-#endif
 #if PATH_MAX_ISA >= 1
     if (path == 1) {
-        split_attend_avx2_any(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
-                              d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, d->scale,
-                              d->dtype, part, hstride);
+        int64_t len0 = d->seq_lens[i0], split = row_split(d, len0), k1s[MAX_RUN];
+        int64_t k0 = first_key(d, len0) + (int64_t)sp * split;
+        if (k0 >= d->seq_lens[i0 + nrows - 1]) return;
+        for (int r = 0; r < nrows; r++) {
+            int64_t e = k0 + split, len = d->seq_lens[i0 + r];
+            k1s[r] = e < len ? e : len;  /* <= k0: the row has no keys in this split */
+        }
+        split_attend_avx2_any(d->q + i0 * qstride, d->k_base, d->v_base, d->block_stride,
+                              d->block_size, d->kv_heads, d->head_dim, d->group, d->tables[i0], k0,
+                              nrows, k1s, qstride, rstride, d->scale, d->dtype,
+                              d->scratch + i0 * rstride + sp * pstride, hstride);
         return;
     }
 #endif
-    split_attend(qi, d->k_base, d->v_base, d->block_stride, d->block_size, d->kv_heads,
-                 d->head_dim, d->group, d->tables[i], k0, k1, d->scale, d->dtype, part, hstride);
+    for (int i = i0; i < i0 + nrows; i++) {  /* the other paths: row by row */
+        int64_t len = d->seq_lens[i];
+        const int64_t split = row_split(d, len);
+        int64_t k0 = first_key(d, len) + (int64_t)sp * split;
+        if (k0 >= len) continue;
+        int64_t k1 = k0 + split < len ? k0 + split : len;
+        const float *qi = d->q + i * qstride;
+        float *part = d->scratch + i * rstride + sp * pstride;
+#if PATH_MAX_ISA == 2
+        if (path == 2) {
+            split_attend_avx512(qi, d->k_base, d->v_base, d->block_stride, d->block_size,
+                                d->kv_heads, d->head_dim, d->group, d->tables[i], k0, k1, d->scale,
+                                d->dtype, part, hstride);
+            continue;
+        }
+#endif
+        split_attend(qi, d->k_base, d->v_base, d->block_stride, d->block_size, d->kv_heads,
+                     d->head_dim, d->group, d->tables[i], k0, k1, d->scale, d->dtype, part,
+                     hstride);
+    }
 }
 
 /* Row r = (seq, query head): combine its splits, the sink joining the denominator. */
@@ -293,19 +336,29 @@ int paged_decode(const float *q, const void *k_base, const void *v_base, int64_t
     const Decode d = {q, k_base, v_base, block_stride, block_size, kv_heads, head_dim, heads,
                       group, window, max_splits, split_tokens, dtype, tables, seq_lens, sinks,
                       scale, out, scratch};
-    const int64_t tasks = (int64_t)num_seqs * max_splits;
+    int32_t small[65], *runs = num_seqs < 64 ? small : malloc(sizeof(int32_t) * (size_t)(num_seqs + 1));
+    if (!runs) return -1;
+    /* bf16 rows keep a run's queries in pairs order on the task's stack: at most 64 KB of them */
+    int max_run = dtype == 1 || dtype == 2 ? 16384 / (heads * head_dim) : MAX_RUN, nruns = 0;
+    max_run = max_run < 1 ? 1 : max_run > MAX_RUN ? MAX_RUN : max_run;
+    for (int i = 0; i < num_seqs; i++)
+        if (i == 0 || !share_runs || i - runs[nruns - 1] >= max_run || !continues_run(&d, i))
+            runs[nruns++] = i;
+    runs[nruns] = num_seqs;
+    const int64_t tasks = (int64_t)nruns * max_splits;
     const int64_t rows = (int64_t)num_seqs * heads;
     if (nthreads <= 1) {
-        for (int64_t t = 0; t < tasks; t++) run_task(&d, t);
+        for (int64_t t = 0; t < tasks; t++) run_task(&d, runs, t);
         for (int64_t r = 0; r < rows; r++) merge_row(&d, r);
-        return 0;
-    }
+    } else {
 #pragma omp parallel num_threads(nthreads)
-    {
+        {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) run_task(&d, t);
+            for (int64_t t = 0; t < tasks; t++) run_task(&d, runs, t);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) merge_row(&d, r);
+            for (int64_t r = 0; r < rows; r++) merge_row(&d, r);
+        }
     }
+    if (runs != small) free(runs);
     return 0;
 }

@@ -295,62 +295,81 @@ static inline __attribute__((always_inline)) void chunk_values(
  * at 32 keys faster. */
 static inline __attribute__((always_inline)) void split_attend_chunked(
         const float *q, const void *kb, const void *vb, int64_t block_stride, int block_size,
-        int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int64_t k1,
-        float scale, int dtype, int fmt, float *part, int64_t hstride) {
-    float m[group * kv_heads], l[group * kv_heads];
+        int kv_heads, int head_dim, int group, const int32_t *table, int64_t k0, int nrows,
+        const int64_t *k1s, int64_t qstride, int64_t rstride, float scale, int dtype, int fmt,
+        float *part, int64_t hstride) {
+    const int nq = group * kv_heads;
+    float m[nq * nrows], l[nq * nrows];
     float sbuf[8 * CHUNK];  /* the scores of up to 8 heads at a time */
     const int widen = dtype && !fmt, pairs = fmt == FMT_BF16_PAIRS;  /* widen: narrow rows, no ld8 */
     float kw[widen ? CHUNK * head_dim : 1], vw[widen ? CHUNK * head_dim : 1];
-    float qp[pairs ? group * kv_heads * head_dim : 1];  /* the queries in pairs order */
+    float qp[pairs ? nq * nrows * head_dim : 1];  /* the queries in pairs order */
     int64_t offs[CHUNK];
     const float *kr[CHUNK], *vr[CHUNK];
     const int stride = head_dim + 2;
     const int64_t row = (int64_t)kv_heads * head_dim;
     const int nh = head_dim <= 64 ? 2 : 1, min_keys = chunk_min_keys(head_dim);
     const int fine = dtype == 0, vcalls = (group + nh - 1) / nh * (fine ? (head_dim + 63) / 64 : 1);
+    int64_t k1 = k0;  /* the longest row's end: the chunks walk to it */
+    for (int r = 0; r < nrows; r++) k1 = k1s[r] > k1 ? k1s[r] : k1;
     PfCursor pc;
-    pf_init(&pc, kb, vb, table, block_stride, block_size, row, 0, k0, k1, (int)row, group,
+    pf_init(&pc, kb, vb, table, block_stride, block_size, row, 0, k0, k1, (int)row, group * nrows,
             kv_esize(dtype));
     pf_upto(&pc, k0);
-    for (int h = 0; h < kv_heads; h++)
-        begin_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
+    for (int r = 0; r < nrows; r++)
+        for (int h = 0; h < kv_heads; h++)
+            begin_partials(m + r * nq + h * group, l + r * nq + h * group,
+                           part + r * rstride + h * hstride, group, head_dim);
     if (pairs) {
-        for (int r = 0; r < group * kv_heads; r++) to_pairs(q + r * head_dim, qp + r * head_dim, head_dim);
+        for (int r = 0; r < nrows; r++)
+            for (int i = 0; i < nq; i++)
+                to_pairs(q + r * qstride + i * head_dim, qp + (r * nq + i) * head_dim, head_dim);
         q = qp;
+        qstride = (int64_t)nq * head_dim;
     }
     for (int64_t a = k0; a < k1;) {
         int n = chunk_rows(table, block_stride, block_size, row, a, k1, min_keys, offs);
         const int n8 = (n + 7) & ~7;
-        Pf pf = {&pc, a, n, 0, kv_heads * (group + vcalls) * (fine ? n8 / 8 : 1), fine};
+        Pf pf = {&pc, a, n, 0, nrows * kv_heads * (group + vcalls) * (fine ? n8 / 8 : 1), fine};
         for (int h = 0; h < kv_heads; h++) {  /* the chunk's rows, one kv head after another */
-            const float *qh = q + (int64_t)h * group * head_dim;
-            float *ph = part + h * hstride, *mh = m + h * group, *lh = l + h * group;
             chunk_pointers(kb, vb, offs, (int64_t)h * head_dim, n, head_dim, dtype, fmt, kw, vw,
                            kr, vr);
             for (int t = n; t < n8; t++) kr[t] = kr[0];  /* lanes past n: computed, then masked */
-            for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
-                int gb = group - g0 < 8 ? group - g0 : 8;
-                for (int g = 0; g < gb; g++) {
-                    pf_step(&pf, 0);
-                    float *s = sbuf + g * CHUNK;
-                    float mb = chunk_scores(qh + (g0 + g) * head_dim, kr, n, n8, head_dim, scale,
-                                            fmt, s, &pf);
-                    chunk_softmax(mb, mh + g0 + g, lh + g0 + g, ph + (g0 + g) * stride, s, n, n8,
-                                  head_dim, dtype);
-                }
-                for (int g = 0; g < gb; g += nh) {
-                    pf_step(&pf, 0);
-                    chunk_values(vr, sbuf + g * CHUNK, n, ph + (g0 + g) * stride, stride,
-                                 head_dim, gb - g < nh ? 1 : nh, fmt, &pf);
+            for (int r = 0; r < nrows; r++) {
+                /* Row r's keys of this chunk: a prefix (its end k1s[r] may fall inside), exactly
+                 * the chunk it reads alone (the walk is the same up to its end), so its
+                 * arithmetic is its own whatever rows share the call. */
+                const int nr = k1s[r] - a < n ? (int)(k1s[r] - a) : n, nr8 = (nr + 7) & ~7;
+                if (nr <= 0) continue;
+                const float *qh = q + r * qstride + (int64_t)h * group * head_dim;
+                float *ph = part + r * rstride + h * hstride;
+                float *mh = m + r * nq + h * group, *lh = l + r * nq + h * group;
+                for (int g0 = 0; g0 < group; g0 += 8) {  /* heads in batches of 8 (sbuf rows) */
+                    int gb = group - g0 < 8 ? group - g0 : 8;
+                    for (int g = 0; g < gb; g++) {
+                        pf_step(&pf, 0);
+                        float *s = sbuf + g * CHUNK;
+                        float mb = chunk_scores(qh + (g0 + g) * head_dim, kr, nr, nr8, head_dim,
+                                                scale, fmt, s, &pf);
+                        chunk_softmax(mb, mh + g0 + g, lh + g0 + g, ph + (g0 + g) * stride, s, nr,
+                                      nr8, head_dim, dtype);
+                    }
+                    for (int g = 0; g < gb; g += nh) {
+                        pf_step(&pf, 0);
+                        chunk_values(vr, sbuf + g * CHUNK, nr, ph + (g0 + g) * stride, stride,
+                                     head_dim, gb - g < nh ? 1 : nh, fmt, &pf);
+                    }
                 }
             }
         }
         a += n;
     }
-    for (int h = 0; h < kv_heads; h++) {
-        for (int g = 0; pairs && g < group; g++) from_pairs(part + h * hstride + g * stride, head_dim);
-        end_partials(m + h * group, l + h * group, part + h * hstride, group, head_dim);
-    }
+    for (int r = 0; r < nrows; r++)
+        for (int h = 0; h < kv_heads; h++) {
+            float *ph = part + r * rstride + h * hstride;
+            for (int g = 0; pairs && g < group; g++) from_pairs(ph + g * stride, head_dim);
+            end_partials(m + r * nq + h * group, l + r * nq + h * group, ph, group, head_dim);
+        }
 }
 
 /* Copies of split_attend_chunked with head_dim a constant, so its loops unroll fully, and the
@@ -366,30 +385,36 @@ static inline __attribute__((always_inline)) void split_attend_chunked(
 #define CHUNKED(D)                                                                            \
     static void split_attend_chunked_##D(const float *q, const void *kb, const void *vb,      \
                                          int64_t bstride, int bsize, int kvh, int group,       \
-                                         const int32_t *table, int64_t k0, int64_t k1,         \
+                                         const int32_t *table, int64_t k0, int nrows,          \
+                                         const int64_t *k1s, int64_t qs, int64_t rs,           \
                                          float scale, int dtype, float *part, int64_t hs) {    \
         switch (dtype) {                                                                       \
-        case 0: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,  \
-                                     scale, 0, FMT_F32, part, hs); return;                     \
-        case 3: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,  \
-                                     scale, 3, F16_FMT, part, hs); return;                     \
+        case 0: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0,      \
+                                     nrows, k1s, qs, rs, scale, 0, FMT_F32, part, hs); return; \
+        case 3: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0,      \
+                                     nrows, k1s, qs, rs, scale, 3, F16_FMT, part, hs); return; \
         case 4: case 5:                                                                        \
-            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1,      \
-                                 scale, dtype, FMT_F32, part, hs); return;                     \
-        default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, k1, \
-                                      scale, dtype, FMT_BF16_PAIRS, part, hs);                 \
+            split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0, nrows,   \
+                                 k1s, qs, rs, scale, dtype, FMT_F32, part, hs); return;        \
+        default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, D, group, table, k0,     \
+                                      nrows, k1s, qs, rs, scale, dtype, FMT_BF16_PAIRS, part,  \
+                                      hs);                                                     \
         }                                                                                      \
     }
 CHUNKED(32) CHUNKED(64) CHUNKED(128)
 
+/* One split of nrows rows of one sequence (consecutive positions, one block table): row r's
+ * queries at q + r * qs, its keys [k0, k1s[r]), its partials at part + r * rs. Each K/V row is
+ * read once for all of them; nrows 1 is a plain decode row. */
 static void split_attend_avx2_any(const float *q, const void *kb, const void *vb, int64_t bstride,
                                   int bsize, int kvh, int head_dim, int group,
-                                  const int32_t *table, int64_t k0, int64_t k1, float scale,
-                                  int dtype, float *part, int64_t hs) {
+                                  const int32_t *table, int64_t k0, int nrows, const int64_t *k1s,
+                                  int64_t qs, int64_t rs, float scale, int dtype, float *part,
+                                  int64_t hs) {
     switch (head_dim) {
-    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
-    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
-    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, k1, scale, dtype, part, hs); return;
-    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, k1, scale, dtype, 0, part, hs);
+    case 32: split_attend_chunked_32(q, kb, vb, bstride, bsize, kvh, group, table, k0, nrows, k1s, qs, rs, scale, dtype, part, hs); return;
+    case 64: split_attend_chunked_64(q, kb, vb, bstride, bsize, kvh, group, table, k0, nrows, k1s, qs, rs, scale, dtype, part, hs); return;
+    case 128: split_attend_chunked_128(q, kb, vb, bstride, bsize, kvh, group, table, k0, nrows, k1s, qs, rs, scale, dtype, part, hs); return;
+    default: split_attend_chunked(q, kb, vb, bstride, bsize, kvh, head_dim, group, table, k0, nrows, k1s, qs, rs, scale, dtype, 0, part, hs);
     }
 }
