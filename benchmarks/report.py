@@ -737,6 +737,28 @@ def agent_clients_two_turn(r: Result) -> list[Block]:
     return out.out()
 
 
+def agent_divergence(r: Result) -> list[Block]:
+    out, d = Blocks(), r.data
+    src = r.source(command="python benchmarks/agent_clients/divergence.py")
+    for c in d["clients"]:
+        turns = ", ".join(f"{k}: {v}" for k, v in sorted(c["requests_per_turn"].items()))
+        causes = ", ".join(f"{k} {v:,}" for k, v in sorted(c["miss_causes"].items())) or "none"
+        out.add(src, f"{c['label']}: {c['requests']} requests over {len(c['turns'])} turns "
+                f"(per turn {turns}), {c['sessions']} session(s): divergence points found",
+                str(len(c["points"])), "-", 1,
+                "; ".join(f"request {p['request']}: {p['kind']} message {p['message_index']} "
+                          f"({p['message_role']}) at byte {p['byte_offset']}"
+                          for p in c["points"]) or "none")
+        seen = "; ".join(f"request {p['request']}: {p['diverged_tokens']:,} from token "
+                         f"{p['token']:,} (seen by {p['seen_by']})" for p in c["server_points"])
+        out.add(src, f"{c['label']}: uncached prompt tokens the server attributed to "
+                f"`diverged`", f"{c['diverged_tokens']:,}", "-", 1,
+                f"of {c['prompt_tokens'] - c['cached_tokens']:,} uncached "
+                f"({c['prompt_tokens']:,} prompt); by cause: {causes}"
+                + (f"; {seen}" if seen else ""))
+    return out.out()
+
+
 def membw(r: Result) -> list[Block]:
     out, d = Blocks(), r.data
     src = r.source(command="python benchmarks/membw.py")
@@ -1451,6 +1473,12 @@ FAMILIES: tuple[Family, ...] = (
            "built-in model started with README.md's agent command (read from the README by "
            "benchmarks/agent_clients/two_turn.py): exit codes, statuses, and the share of each "
            "turn's prompt tokens the prefix cache served.", agent_clients_two_turn),
+    Family("agent_divergence*.json", "Real agent clients: where their prompts diverge",
+           "Claude Code, Codex and opencode from npm, each a 3-turn tool-using session against "
+           "the built-in model, recorded request by request (benchmarks/agent_clients/"
+           "record_sessions.py); prompt_diff.scan over the recordings finds where a request "
+           "stopped extending its session's previous one, beside the uncached tokens the server "
+           "attributed to `diverged` (benchmarks/agent_clients/divergence.py).", agent_divergence),
     Family("gguf_agreement*.json", "GGUF K-quant mixes against llama.cpp",
            "Teacher-forced next-token logprobs of loomserve and llama-server on the same files, "
            "a tiny trained llama converted and quantized by llama.cpp's own tools into each mix "

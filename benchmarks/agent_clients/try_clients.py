@@ -77,13 +77,14 @@ def opencode(bin_dir: str, base: str, model: str, home: str, prompt: str) -> tup
 CLIENTS = {"claude": claude, "codex": codex, "opencode": opencode}
 
 
-def start_proxy(upstream: str, recorder: Recorder) -> tuple[str, object]:
+def start_proxy(upstream: str, recorder: Recorder, max_output: int | None = None
+                ) -> tuple[str, object]:
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(build_proxy(upstream, recorder), log_level="warning",
-                                        lifespan="off"))
+    srv = uvicorn.Server(uvicorn.Config(build_proxy(upstream, recorder, max_output),
+                                        log_level="warning", lifespan="off"))
     threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not srv.started:
         time.sleep(0.02)

@@ -56,8 +56,31 @@ def first_difference(a: str, b: str) -> int:
     return lo
 
 
+# Request metadata inside messages that no template renders: Anthropic's cache breakpoints,
+# which Claude Code moves to the newest message every request (a moved marker is no edit).
+# Compared without them, a message's byte offsets are of its canonical JSON less these fields.
+UNRENDERED = frozenset({"cache_control"})
+
+
+def _rendered_part(value):
+    """value without UNRENDERED fields; a content list of one text block as its text (both
+    render the same, and Claude Code resends a block list as a string)."""
+    if isinstance(value, dict):
+        out = {k: _rendered_part(v) for k, v in value.items() if k not in UNRENDERED}
+        content = out.get("content")
+        if (isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
+                and content[0].keys() == {"type", "text"} and content[0]["type"] == "text"):
+            out["content"] = content[0]["text"]
+        return out
+    if isinstance(value, list):
+        return [_rendered_part(v) for v in value]
+    return value
+
+
 def _canon(message) -> str:
-    return json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """The message's canonical JSON, without the fields no template renders."""
+    return json.dumps(_rendered_part(message), sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":"))
 
 
 def _excerpts(a: str, b: str, i: int) -> tuple[str, str]:
