@@ -40,9 +40,12 @@ lint: install
 serve: install
 	$(VENV)/bin/loomserve serve $(ARGS)
 
+# pytest-xdist: one worker per core of the 2-core CI host, each test file whole on one worker
+# (its module fixtures start once); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: services install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

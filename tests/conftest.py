@@ -20,6 +20,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two workers) each worker computes on one thread,
+# and so do the engine processes its tests start (they inherit the environment): a second
+# OpenMP thread per worker would wait on siblings descheduled by the other worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("LOOMSERVE_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 SKIP_ALLOWED_IN_CI = re.compile(r"\bCUDA\b")
 
 

@@ -9,11 +9,24 @@ never hands out, and a port is never handed out twice in one test process.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 LOW, HIGH = 20000, 32000
 _given: set[int] = set()
+
+
+def _worker_range(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [low, high) (gw0, gw1, ... of PYTEST_XDIST_WORKER_COUNT):
+    two workers never hand out the same port. The whole range outside xdist."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return low, high
+    step = (high - low) // max(1, int(count))
+    first = low + int(worker[2:]) * step
+    return first, first + step
 
 
 def _ephemeral_low() -> int:
@@ -26,9 +39,9 @@ def _ephemeral_low() -> int:
 
 def free_port() -> int:
     """A port no socket holds now, outside the ephemeral range, not given out before."""
-    high = min(HIGH, _ephemeral_low())
+    low, high = _worker_range(LOW, min(HIGH, _ephemeral_low()))
     for _ in range(1000):
-        port = random.randrange(LOW, high)
+        port = random.randrange(low, high)
         if port in _given:
             continue
         with socket.socket() as s:
@@ -38,4 +51,4 @@ def free_port() -> int:
                 continue
         _given.add(port)
         return port
-    raise RuntimeError(f"no free port in {LOW}-{high}")
+    raise RuntimeError(f"no free port in {low}-{high}")

@@ -365,7 +365,14 @@ def test_sigkill_instance_out_within_two_seconds(cluster):
                           "ignore_eos": True}))]
     for t in posts:
         t.start()
-    time.sleep(0.3)
+
+    def in_flight() -> float:  # the victim's running and waiting requests
+        text = httpx.get(victim.url + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(
+            ("loomserve_num_requests_running{", "loomserve_num_requests_waiting{")))
+    # Both posts on the victim (and the stream, unless it already ended) before the kill: a
+    # fixed sleep let a loaded host send them only after it, to the other instance.
+    wait_for(lambda: in_flight() >= 2 + ("finish" not in outcome), 30, "requests on the victim")
     victim.kill()
     killed = time.monotonic()
     wait_for(lambda: not cluster.row(victim_name)["up"], 5, "the victim marked down")

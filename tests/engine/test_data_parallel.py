@@ -61,26 +61,32 @@ def dp2():
         yield srv
 
 
-def test_dp2_greedy_matches_dp1_and_uses_both_ranks(dp2):
-    with running_server(in_process=True) as dp1:  # one core, in a thread: the reference
-        expected = complete_all(dp1.url, dp1.model)
+@pytest.fixture(scope="module")
+def dp1():
+    """The reference: one core, in a thread; (its KV capacity in tokens, PROMPTS' greedy texts),
+    computed once for every dp 2 layout compared with it."""
+    with running_server(in_process=True) as srv:
+        return srv.engine.ready.kv_capacity_tokens, complete_all(srv.url, srv.model)
+
+
+def test_dp2_greedy_matches_dp1_and_uses_both_ranks(dp2, dp1):
+    capacity, expected = dp1
     assert complete_all(dp2.url, dp2.model) == expected
     client = dp2.engine.client
     wait_for(lambda: all(s.generation_tokens > 0 for s in client.rank_stats))
     total = dp2.engine.stats()
     assert total.generation_tokens == sum(s.generation_tokens for s in client.rank_stats)
     assert total.kv_blocks_total == sum(s.kv_blocks_total for s in client.rank_stats) > 0
-    assert dp2.engine.ready.kv_capacity_tokens == 2 * dp1.engine.ready.kv_capacity_tokens
+    assert dp2.engine.ready.kv_capacity_tokens == 2 * capacity
 
 
 @pytest.mark.parametrize("group", [{"tensor_parallel_size": 2},
                                    {"decode_context_parallel_size": 2},
                                    {"prefill_context_parallel_size": 2}])
-def test_dp2_with_a_rank_group_per_core_greedy_matches_dp1(group):
+def test_dp2_with_a_rank_group_per_core_greedy_matches_dp1(group, dp1):
     """Two DP cores, each a group of two ranks (four model processes): tensor, decode-context
     or prefill-context parallel."""
-    with running_server(in_process=True) as dp1:
-        expected = complete_all(dp1.url, dp1.model)
+    expected = dp1[1]
     with running_server(core_env=ENV, data_parallel_size=2, **group) as srv:
         assert complete_all(srv.url, srv.model) == expected
         client = srv.engine.client

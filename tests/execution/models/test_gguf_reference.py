@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from loomserve.config import EngineConfig
 from tests.execution.models.conftest import Blocks, logits_of, seq
 
 gguf = pytest.importorskip("gguf")
@@ -78,17 +77,9 @@ def reference():
     return model.eval(), tensors
 
 
-def _runner(quantization: str):
-    from loomserve.execution.model_runner import ModelRunner
-
-    _model_path()
-    return ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu",
-                                                kv_cache_memory="16MB", quantization=quantization))
-
-
 @pytest.fixture(scope="module")
-def dense():
-    return _runner("none")
+def dense(smol_dense):
+    return smol_dense
 
 
 def _expected(name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -161,7 +152,7 @@ def _kernel_rounding(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).view_as(x)
 
 
-def test_gguf_mode_products_equal_reference(reference):
+def test_gguf_mode_products_equal_reference(reference, smol_gguf):
     """--quantization gguf runs the file's blocks in place. Every quantized module (121: four
     linears a layer and the Q8_0 embedding, which is also the tied LM head) holds gguf-py's
     dequantized values exactly (Q4_1 and Q8_0 map onto loomserve's format without rounding), and
@@ -173,7 +164,7 @@ def test_gguf_mode_products_equal_reference(reference):
     from loomserve.execution.layers.quant import QuantEmbedding, QuantLinear, _lib
 
     _, tensors = reference
-    q = _runner("gguf")
+    q = smol_gguf
     gen = torch.Generator().manual_seed(0)
     mods = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(mods) == 4 * len(q.model.model.layers) + 1

