@@ -61,14 +61,7 @@ class HybridMachine(KVMachine):
     def _record(self, req, old_lens, num_hit_blocks):
         total = min(req.num_computed_tokens, len(req.all_token_ids))
         ids = self.kv.get_block_ids(req.request_id)
-        for g in (0, 1):
-            for i in range(max(old_lens[g], num_hit_blocks), len(ids[g])):
-                if ids[g][i] != self.null:
-                    self.shadow.pop(ids[g][i], None)
-            for i, bid in enumerate(ids[g]):
-                if bid != self.null and (i + 1) * BS <= total:
-                    want = (req.cache_salt, tuple(req.all_token_ids[:(i + 1) * BS]))
-                    assert self.shadow.setdefault(bid, want) == want
+        self._record_attention(req, [max(n, num_hit_blocks) for n in old_lens])
         d = self.kv.state_directives(req)[self.sg]
         assert ids[self.sg] == [d.running_block]
         if d.saves:
