@@ -261,7 +261,14 @@ def test_pd_cluster_from_a_file_disaggregates_a_long_prompt(tmp_path):
         ports = {i["name"]: str(i["port"]) for i in doc["instances"]}
         assert r.headers["x-loomserve-instance"].endswith(ports["decode-0"])
         assert r.headers["x-loomserve-prefill"].endswith(ports["prefill-0"])
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 48  # imported
+        # the client's usage is what the prompt cost (its prefill leg computed it cold); the
+        # decode instance's own counters show the prompt arrived from its peer, not computed
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        metrics = httpx.get(f"http://127.0.0.1:{ports['decode-0']}/metrics", timeout=5).text
+        peer = [float(m.group(1)) for m in re.finditer(
+            r'^loomserve_prefix_cache_hit_tokens_by_source_total\{[^}]*source="peer"[^}]*\} (\S+)',
+            metrics, re.M)]
+        assert peer and peer[0] > 48, metrics[-2000:]  # imported
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -54,7 +54,9 @@ def test_tokens_arrive_in_chunks_first_at_once_same_text(engines):
         sizes = [len(o.new_token_ids) for o in outs]
         assert sum(sizes) == PARAMS.max_tokens and outs[-1].finished
         assert sizes[0] == 1  # the first token is never held (time to first token)
-        assert max(sizes) <= INTERVAL
+        # the core releases at most INTERVAL tokens at a time; a consumer that lags behind (a
+        # loaded host) drains its queue and gets two releases merged in one report
+        assert max(sizes) <= 2 * INTERVAL
         assert len(outs) <= PARAMS.max_tokens // 2  # held: far fewer reports than tokens
         assert "".join(o.new_text for o in outs) == outs[-1].text
     assert len(plain) > len(held)
