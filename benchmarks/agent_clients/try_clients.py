@@ -66,7 +66,7 @@ def opencode(bin_dir: str, base: str, model: str, home: str, prompt: str) -> tup
                   "npm": "@ai-sdk/openai-compatible", "name": "loomserve",
                   "options": {"baseURL": f"{base}/v1", "apiKey": "loomserve"},
                   "models": {model: {"name": model, "tool_call": True,
-                                     "limit": {"context": 8192, "output": 256}}}}},
+                                     "limit": {"context": 32768, "output": 256}}}}},
               "model": f"loomserve/{model}", "autoupdate": False, "share": "disabled"}
     path = os.path.join(home, "opencode.json")
     with open(path, "w") as f:
