@@ -69,6 +69,22 @@ def dp1():
         return srv.engine.ready.kv_capacity_tokens, complete_all(srv.url, srv.model)
 
 
+def test_dp2_with_drafts_greedy_matches_dp1(dp1):
+    """Speculative decoding under DP: each core drafts and verifies its own requests; greedy
+    texts equal dp 1's without drafts, and the draft counters are summed over the ranks."""
+    _, expected = dp1
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4, "always_draft": True}
+    with running_server(core_env=ENV, data_parallel_size=2, speculative_config=spec) as srv:
+        assert complete_all(srv.url, srv.model) == expected
+        client = srv.engine.client
+        wait_for(lambda: sum(s.generation_tokens for s in client.rank_stats) >= 12 * 4)
+        total = srv.engine.stats()
+        drafted = [s.spec_decode_num_draft_tokens for s in client.rank_stats]
+        assert total.spec_decode_num_draft_tokens == sum(drafted) > 0
+        assert total.spec_decode_num_accepted_tokens == \
+            sum(s.spec_decode_num_accepted_tokens for s in client.rank_stats)
+
 def test_dp2_greedy_matches_dp1_and_uses_both_ranks(dp2, dp1):
     capacity, expected = dp1
     assert complete_all(dp2.url, dp2.model) == expected
