@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from common.paths import RESULTS_DIR  # noqa: E402
 from common.servers import ServerProcess, free_port, which_loomserve  # noqa: E402
 from proxy import Recorder  # noqa: E402
 from recordings import client_version, compact_session  # noqa: E402
-from try_clients import CLIENTS, QUIET_ENV, start_proxy  # noqa: E402
+from try_clients import CLIENTS, QUIET_ENV, run_cli, start_proxy  # noqa: E402
 from two_turn import readme_serve_command  # noqa: E402
 
 TURNS = ("Read greet.py and tell me what it prints.",
@@ -91,15 +90,7 @@ def run_session(name: str, bin_dir: str, proxy_base: str, model: dict, recorder:
     turns = []
     for turn, prompt in enumerate(TURNS, 1):
         recorder.set_label(f"{name}/{turn}")
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run(turn_argv(name, bin_dir, turn, prompt), env=env, cwd=home,
-                               capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
-            rc, out = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, out = "timeout", str(e.stdout or "")[-2000:]
-        seconds = round(time.monotonic() - t0, 1)
+        rc, out, seconds = run_cli(turn_argv(name, bin_dir, turn, prompt), env, home, timeout)
         turns.append({"turn": turn, "prompt": prompt, "rc": rc, "seconds": seconds,
                       "output_tail": out.strip()[-400:]})
         print(f"== {name} turn {turn}: rc={rc} in {seconds}s", flush=True)

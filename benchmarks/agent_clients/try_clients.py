@@ -100,16 +100,22 @@ def run_client(name: str, args, base: str, model: str) -> dict:
     env = {**os.environ, **QUIET_ENV, "HOME": home, "PWD": home,
            "XDG_CONFIG_HOME": os.path.join(home, ".config"), **env,
            **dict(kv.split("=", 1) for kv in args.env)}
+    rc, out, seconds = run_cli(argv, env, home, args.timeout)
+    return {"client": name, "rc": rc, "seconds": seconds, "output_tail": out[-3000:],
+            "home": home}
+
+
+def run_cli(argv: list, env: dict, cwd: str, timeout: float) -> tuple[int | str, str, float]:
+    """One run of a client CLI, no stdin: (exit code or "timeout", stdout + stderr, seconds)."""
     t0 = time.monotonic()
     try:
-        p = subprocess.run(argv, env=env, cwd=home, capture_output=True, text=True,
-                           timeout=args.timeout, stdin=subprocess.DEVNULL)
+        p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") + \
-            (e.stderr or b"").decode(errors="replace")
-    return {"client": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1),
-            "output_tail": out[-3000:], "home": home}
+        rc, out = "timeout", "".join(x.decode(errors="replace") if isinstance(x, bytes) else x
+                                     for x in (e.stdout or "", e.stderr or ""))
+    return rc, out, round(time.monotonic() - t0, 1)
 
 
 def summarize(log: str, name: str) -> list[str]:

@@ -38,7 +38,7 @@ from common.paths import REPO_ROOT  # noqa: E402
 from common.results import write_json  # noqa: E402
 from common.servers import ServerProcess, free_port, which_loomserve  # noqa: E402
 from proxy import Recorder  # noqa: E402
-from try_clients import CLIENTS, QUIET_ENV, start_proxy  # noqa: E402
+from try_clients import CLIENTS, QUIET_ENV, run_cli, start_proxy  # noqa: E402
 
 RESULT = "agent_clients_two_turn.json"
 PROMPTS = ("say hi", "now say it in French")
@@ -85,15 +85,7 @@ def run_turns(name: str, bin_dir: str, proxy_base: str, server: str, model: str,
     for turn, prompt in enumerate(PROMPTS, 1):
         recorder.set_label(f"{name}/{turn}")
         q0, h0 = cache_counters(server)
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run(turn_argv(name, argv, turn, prompt), env=env, cwd=home,
-                               capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
-            rc, out = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, out = "timeout", str(e.stdout or "")[-2000:]
-        seconds = round(time.monotonic() - t0, 1)
+        rc, out, seconds = run_cli(turn_argv(name, argv, turn, prompt), env, home, timeout)
         q1, h1 = cache_counters(server)
         turns.append({"turn": turn, "prompt": prompt, "rc": rc, "seconds": seconds,
                       "requests": requests_of(log, f"{name}/{turn}"),
