@@ -6,8 +6,9 @@ the checkpoint's own multi-token-prediction modules, DeepSeek-V3 family),
 "prompt_lookup_max" (ngram: the n-gram lengths tried, longest first) and
 "disable_by_batch_size" (no drafts while more requests are running). loomserve's own keys
 tune the per-step budget (loomserve.engine.spec.budget): "max_draft_tokens_per_step" (drafts
-in one step, all requests together), "min_accepted_per_draft" (the measured accepted tokens
-per draft token below which drafting stops, re-probed now and then) and "always_draft" (true:
+in one step, all requests together), "min_accepted_per_draft" (the expected accepted tokens
+per draft row, from the request's measured acceptance, below which its drafts stop, re-probed
+now and then) and "always_draft" (true:
 draft up to k whatever acceptance and step time say; the two caps still hold). Unknown keys are
 errors, so a typo never silently turns speculation off.
 """

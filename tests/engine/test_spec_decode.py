@@ -102,19 +102,45 @@ def test_cli_flag_parses_and_rejects():
         p.parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
 
 
+def _draft_rows(b: DraftBudget, candidates, num_decodes=None) -> list[int]:
+    n = len(candidates) if num_decodes is None else num_decodes
+    return b.allocate(candidates, n, b.step_cap(n))
+
+
 def test_budget_pays_only_with_acceptance_and_small_batches():
     cfg = SpeculativeConfig("ngram", 4, disable_by_batch_size=8, max_draft_tokens_per_step=16)
     b = DraftBudget(cfg)
-    assert b.per_request(1) == 4
-    assert b.per_request(8) == 2  # 16 drafts a step, split evenly
-    assert b.per_request(9) == 0  # past disable_by_batch_size
+    assert _draft_rows(b, [("r0", 4)]) == [4]  # optimistic prior, step time not known yet
+    assert _draft_rows(b, [("r0", 2)]) == [2]  # never more than the drafter has
+    assert _draft_rows(b, [(f"r{i}", 4) for i in range(8)]) == [2] * 8  # 16 a step, by value
+    assert b.step_cap(9) == 0  # past disable_by_batch_size
     for _ in range(300):
-        b.observe(0, 1)  # every draft rejected
-    got = [b.per_request(1) for _ in range(2 * PROBE_EVERY)]
-    assert got.count(0) == 2 * PROBE_EVERY - 2 and got.count(1) == 2  # probes only
+        b.observe("r0", 0, True)  # every draft rejected
+        b.end_step()
+    got = [_draft_rows(b, [("r0", 4)]) for _ in range(2 * PROBE_EVERY)]
+    assert got.count([0]) == 2 * PROBE_EVERY - 2 and got.count([1]) == 2  # probes only
     for _ in range(300):
-        b.observe(4, 0)
-    assert b.per_request(1) == 4
+        b.observe("r0", 4, False)
+        b.end_step()
+    assert _draft_rows(b, [("r0", 4)]) == [4]
+
+
+def test_budget_gives_drafts_to_the_requests_that_copy():
+    """One request accepts every draft, one none: the first gets them all, the second none (a
+    batch-wide acceptance of ~1/2 would give both a few, or neither)."""
+    b = DraftBudget(SpeculativeConfig("ngram", 4))
+    for step in range(40):
+        b.step_cap(2)
+        b.observe("copy", 4, False)
+        b.observe("novel", 0, True)
+        b.end_step()
+    assert 0.3 < b.acceptance < 0.9
+    assert b.request_acceptance("copy") > 0.9
+    assert b.request_acceptance("novel") < b.min_yield  # below the floor: not even proposed
+    assert _draft_rows(b, [("copy", 4), ("novel", 4)]) == [4, 0]
+    assert b.request_acceptance("new") == b.acceptance  # no history: the batch's estimate
+    b.forget("copy")
+    assert b.request_acceptance("copy") == b.acceptance
 
 
 # -- the rejection sampler in isolation ----------------------------------------------------------
@@ -345,14 +371,37 @@ def test_budget_drafts_only_where_the_measured_step_time_pays():
     acceptance, since 1 + E(d) tokens then cost 1 + d rows."""
     cfg = SpeculativeConfig("ngram", 4)
     cheap, dear = DraftBudget(cfg), DraftBudget(cfg)
-    for rows in (1, 2, 4, 8, 16, 5, 3):
-        cheap.observe_step(rows, 0.010 + 0.0001 * rows)
-        dear.observe_step(rows, 0.0001 + 0.010 * rows)
+    for rows, drafts in ((1, 0), (2, 2), (4, 0), (8, 8), (16, 0), (5, 3), (3, 1)):
+        cheap.observe_step(rows, drafts, 0.010 + 0.0001 * (rows + drafts))
+        dear.observe_step(rows, drafts, 0.0001 + 0.010 * (rows + drafts))
     for b in (cheap, dear):
         for _ in range(200):
-            b.observe(1, 1)  # a = 1/2
-    assert cheap.per_request(1) == 4 and cheap.per_request(8) >= 2
-    assert dear.per_request(1) == 0 and dear.per_request(8) == 0
+            b.observe("r", 1, True)  # a = 1/2
+            b.end_step()
+    one, eight = [("r", 4)], [(f"r{i}", 4) for i in range(8)]
+    assert _draft_rows(cheap, one) == [4] and min(_draft_rows(cheap, eight)) >= 2
+    assert _draft_rows(dear, one) == [0] and _draft_rows(dear, eight) == [0] * 8
+    assert not dear.worth_proposing("r", 8)  # the drafter is not even asked
+
+
+def test_step_time_fit_prices_draft_rows_apart_from_requests():
+    """Requests' rows dear (10 ms), draft rows cheap (0.5 ms, sharing a request's context
+    pass): the fit tells them apart, so drafts pay at 8 requests and 50% acceptance; and with
+    one batch size only, the step's time at it is still known."""
+    b = DraftBudget(SpeculativeConfig("ngram", 4))
+    for n, d in ((8, 0), (8, 8), (4, 2), (6, 0), (8, 16), (2, 4), (7, 7)):
+        b.observe_step(n, d, 0.001 + 0.010 * n + 0.0005 * d)
+    base, td = b.fit.prices(8)
+    assert base == pytest.approx(0.081, rel=1e-3) and td == pytest.approx(0.0005, rel=1e-2)
+    for _ in range(200):
+        b.observe("r", 1, True)
+        b.end_step()
+    assert sum(_draft_rows(b, [(f"r{i}", 4) for i in range(8)])) >= 8
+    lockstep = DraftBudget(SpeculativeConfig("ngram", 4))
+    for d in (0, 8, 0, 16, 4):
+        lockstep.observe_step(32, d, 0.2 + 0.005 * d)
+    base, td = lockstep.fit.prices(32)
+    assert base == pytest.approx(0.2, rel=1e-3) and td == pytest.approx(0.005, rel=1e-3)
 
 
 def test_pd_decode_instance_speculates_on_imported_kv():

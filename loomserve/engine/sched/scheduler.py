@@ -140,8 +140,8 @@ class Scheduler:
         plan = self._plan()
         split = plan.target is not None and self.policy != "fcfs"
         if self.spec is not None:
-            self.spec.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1
-                                     for r in self.running))
+            self.spec.begin_step([r for r in self.running
+                                  if r.num_tokens - r.num_computed_tokens == 1])
         if self.policy != "fcfs":  # higher priority first; victims come from later ones
             self.running.sort(key=lambda r: r.priority)
         done: set[str] = set()  # given blocks this step
@@ -436,7 +436,7 @@ class Scheduler:
         KV rows are rewritten by later tokens), append the tokens up to a finishing one."""
         accepted = len(tokens) - 1
         req.num_computed_tokens -= num_drafts - accepted
-        self.spec.on_verified(num_drafts, accepted)
+        self.spec.on_verified(req.request_id, num_drafts, accepted)
         for i, token in enumerate(tokens):
             status = req.append_token(token)
             if status is not None:

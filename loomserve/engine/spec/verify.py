@@ -1,12 +1,13 @@
 """The core's side of speculative decoding: drafts in, verified tokens out, counters.
 
 Flow per step (the scheduler calls in; loomserve.execution.rejection_sampler runs on rank 0):
-1. `begin_step` fixes the step's draft length from the budget (budget.py).
-2. For each running decode request, `drafts_for` asks the drafter for up to that many ids, cut
-   to what can be emitted (max_tokens, max_model_len, the step's token budget), before the
-   first stop token (nothing past a stop may be emitted, and a stop ends the request anyway)
-   and before the first id the request's grammar forbids. The request is scheduled as
-   1 + d query tokens: its last sampled token, then the drafts.
+1. `begin_step`, before the step is scheduled, asks the drafter for up to k ids for each
+   decoding request whose first draft may pay (budget.py), cut to what can be emitted
+   (max_tokens, max_model_len), before the first stop token (nothing past a stop may be
+   emitted, and a stop ends the request anyway) and before the first id the request's grammar
+   forbids; the budget then chooses how many of each request's drafts the step verifies.
+2. `drafts_for` hands a request its chosen drafts, cut to the step's token budget left. The
+   request is scheduled as 1 + d query tokens: its last sampled token, then the drafts.
 3. The runner scores every row and accepts drafts left to right (exact rejection sampling);
    `Scheduler.update` appends the accepted drafts and the one token sampled after them, and
    rolls back the rest: num_computed_tokens drops to the accepted length. The KV rows of
@@ -14,8 +15,9 @@ Flow per step (the scheduler calls in; loomserve.execution.rejection_sampler run
    (blocks are hashed from the request's accepted tokens only). The blocks allocated for them
    stay with the request, which fills them next (a block id list only grows: the runner's
    block tables and the TP step message depend on it); every block returns at finish.
-4. `on_verified` feeds the budget and the metrics (vLLM's spec_decode_* counters);
-   `observe_step` gives the budget the time of each decode-only step and its row count.
+4. `on_verified` feeds the budget (the request's and the batch's acceptance) and the metrics
+   (vLLM's spec_decode_* counters); `observe_step` gives the budget the time of each
+   decode-only step, its request count and its draft rows.
 """
 
 from __future__ import annotations
@@ -59,12 +61,27 @@ class SpecDecoder:
         self.budget = DraftBudget(config)
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.step_k = 0
+        self._planned: dict[str, list[int]] = {}
         self._views: dict[str, DraftRequest] = {}
-        self._step_accepted = self._step_rejections = 0
 
-    def begin_step(self, num_decodes: int) -> None:
-        self.step_k = self.budget.per_request(num_decodes)
+    def begin_step(self, decodes: list) -> None:
+        """Chooses this step's drafts for the decoding requests (before it is scheduled)."""
+        self._planned = {}
+        b = len(decodes)
+        cap = self.budget.step_cap(b)
+        if cap <= 0:
+            return
+        ids, proposals = [], []
+        for req in decodes:
+            if self.budget.worth_proposing(req.request_id, b):
+                drafts = self._propose(req)
+                if drafts:
+                    ids.append(req.request_id)
+                    proposals.append(drafts)
+        counts = self.budget.allocate(list(zip(ids, map(len, proposals))), b, cap)
+        for rid, drafts, n in zip(ids, proposals, counts):
+            if n:
+                self._planned[rid] = drafts[:n]
 
     def view(self, req) -> DraftRequest:
         v = self._views.get(req.request_id)
@@ -73,9 +90,9 @@ class SpecDecoder:
                 req.request_id, req.session_id, req.all_token_ids, req.num_prompt_tokens)
         return v
 
-    def drafts_for(self, req, token_budget: int) -> list[int]:
-        """Drafts to verify for a decoding request this step (often none)."""
-        k = min(self.step_k, token_budget - 1, req.max_tokens - req.num_output_tokens - 1,
+    def _propose(self, req) -> list[int]:
+        """The drafter's ids for req, cut to what may be emitted, a stop, the grammar."""
+        k = min(self.config.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens)
         if k <= 0:
             return []
@@ -89,11 +106,17 @@ class SpecDecoder:
             drafts = _grammar_prefix(req.grammar.matcher, drafts)
         return drafts
 
+    def drafts_for(self, req, token_budget: int) -> list[int]:
+        """The drafts chosen for a decoding request this step (often none), cut to the
+        step's token budget left (its own token included)."""
+        drafts = self._planned.get(req.request_id)
+        return drafts[:max(token_budget - 1, 0)] if drafts else []
+
     def receive(self, drafts: dict[str, tuple[int, list[int]]]) -> None:
         """A step's output carried drafts made in the execution plane (MTP)."""
         self.drafter.receive(drafts)
 
-    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+    def on_verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
@@ -101,20 +124,19 @@ class SpecDecoder:
         per_pos = s.accepted_per_pos
         for i in range(min(num_accepted, len(per_pos))):
             per_pos[i] += 1
-        self._step_accepted += num_accepted
-        self._step_rejections += num_accepted < num_drafts
+        self.budget.observe(request_id, num_accepted, num_accepted < num_drafts)
 
     def observe_step(self, scheduled: list, seconds: float) -> None:
-        """A step ran: a decode-only one (drafts included) teaches the budget its row cost."""
+        """A step ran: a decode-only one (drafts included) teaches the budget its row costs."""
         if all(req.num_tokens - req.num_computed_tokens == 1 for req, _ in scheduled):
-            self.budget.observe_step(sum(n for _, n in scheduled), seconds)
+            b = len(scheduled)
+            self.budget.observe_step(b, sum(n for _, n in scheduled) - b, seconds)
 
     def end_step(self) -> None:
-        if self._step_accepted or self._step_rejections:
-            self.budget.observe(self._step_accepted, self._step_rejections)
-            self._step_accepted = self._step_rejections = 0
+        self.budget.end_step()
 
     def on_finished(self, req) -> None:
+        self.budget.forget(req.request_id)
         v = self._views.pop(req.request_id, None) or DraftRequest(
             req.request_id, req.session_id, req.all_token_ids, req.num_prompt_tokens)
         self.drafter.on_finished(v)
