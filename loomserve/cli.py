@@ -232,9 +232,9 @@ def _add_scheduling(p) -> None:
                         "%(default)s = every token)")
     g.add_argument("--async-scheduling", action="store_true",
                    default=_DEFAULTS["async_scheduling"],
-                   help="schedule the next step while this one executes (one rank, full and "
-                        "sliding-window attention; not with --speculative-config, KV tiers or "
-                        "P/D); docs/design/scheduler.md (default: off)")
+                   help="schedule the next step while this one executes (any rank layout "
+                        "and model; not with --speculative-config, KV tiers, P/D or DEP); "
+                        "docs/design/scheduler.md (default: off)")
 
 
 def _add_tiers(p) -> None:

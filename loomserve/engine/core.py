@@ -167,7 +167,7 @@ def make_step_overlap(config: EngineConfig, executor: Executor,
     """The execution thread of --async-scheduling (refusing what it does not support)."""
     if not config.scheduler.async_scheduling:
         return None
-    refuse_unsupported(config, executor.driver_runner.kv_cache_config)
+    refuse_unsupported(config)
     scheduler.async_scheduling = True
     log.info("async scheduling: the next step is scheduled while this one executes")
     return StepOverlap(executor.execute_model)

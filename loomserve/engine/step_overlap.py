@@ -14,6 +14,18 @@ Invariants: at most one step in flight; the core thread never touches the runner
 (the runner's state belongs to the execution thread); a request's block-id lists only grow
 while it lives (KV managers), so the step in flight reads them safely while the core appends.
 
+More than one rank (TP, decode/prefill context parallel, with or without DP): execute_model
+and with it every collective and the step message run on the execution thread only, so the
+ranks see the steps in schedule order; the message takes a block list's length once and
+slices to it (parallel/step_message.py), the core thread appending meanwhile.
+Hybrid models: the block boundary a decode step's row crosses ends at its input token, still a
+placeholder when the step is scheduled; its state checkpoint is planned anyway and hashed once
+the token is known (kv/managers/linear_state.py), so the checkpoints are the synchronous
+engine's. A request that stopped runs one extra row in the step in flight: its input is the
+stop token, already among the request's tokens, so the state and KV that row leaves are exact
+for them; where it ends a block, that block stays hittable, one more than without async
+scheduling (docs/design/scheduler.md, "Async scheduling").
+
 Refused (refuse_unsupported): what reads or changes KV or tokens outside the step order.
 """
 
@@ -26,11 +38,11 @@ from loomserve.config import EngineConfig
 from loomserve.engine.sched.request import PLACEHOLDER_TOKEN
 from loomserve.engine.sched.scheduler import SchedulerOutput
 from loomserve.execution.batch import ModelInput, ModelOutput
-from loomserve.kv.spec import KVCacheConfig, LinearStateSpec
 
 
-def refuse_unsupported(config: EngineConfig, kv_config: KVCacheConfig) -> None:
-    """ValueError naming each combination --async-scheduling does not support, and why."""
+def refuse_unsupported(config: EngineConfig) -> None:
+    """ValueError naming each combination --async-scheduling does not support, and why
+    (every rank layout and KV layer kind is supported; DEP is not)."""
     why = []
     if config.speculative.speculative_config is not None:
         why.append("--speculative-config (drafts are proposed from a request's latest token "
@@ -43,19 +55,26 @@ def refuse_unsupported(config: EngineConfig, kv_config: KVCacheConfig) -> None:
         why.append("prefill/decode roles (the KV hand-over reads pages the step in flight may "
                    "not have written yet)")
     pc = config.parallel
-    if pc.world_size > 1:
-        why.append("more than one rank (not measured or tested yet)")
     if pc.enable_expert_parallel and pc.data_parallel_size > 1:
         why.append("expert parallelism over DP ranks (the lockstep runs dummy MoE steps on "
                    "the core thread, which would meet the step in flight's collectives out of "
                    "order)")
-    kinds = sorted({g.spec.kind for g in kv_config.groups if isinstance(g.spec, LinearStateSpec)})
-    if kinds:
-        why.append(f"linear-state layers ({', '.join(kinds)}: not verified yet; a request "
-                   "that stopped still runs one extra row in the step in flight, which "
-                   "advances its recurrent state after its finish recorded its checkpoints)")
     if why:
         raise ValueError("--async-scheduling is not supported with " + "; ".join(why))
+
+
+def _cuda_device() -> int | None:
+    """The calling thread's CUDA device, once CUDA is in use (a DP core's rank 0 is not on
+    device 0: set_device in core_proc / parallel.state is per thread)."""
+    import torch
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _use_device(device: int | None) -> None:
+    """The execution thread's initializer: launch on the core thread's CUDA device."""
+    if device is not None:
+        import torch
+        torch.cuda.set_device(device)
 
 
 class StepOverlap:
@@ -63,7 +82,8 @@ class StepOverlap:
 
     def __init__(self, execute) -> None:
         self._execute = execute  # the executor's execute_model
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="loomserve-execute")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="loomserve-execute",
+                                          initializer=_use_device, initargs=(_cuda_device(),))
         self._pending: tuple[SchedulerOutput, Future] | None = None
         self._last_sampled: dict[str, int] = {}  # the execution thread's only
         # Seconds the core thread waited for a step, and the execution thread spent in steps

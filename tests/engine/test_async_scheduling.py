@@ -4,7 +4,11 @@ Oracle: the same engine without the flag. Greedy outputs must be identical token
 (the overlap changes when a step is scheduled, never what it computes); stop tokens, max_tokens
 and aborts end a request at the same token (the extra row a stopped request ran in the step in
 flight emits nothing); preemption and a prefix-cached warm turn behave as without it. After each
-run no block, request or placeholder may remain.
+run no block, request or placeholder may remain. On one rank; under -tp 2 (a worker process,
+the step message encoded while the core thread appends to the block lists); on the hybrid
+fixtures (Gated DeltaNet, Mamba2, KDA), whose warm turns hit the same state checkpoints, except
+one more block where a stopped request's extra row ends one (its state is exact: the next
+turn's output is the same).
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ import os
 import pytest
 
 from loomserve import LLM, SamplingParams
+from loomserve.config import EngineConfig
 from loomserve.engine.messages import EngineCoreRequest
 from loomserve.engine.sched.request import RequestStatus
+from loomserve.engine.step_overlap import refuse_unsupported
+from loomserve.execution.batch import ModelInput, ScheduledSeq
+from loomserve.execution.parallel.step_message import (
+    BlockSyncReceiver,
+    BlockSyncSender,
+    decode,
+    encode,
+)
 from loomserve.sampling_params import StructuredOutputs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
@@ -38,7 +51,7 @@ def make(async_scheduling: bool, name: str = "tiny-llama", **kw) -> LLM:
 
 def assert_clean(llm: LLM) -> None:
     core = llm.core
-    assert not core.has_work() and not core.overlap.in_flight
+    assert not core.has_work() and not (core.overlap and core.overlap.in_flight)
     assert core.kv.num_free_blocks == llm.free_at_start
     assert not core.scheduler.requests and not core.scheduler.running
 
@@ -82,6 +95,19 @@ def test_sliding_window_greedy_identical():
     assert out[1] == out[0]
 
 
+def varied_then_stopped(llm: LLM) -> tuple:
+    """Greedy tokens at varied max_tokens, then tokens and finish reasons with a stop token
+    that turns up mid-run (taken from the first run)."""
+    sps = [SamplingParams(temperature=0.0, max_tokens=1 + i % 5 * 4, ignore_eos=True)
+           for i in range(len(prompts()))]
+    varied = ids(llm.generate(prompts(), sps))
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                        stop_token_ids=[varied[1][3]])
+    stopped = llm.generate(prompts(), sp)
+    assert stopped[1].finish_reason == "stop"
+    return varied, ids(stopped), [o.finish_reason for o in stopped]
+
+
 def test_stop_token_ends_at_it_and_the_extra_row_emits_nothing(pair):
     plain, overlapped = pair
     ref = ids(plain.generate(prompts(), GREEDY))
@@ -100,9 +126,10 @@ def test_stop_token_ends_at_it_and_the_extra_row_emits_nothing(pair):
     assert_clean(overlapped)
 
 
-def test_abort_with_a_token_in_flight_emits_nothing_after(pair):
-    _, overlapped = pair
-    core = overlapped.core
+def abort_in_flight(llm: LLM) -> None:
+    """Abort one of four decoding requests while its next token is computed: nothing more is
+    emitted for it, the others run to max_tokens, nothing leaks."""
+    core = llm.core
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(prompts()[:4]):
         core.add(EngineCoreRequest(request_id=f"ab{i}", prompt_token_ids=p, sampling=sp,
@@ -120,7 +147,11 @@ def test_abort_with_a_token_in_flight_emits_nothing_after(pair):
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert len(got["ab1"]) == emitted
     assert all(len(got[f"ab{i}"]) == 30 for i in (0, 2, 3))
-    assert_clean(overlapped)
+    assert_clean(llm)
+
+
+def test_abort_with_a_token_in_flight_emits_nothing_after(pair):
+    abort_in_flight(pair[1])
 
 
 def test_preemption_and_chunked_prefill_stay_exact():
@@ -173,8 +204,11 @@ def test_unsupported_combinations_are_refused_with_the_reason():
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"--async-scheduling .*--speculative-config \(drafts"):
         make(True, speculative_config=spec)
-    with pytest.raises(ValueError, match=r"--async-scheduling .*linear-state layers"):
-        make(True, "tiny-qwen3-next")
+    dep = EngineConfig.from_kwargs(model=os.path.join(FIXTURES, "tiny-qwen3-moe"),
+                                   data_parallel_size=2, enable_expert_parallel=True,
+                                   async_scheduling=True)
+    with pytest.raises(ValueError, match=r"--async-scheduling .*expert parallelism over DP"):
+        refuse_unsupported(dep)
 
 
 def test_cli_flag_parses_and_defaults_off():
@@ -243,3 +277,94 @@ def test_served_core_streams_the_same_tokens(pair):
     want = plain.generate(texts[1], stopped)[0]
     assert (outs[1].text, outs[1].token_ids) == (want.text, want.token_ids)
     assert outs[1].finish_reason == "stop" and stats.kv_blocks_used == 0
+
+
+def test_tensor_parallel_2_matches_its_synchronous_engine(monkeypatch):
+    """-tp 2 (a worker process, gloo): the step message and every collective go out on the
+    execution thread, in schedule order; greedy tokens, a stop token and an abort with a
+    token in flight as with the synchronous -tp 2 engine; no block leaks."""
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")  # the worker inherits the environment
+    runs = []
+    for a in (False, True):  # one after the other: this process is rank 0 of one group
+        llm = make(a, tensor_parallel_size=2)
+        try:
+            runs.append(varied_then_stopped(llm))
+            if a:
+                abort_in_flight(llm)
+                assert llm.core.executor.bytes_sent > 0  # the steps did reach the worker
+        finally:
+            llm.close()
+    assert runs[1] == runs[0]
+
+
+class GrowsWhenSliced(list):
+    """A block list the core thread appends to between the encoder's len() and its slice
+    (the step in flight's message is encoded while the next step allocates)."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) and len(self) < 9:
+            self.append(len(self) + 100)
+        return super().__getitem__(i)
+
+
+def test_step_message_takes_a_block_list_as_long_as_it_was_at_encoding():
+    """The worker's table must equal the driver's list after every message: a block appended
+    while a message is encoded goes out once, in the next one."""
+    ids = GrowsWhenSliced([1, 2])
+    sender, receiver = BlockSyncSender(), BlockSyncReceiver()
+    for step in range(4):
+        n = len(ids)
+        inp = ModelInput([ScheduledSeq("r", [5], step, [ids], True, None)])
+        got = receiver.model_input(decode(encode(sender.message(inp))))
+        assert got.seqs[0].block_ids[0] == list(ids)[:n]
+    assert len(ids) > n  # the list did grow during an encoding
+
+
+HYBRID = dict(kv_cache_memory="8MiB", max_hybrid_block_size=0)  # 16-token blocks
+
+
+def stop_token(ref: list[int], prompt: list[int], fills_block: bool) -> int:
+    """A token of ref at index >= 3, its first occurrence, where the request's tokens up to it
+    fill whole blocks (fills_block) or not: a stop token to end the request there."""
+    for i in range(3, len(ref)):
+        if ref[i] not in ref[:i] and ((len(prompt) + i + 1) % 16 == 0) == fills_block:
+            return ref[i]
+    raise AssertionError(f"no such token in {ref}")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3-5", "tiny-nemotron-h",
+                                  "tiny-kimi-linear"])
+def test_hybrid_cold_warm_and_stop_tokens_match_sync(name):
+    """Gated DeltaNet, Mamba2 and KDA layers beside attention. Cold, then a warm turn
+    resending turn 1's prompt and output: the same tokens and the same cached-token counts,
+    hits past the prompt included (checkpoints a decode step took at a boundary ending in a
+    placeholder, hashed once the token is known). Then stop tokens: a stopped request's extra
+    row (its stop token's) runs in the step in flight; where it ends a block, async keeps that
+    block (state and KV after exactly those tokens) and the next turn hits one block more,
+    with the same output; elsewhere the hits are the synchronous engine's."""
+    llms = [make(a, name, **HYBRID) for a in (False, True)]
+    first = [list(range(40, 77)), list(range(100, 133)), list(range(200, 220)),
+             list(range(7, 30))]
+
+    def turns(llm, sps):
+        t1 = llm.generate(first, sps)
+        t2 = llm.generate([p + o.token_ids + [5, 6, 7] for p, o in zip(first, t1)], GREEDY)
+        assert_clean(llm)
+        return ids(t1), [o.finish_reason for o in t1], ids(t2), [o.num_cached_tokens for o in t2]
+
+    try:
+        cold = [turns(llm, GREEDY) for llm in llms]
+        assert cold[1] == cold[0]
+        assert any(n > len(p) // 16 * 16 for n, p in zip(cold[1][3], first))
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        sps = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                              stop_token_ids=[stop_token(r, p, fills_block=i % 2 == 0)])
+               for i, (p, r) in enumerate(zip(first, ids(llms[0].generate(first, long))))]
+        for llm in llms:
+            assert llm.core.kv.reset_prefix_cache()
+        (a1, fa, a2, ca), (b1, fb, b2, cb) = [turns(llm, sps) for llm in llms]
+        assert b1 == a1 and fb == fa == ["stop"] * 4 and b2 == a2
+        assert cb == [c + 16 * (i % 2 == 0) for i, c in enumerate(ca)]
+    finally:
+        for llm in llms:
+            llm.close()

@@ -66,15 +66,17 @@ class BlockSyncSender:
         prev = self.sent.get(s.request_id)
         reset, blocks, now = 0, [], []
         for g, ids in enumerate(s.block_ids):
+            # Slices end at n: under --async-scheduling the core thread appends the next
+            # step's blocks to these lists while this step's message is encoded.
             n = len(ids)
             if prev is not None and g < len(prev):
                 src, had = prev[g]
                 if src is ids and had <= n:
-                    blocks.append(ids[had:])
+                    blocks.append(ids[had:n])
                     now.append((ids, n))
                     continue
             reset |= 1 << g
-            blocks.append(list(ids))
+            blocks.append(ids[:n])
             now.append((ids, n))
         self.sent[s.request_id] = now
         if s.states or s.num_draft:

@@ -132,7 +132,8 @@ class LinearStateManager(SingleTypeKVManager):
                 block_hashes: list[bytes], marconi_pos: int, num_draft: int = 0) -> None:
         """Decide this step's saves for the chunk [start, total), whose last num_draft tokens
         are drafts (no side effect on the pool but settling the previous step's drafts).
-        Checkpoints stay within block_hashes, which cover accepted tokens only."""
+        Checkpoints stay within accepted tokens: block_hashes, plus under async scheduling
+        the boundary a placeholder (the token the step in flight samples) ends."""
         st = self.states.get(request_id)
         if st is None:
             st = _ReqState()
@@ -142,7 +143,11 @@ class LinearStateManager(SingleTypeKVManager):
             self._settle_drafts(request_id, st, start, block_hashes)
         bs = self.block_size
         lo = start // bs + 1
-        hi = min(total // bs, len(block_hashes))
+        # Hashes cover known tokens. Under async scheduling a decode's token is a placeholder
+        # until the step before it is updated: its boundary is planned anyway and hashed once
+        # known (begin_step / finish). Drafts are never known: no boundary past them.
+        known = len(block_hashes)
+        hi = min(total // bs, max(known, (total - num_draft) // bs))
         if hi < lo or not self.pool.enable_caching:
             st.plan = ([], False, 0, num_draft)
             return
@@ -166,10 +171,10 @@ class LinearStateManager(SingleTypeKVManager):
         for p in want:
             if room <= 0:
                 break
-            if p > 0 and p not in saves and block_hashes[p - 1] not in cached:
+            if p > 0 and p not in saves and (p > known or block_hashes[p - 1] not in cached):
                 saves.append(p)
                 room -= 1
-        tail = hi not in saves and block_hashes[hi - 1] not in cached
+        tail = hi not in saves and (hi > known or block_hashes[hi - 1] not in cached)
         st.plan = (saves, tail, hi, num_draft)
 
     def _draft_pages(self, num_draft: int, total: int) -> int:
