@@ -2,13 +2,15 @@
 next step's drafts from this step's hidden states, in the execution plane after the target ran.
 
 After each step, for every request, the first MTP module runs over the step's rows whose next
-token is now known: a row at position p gets the target's final hidden state h_p (before the
-norm) and the token at p + 1, which is the next row's token, or for the last accepted row the
-token just sampled (with drafts: rows 0..a, the accepted drafts then the token sampled after
-them; rejected rows are not run). Its K/V rows go to the module's own MLA layer at the same
-positions and slots, so every position the target has accepted also has its MTP row, computed
-from the accepted tokens: rejected drafts leave nothing behind that the next steps do not
-overwrite, and a page holds the MTP row with the target's (prefix hits, tiers, P/D move it).
+token is now known: a row at position p gets the target's final hidden state h_p (the model's
+`last_hidden`: DeepSeek's before the final norm, GLM-4.5's after it) and the token at p + 1,
+which is the next row's token, or for the last accepted row the token just sampled (with
+drafts: rows 0..a, the accepted drafts then the token sampled after them; rejected rows are not
+run). Its K/V rows go to the module's own attention layer (MLA for DeepSeek-V3, GQA for
+GLM-4.5) at the same positions and slots, so every position the target has accepted also has
+its MTP row, computed from the accepted tokens: rejected drafts leave nothing
+behind that the next steps do not overwrite, and a page holds the MTP row with the target's
+(prefix hits, tiers, P/D move it).
 A prefill chunk that does not end the prompt holds its last row back (its next token is the
 next chunk's first) and runs it at the start of the next chunk's pass.
 
@@ -19,6 +21,12 @@ last module alike); its K/V goes to the request's own slots past its accepted to
 next steps overwrite, and the chain stops where the request's blocks end. The drafts go back in
 ModelOutput.drafts as (number of tokens they follow, ids); the core's MtpDrafter proposes them
 in the next step, through the same budget, cuts and rollback as any drafter.
+
+Tensor parallelism (DeepSeek-V3's modules, split as the target's layers: deepseek_mtp.py): every
+rank runs the proposer after every step, since each MTP forward is collective; the worker ranks
+(parallel/worker_proc.py), which never sample, get rank 0's emitted ids by one broadcast
+(emitted_ids), and each draft is a vocabulary-split argmax that gives every rank the same id to
+feed the next chained row. Only rank 0's drafts reach the core. Context parallelism is refused.
 
 Caveat: a prefix hit reuses a block's MTP rows as an earlier request wrote them; the block's
 last row was computed with that request's next token, which may differ (drafts, never outputs,
@@ -57,24 +65,40 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
     spec = config.speculative.speculative_config
     if spec is None or spec.method != "mtp":
         return None
-    from loomserve.execution.models.deepseek_mtp import load_mtp
+    from loomserve.execution.models import deepseek_mtp, glm4_moe_mtp, qwen3_next_mtp
     from loomserve.execution.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from loomserve.execution.parallel.state import get_dcp, get_pcp, get_tp
+    from loomserve.execution.models.glm4_moe import Glm4MoeForCausalLM
+    from loomserve.execution.models.qwen3_next import Qwen3NextForCausalLM
+    from loomserve.execution.parallel.state import get_dcp, get_pcp
 
-    if type(model) is not DeepseekV3ForCausalLM:
-        raise ValueError(f"--speculative-config: method 'mtp' runs DeepSeek-V3-family MTP "
-                         f"modules (DeepseekV3ForCausalLM); {type(model).__name__} is not "
-                         "supported")
+    # each family's loader returns model.mtp, whose layers are called (model, ids, positions,
+    # h, meta) and have .logits(model, h); while it is set, forward keeps model.last_hidden
+    loaders = {DeepseekV3ForCausalLM: deepseek_mtp.load_mtp,
+               Glm4MoeForCausalLM: glm4_moe_mtp.load_mtp,
+               Qwen3NextForCausalLM: qwen3_next_mtp.load_mtp}
+    load_mtp = loaders.get(type(model))
+    if load_mtp is None:
+        raise ValueError(f"--speculative-config: method 'mtp' runs the MTP layers of "
+                         f"{', '.join(c.__name__ for c in loaders)}; "
+                         f"{type(model).__name__} is not supported")
     with open(os.path.join(folder, "config.json")) as f:
         num_nextn = int(json.load(f).get("num_nextn_predict_layers") or 0)
+    if type(model) is Qwen3NextForCausalLM and num_nextn < 1:
+        num_nextn = 1  # its config.json names no count: one layer, as it ships (vLLM's default)
     if num_nextn < 1:
         raise ValueError("--speculative-config: method 'mtp' needs a checkpoint with MTP "
                          "layers; its config.json has no num_nextn_predict_layers >= 1")
-    if any(g is not None for g in (get_tp(), get_dcp(), get_pcp())):
-        raise ValueError("--speculative-config: method 'mtp' runs on one rank only (no tensor "
-                         "or context parallelism yet)")
+    if get_dcp() is not None or get_pcp() is not None:  # TP runs: see TP in the docstring
+        raise ValueError("--speculative-config: method 'mtp' does not run under context "
+                         "parallelism (DCP / PCP) yet")
     if config.model.cuda_graphs:
         raise ValueError("--speculative-config: method 'mtp' does not run under --cuda-graphs")
+    pc = config.parallel
+    if pc.enable_expert_parallel and pc.data_parallel_size > 1:
+        # the DP lockstep's dummy MoE steps would run the MTP layer's experts on some ranks
+        # only, so its all-to-all would wait for ranks that never join
+        raise ValueError("--speculative-config: method 'mtp' does not run with expert "
+                         "parallelism over data-parallel ranks yet")
     model.mtp = load_mtp(model, folder, num_nextn, config.model.torch_dtype,
                          config.model.torch_device)
     return MtpProposer(spec.num_speculative_tokens)
@@ -87,17 +111,18 @@ class MtpProposer:
         self._held: dict[str, tuple[int, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def propose(self, runner, seqs: list[ScheduledSeq], out: ModelOutput,
+    def propose(self, runner, seqs: list[ScheduledSeq], out: ModelOutput | None,
                 finished: list[str]) -> dict[str, tuple[int, list[int]]]:
         """Drafts per request after a step whose rows were `seqs` (in row order) and whose
-        result is `out`: {request id: (tokens they follow, draft ids)}."""
+        result is `out` (None on a tensor-parallel rank other than 0, which gets rank 0's ids):
+        {request id: (tokens they follow, draft ids)}, the same on every rank."""
         for rid in finished:
             self._held.pop(rid, None)
         model = runner.model
         hidden, model.last_hidden = model.last_hidden, None
         if hidden is None or hidden.shape[0] != sum(len(s.token_ids) for s in seqs):
             return {}  # no forward ran for these seqs (an empty step)
-        runs = self._runs(seqs, hidden, out)
+        runs = self._runs(seqs, hidden, emitted_ids(seqs, out, runner.tp, runner.device))
         if not runs:
             return {}
         h = self.run_module(runner, 0, runs)  # its K/V rows go to the cache whatever follows
@@ -111,7 +136,11 @@ class MtpProposer:
         pos = [r.start + len(r.next_ids) - 1 for r in live]  # each live run's last position
         layers = model.mtp.layers
         for j in range(self.k):
-            ids = layers[min(j, len(layers) - 1)].logits(model, h).argmax(dim=-1).tolist()
+            layer = layers[min(j, len(layers) - 1)]
+            # under TP only rank 0 holds whole logits: `greedy` gives every rank the same ids,
+            # which the next chained row is fed (deepseek_mtp.py; the only MTP split so far)
+            ids = (layer.logits(model, h).argmax(dim=-1) if runner.tp is None
+                   else layer.greedy(model, h)).tolist()
             for r, t in zip(live, ids):
                 drafts[r.seq.request_id].append(t)
             keep = [n for n, r in enumerate(live) if self._has_slot(runner, r.seq, pos[n] + 1)]
@@ -125,7 +154,7 @@ class MtpProposer:
                 for r in runs if r.drafts_from is not None}
 
     def _runs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor,
-              out: ModelOutput) -> list[MtpRun]:
+              done: dict[str, list[int]]) -> list[MtpRun]:
         """Each request's rows whose next token is known (a row held back from its previous
         chunk first), holding back a chunk's last row when the prompt goes on."""
         runs, row = [], 0
@@ -137,10 +166,7 @@ class MtpProposer:
             held = self._held.pop(rid, None)
             if held is not None and held[0] == s.start_pos - 1:
                 start, nxt, parts = held[0], [s.token_ids[0]], [held[1]]
-            if s.num_draft:
-                emitted = out.verified.get(rid) or []
-            else:
-                emitted = [out.sampled[rid]] if rid in out.sampled else []
+            emitted = done.get(rid, [])
             if s.num_draft:  # rows 0..a: the accepted drafts, then the token after them
                 m, after = len(emitted), list(emitted)
             elif emitted:
@@ -161,7 +187,7 @@ class MtpProposer:
         """MTP module `index` over the runs' rows (one-row runs as decodes, then the others as
         chunks over the cached prefix); returns its hidden states in the runs' row order.
         previous: h_p per row in that order (default: the runs' own)."""
-        g = runner.attn_groups[0]  # the MLA group: the MTP layers are in it
+        g = runner.attn_groups[0]  # the model's attention group: the MTP layers are in it
         tables = runner.block_tables
         sizes = [len(r.next_ids) for r in runs]
         one = [i for i, n in enumerate(sizes) if n == 1]
@@ -190,3 +216,26 @@ class MtpProposer:
         g = runner.attn_groups[0]
         return (position < runner.max_model_len
                 and position // runner.block_size < len(s.block_ids[g]))
+
+
+def emitted_ids(seqs: list[ScheduledSeq], out: ModelOutput | None, tp,
+                device: torch.device) -> dict[str, list[int]]:
+    """The ids each seq due a token got this step: a decode's sampled token; with drafts, the
+    accepted drafts then the token after them. Under tensor parallelism only rank 0 samples:
+    its ids go to every rank (one broadcast of 1 + num_draft slots per due seq, -1 unused), so
+    all ranks run the same MTP rows."""
+    due = [s for s in seqs if s.sample]
+    got = {} if out is None else {
+        s.request_id: ((out.verified.get(s.request_id) or []) if s.num_draft else
+                       [out.sampled[s.request_id]] if s.request_id in out.sampled else [])
+        for s in due}
+    if tp is None or not due:
+        return got
+    slots = np.full(sum(1 + s.num_draft for s in due), -1, dtype=np.int64)
+    at = np.cumsum([0] + [1 + s.num_draft for s in due])
+    for s, a in zip(due, at):
+        ids = got.get(s.request_id, [])
+        slots[a:a + len(ids)] = ids
+    slots = tp.broadcast(torch.from_numpy(slots).to(device)).cpu().numpy()
+    return {s.request_id: [int(t) for t in slots[a:a + 1 + s.num_draft] if t >= 0]
+            for s, a in zip(due, at)}

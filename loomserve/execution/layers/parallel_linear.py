@@ -67,3 +67,22 @@ def gather_logits(local: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Te
     if parts is None:
         return local
     return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+def argmax_logits(local: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+    """argmax over the whole vocabulary of vocab-split logits ([rows, V/N] per rank), the same
+    ids on every rank: each rank's best of its slice (its padding rows excluded), all-gathered
+    as (value, id) pairs; among equal values the lowest id wins, as torch.argmax of the joined
+    logits does. [rows, 2] values move, not the logits."""
+    start = tp.rank * local.shape[-1]
+    real = max(0, min(local.shape[-1], vocab_size - start))
+    if real:
+        idx = local[..., :real].argmax(dim=-1)  # the first maximum of the slice
+        best = local.gather(-1, idx.unsqueeze(-1)).squeeze(-1).double()
+    else:  # a rank whose slice is padding only (a vocabulary of fewer than N(N - 1) ids)
+        idx = torch.zeros(local.shape[:-1], dtype=torch.long, device=local.device)
+        best = torch.full(local.shape[:-1], float("-inf"), dtype=torch.double,
+                          device=local.device)
+    every = tp.all_gather(torch.stack([best, (idx + start).double()], dim=-1))  # [N, rows, 2]
+    winner = every[..., 0].argmax(dim=0)  # the first rank holding the maximum: the lowest id
+    return every[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()

@@ -14,10 +14,18 @@ The embedding at position 0 is zeroed, as vLLM and SGLang do (the layer was trai
 Each module's attention keeps its own latent rows: one more MLA layer in the model's KV group
 (DeepseekV3ForCausalLM.kv_cache_specs). transformers has no MTP code; the test reference is
 the formula above in plain torch around transformers' decoder layer.
+
+Tensor parallelism: on a rank of N (target.tp set) the module is that rank's slice, split by
+the target's own plan (DeepseekV3TP): its decoder layer is built from the rank's config and
+gets the layer's all-reduce hooks and tensor slices, exactly as model.layers.i does (MLA heads
+and kv_b_proj rows split, the latent path and so the cache rows replicated, MoE by columns);
+enorm, hnorm, eh_proj and shared_head.norm are whole; an own embed_tokens or shared_head.head
+holds the rank's vocabulary rows, as the target's. `greedy` gives every rank the same ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -28,6 +36,7 @@ from torch import nn
 
 from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.layers.parallel_linear import VocabParallelEmbedding, vocab_per_rank
 from loomserve.execution.models.deepseek_v3 import (
     DecoderLayer,
     DeepseekV3Config,
@@ -35,6 +44,8 @@ from loomserve.execution.models.deepseek_v3 import (
     copy_into,
     load_mlp_weight,
 )
+from loomserve.execution.models.loading.weight_layout import lm_head_argmax, lm_head_logits
+from loomserve.execution.parallel.tensor_parallel import plan_of, vocab_rows
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # names inside model.layers.{N + i} that belong to the decoder layer itself
@@ -72,10 +83,23 @@ class MtpLayer(nn.Module):
         return self.block(x, (cos, sin, target.rotary.half), meta)
 
     def logits(self, target: DeepseekV3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] (under TP: on rank 0, the sampler's; a slice elsewhere)."""
         h = self.shared_head.norm(hidden)
         if self.shared_head.head is None:
             return target.compute_logits(h)
+        if target.tp is not None:  # the rank's vocabulary rows: joined as the target's are
+            return lm_head_logits(target, h, self.shared_head.head, target.model.embed_tokens)
         return self.shared_head.head(h)
+
+    def greedy(self, target: DeepseekV3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax ids of `logits`, the same on every tensor-parallel rank (each rank feeds
+        them to the next chained draft)."""
+        if target.tp is None:
+            return self.logits(target, hidden).argmax(dim=-1)
+        head = self.shared_head.head
+        return lm_head_argmax(target, self.shared_head.norm(hidden),
+                              target.lm_head if head is None else head,
+                              target.model.embed_tokens)
 
 
 class DeepseekMTP(nn.Module):
@@ -128,15 +152,45 @@ def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
         with torch.device("meta"):  # no time spent initializing what is loaded next
             layer = MtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
                              pre + "shared_head.head.weight" in mine)
+            if target.tp is not None:
+                _parallelize(target, layer)
         layer = layer.to(dtype).to_empty(device=device)
         _load_layer(target, layer, pre, mine)
         layers.append(layer)
     return DeepseekMTP(layers).eval().requires_grad_(False)
 
 
+def _parallelize(target: DeepseekV3ForCausalLM, layer: MtpLayer) -> None:
+    """The rank's communicating parts of `layer` (built from the rank's config): the decoder
+    layer's as the target's layers have them, an own embedding over the vocabulary slice."""
+    tp = target.tp
+    plan_of(type(target)).parallelize_layer(layer.block, tp)
+    if layer.embed_tokens is not None:
+        full = target.model.embed_tokens  # the target's VocabParallelEmbedding
+        layer.embed_tokens = VocabParallelEmbedding(full.num_embeddings, full.embedding_dim,
+                                                    full.vocab_size, tp)
+
+
+def _rank_slice(target: DeepseekV3ForCausalLM, rest: str, t: torch.Tensor
+                ) -> tuple[str, torch.Tensor]:
+    """(name inside the MTP module, this rank's slice) of one of its tensors under TP."""
+    tp = target.tp
+    if rest in ("embed_tokens.weight", "shared_head.head.weight"):  # vocabulary rows
+        rows = vocab_per_rank(target.model.embed_tokens.vocab_size, tp.size)
+        return rest, vocab_rows(t, tp.rank * rows, rows)
+    if not rest.startswith(_BLOCK):
+        return rest, t  # enorm, hnorm, eh_proj, shared_head.norm: whole
+    plan = plan_of(type(target))
+    # the plan slices by the model's whole sizes; shard_config divided each of them exactly
+    whole = dataclasses.replace(target.config, **{
+        k: v * tp.size for k, v in plan.divisions(target.config).items()})
+    return plan.layer_weight(rest, t, whole, tp)
+
+
 def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
                 files: dict[str, str]) -> None:
-    """Every parameter of `layer` from its tensors (named under `pre`), exactly once."""
+    """Every parameter of `layer` from its tensors (named under `pre`; under TP the rank's
+    slices), exactly once."""
     from safetensors import safe_open
 
     params = dict(layer.named_parameters())
@@ -150,6 +204,9 @@ def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
         with safe_open(path, "pt") as f:
             for name in sorted(n for n, p in files.items() if p == path):
                 rest, t = name[len(pre):], f.get_tensor(name)
+                if target.tp is not None:
+                    rest, t = _rank_slice(target, rest, t)
+                    t = t.contiguous()
                 if rest.startswith(_BLOCK):
                     t = target.deinterleaved(rest, t)
                     keys = load_mlp_weight(layer.block, "block.", rest, name, t)

@@ -12,7 +12,9 @@ As transformers' modeling_glm4_moe does it:
 
 Checkpoints load by their HF names: the Hub's per-expert `mlp.experts.{e}.gate_proj.weight`
 (up_proj, down_proj) or transformers 5's stacked `mlp.experts.gate_up_proj` / `down_proj`; the
-MTP layers past num_hidden_layers (num_nextn_predict_layers) are skipped.
+MTP layers past num_hidden_layers (num_nextn_predict_layers) are skipped here; glm4_moe_mtp.py
+loads them for `"method": "mtp"` drafts (each then adds one full-attention layer to the KV specs,
+and forward keeps its output, the final hidden states after the norm, in `last_hidden`).
 
 Tensor parallelism (Glm4MoeTP): heads split like Llama's, the dense MLPs, every routed expert
 and the shared experts by intermediate columns; attention and MLP outputs all-reduced by hooks.
@@ -44,6 +46,7 @@ from loomserve.execution.models.llama import (
 )
 from loomserve.execution.parallel.state import TPGroup
 from loomserve.execution.parallel.tensor_parallel import TPPlan, attention_weight, swiglu_weight
+from loomserve.kv.spec import FullAttentionSpec, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,35 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     config_class = Glm4MoeConfig
     tp_plan = Glm4MoeTP()
 
+    def __init__(self, cfg: Glm4MoeConfig) -> None:
+        super().__init__(cfg)
+        # the checkpoint's MTP layers when drafting with them (glm4_moe_mtp.py), else None
+        self.mtp = None
+        self.last_hidden: torch.Tensor | None = None
+
     def _build_model(self, cfg: Glm4MoeConfig) -> nn.Module:
         return Glm4MoeModel(cfg)
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        specs = super().kv_cache_specs(block_size, dtype)
+        if self.mtp is None:
+            return specs
+        c = self.config  # MTP: one more full-attention layer each, in the model's KV group
+        full = FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype)
+        return specs + [full] * len(self.mtp.layers)
+
+    def kv_cache_modules(self) -> list[nn.Module]:
+        mtp = [m.self_attn for m in self.mtp.layers] if self.mtp is not None else []
+        return super().kv_cache_modules() + mtp
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
+                state_batch=None) -> torch.Tensor:
+        """LlamaForCausalLM's; with MTP layers loaded it also keeps its output (after the
+        final norm: the first MTP layer's input, glm4_moe_mtp.py) in `last_hidden`."""
+        out = super().forward(input_ids, positions, attn_meta, state_batch)
+        if self.mtp is not None:
+            self.last_hidden = out
+        return out
 
     def init_rotary(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         c = self.config
@@ -194,50 +224,56 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         self.rotary = RotaryEmbedding(partial, max_positions, device, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named tensors in, experts per expert or stacked; MTP layers skipped; every
-        parameter covered once."""
-        layers = self.model.layers
-        moe = {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, DeepseekMoE)}
-        seen: list[str] = []
+        """HF-named tensors in (load_checkpoint); the MTP layers are skipped."""
+        load_checkpoint(self, weights)
 
-        def rest() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in weights:
-                m = _LAYER.match(name)
-                if m is None:
-                    yield name, t
-                    continue
-                i, sub = int(m.group(1)), m.group(2)
-                if i >= len(layers):
-                    continue  # the MTP layers (num_nextn_predict_layers) past the model's own
-                pre = f"model.layers.{i}.mlp."
-                em = _EXPERT.match(sub)
-                if em and i in moe:
-                    seen.append(pre + moe[i].load_expert(int(em.group(1)), em.group(2), t))
-                elif sub in _STACKED and i in moe:
-                    mlp = moe[i]
-                    up = sub.endswith("gate_up_proj")
-                    _copy(mlp.experts_gate_up.data if up else mlp.experts_down.data, t, name)
-                    seen.extend(pre + k for k in mlp.expected_keys()
-                                if k.startswith("experts_gate_up" if up else "experts_down"))
-                elif _SHARED.match(sub) and i in moe and moe[i].shared_experts is not None:
-                    shared = moe[i].shared_experts
-                    j = 0 if _SHARED.match(sub).group(1) == "gate_proj" else 1
-                    w = shared.gate_up_proj.weight.data
-                    _copy(w.narrow(0, j * shared.intermediate, shared.intermediate), t, name)
-                    seen.append(f"{pre}shared_experts.gate_up_proj#{j}")
-                else:
-                    yield name, t
 
-        # the shared experts' gate/up are not intermediate_size wide: load_weights fills them
-        load_fused(self, rest(), self.config,
-                   skip=(".experts_gate_up", ".experts_down", ".shared_experts.gate_up_proj.weight"))
-        expected = {f"model.layers.{i}.mlp.{k}" for i, mlp in moe.items() for k in mlp.expected_keys()}
-        expected |= {f"model.layers.{i}.mlp.shared_experts.gate_up_proj#{j}"
-                     for i, mlp in moe.items() if mlp.shared_experts is not None for j in (0, 1)}
-        dup = sorted(k for k, c in Counter(seen).items() if c > 1)
-        missing = sorted(expected - set(seen))
-        if dup or missing:
-            raise ValueError(f"checkpoint experts: missing {missing[:5]}, duplicated {dup[:5]}")
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """HF-named tensors into `model` (a module with .config and .model.layers: the model, or
+    glm4_moe_mtp's view naming an MTP layer model.layers.0), experts per expert or stacked;
+    layers past model.model.layers skipped; every parameter covered once."""
+    layers = model.model.layers
+    moe = {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, DeepseekMoE)}
+    seen: list[str] = []
+
+    def rest() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            m = _LAYER.match(name)
+            if m is None:
+                yield name, t
+                continue
+            i, sub = int(m.group(1)), m.group(2)
+            if i >= len(layers):
+                continue  # the MTP layers (num_nextn_predict_layers) past the model's own
+            pre = f"model.layers.{i}.mlp."
+            em = _EXPERT.match(sub)
+            if em and i in moe:
+                seen.append(pre + moe[i].load_expert(int(em.group(1)), em.group(2), t))
+            elif sub in _STACKED and i in moe:
+                mlp = moe[i]
+                up = sub.endswith("gate_up_proj")
+                _copy(mlp.experts_gate_up.data if up else mlp.experts_down.data, t, name)
+                seen.extend(pre + k for k in mlp.expected_keys()
+                            if k.startswith("experts_gate_up" if up else "experts_down"))
+            elif _SHARED.match(sub) and i in moe and moe[i].shared_experts is not None:
+                shared = moe[i].shared_experts
+                j = 0 if _SHARED.match(sub).group(1) == "gate_proj" else 1
+                w = shared.gate_up_proj.weight.data
+                _copy(w.narrow(0, j * shared.intermediate, shared.intermediate), t, name)
+                seen.append(f"{pre}shared_experts.gate_up_proj#{j}")
+            else:
+                yield name, t
+
+    # the shared experts' gate/up are not intermediate_size wide: rest() fills them
+    load_fused(model, rest(), model.config,
+               skip=(".experts_gate_up", ".experts_down", ".shared_experts.gate_up_proj.weight"))
+    expected = {f"model.layers.{i}.mlp.{k}" for i, mlp in moe.items() for k in mlp.expected_keys()}
+    expected |= {f"model.layers.{i}.mlp.shared_experts.gate_up_proj#{j}"
+                 for i, mlp in moe.items() if mlp.shared_experts is not None for j in (0, 1)}
+    dup = sorted(k for k, c in Counter(seen).items() if c > 1)
+    missing = sorted(expected - set(seen))
+    if dup or missing:
+        raise ValueError(f"checkpoint experts: missing {missing[:5]}, duplicated {dup[:5]}")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -11,7 +11,10 @@ attention). Details that differ from the Llama family, all checked against trans
 
 Runner contract: loomserve/execution/models/registry.py. Full-attention layers read their group's entry of
 `attn_meta`, linear layers their group's `state_batch`; until the runner calls
-`set_layer_groups`, group ids are derived from `kv_cache_specs` in the runner's order.
+`set_layer_groups`, group ids are derived from `kv_cache_specs` in the runner's order. The
+checkpoint's MTP layers (`mtp.*`) are skipped here; qwen3_next_mtp.py loads them for
+`"method": "mtp"` drafts (each then adds one full-attention layer to the KV specs, and forward
+keeps its output, after the final norm, in `last_hidden`).
 
 Tensor parallelism (Qwen3NextTP): gated attention heads split (per head [query | gate] rows stay
 together); Gated DeltaNet key heads split with their value heads (layers/gated_deltanet.py), so
@@ -294,6 +297,9 @@ class Qwen3NextForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.groups: list[int] | None = None
         self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
+        # the checkpoint's MTP layers when drafting with them (qwen3_next_mtp.py), else None
+        self.mtp = None
+        self.last_hidden: torch.Tensor | None = None
 
     # --- runner contract --------------------------------------------------------------------------
 
@@ -311,7 +317,24 @@ class Qwen3NextForCausalLM(nn.Module):
                                            dtype=torch.float32))
             else:
                 out.append(FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype))
+        if self.mtp is not None:  # MTP: one more full-attention layer each
+            out += [FullAttentionSpec(block_size, c.num_kv_heads, c.head_dim, dtype)] * len(
+                self.mtp.layers)
         return out
+
+    def kv_cache_modules(self) -> list[nn.Module | None]:
+        """Each layer's cache holder in kv_cache_specs' order (what the runner would find on
+        model.model.layers by itself), then the MTP layers' attention."""
+        own = []
+        for layer in self.model.layers:
+            found = None
+            for name in ("self_attn", "linear_attn"):
+                m = getattr(layer, name, None)
+                if m is not None and (hasattr(m, "k_cache") or hasattr(m, "state_cache")):
+                    found = m
+                    break
+            own.append(found)
+        return own + ([m.self_attn for m in self.mtp.layers] if self.mtp is not None else [])
 
     def set_layer_groups(self, groups: list[int]) -> None:
         self.groups = list(groups)
@@ -326,7 +349,10 @@ class Qwen3NextForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer, g in zip(self.model.layers, self.groups):
             x = layer(x, rope, pick(attn_meta, g), pick(state_batch, g))
-        return self.model.norm(x)
+        x = self.model.norm(x)
+        if self.mtp is not None:
+            self.last_hidden = x
+        return x
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -51,6 +51,11 @@ class TPGroup:
         dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
         return out
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank (same shape everywhere), in place."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's x (same shape) on rank 0, in rank order; None elsewhere."""
         x = x.contiguous()

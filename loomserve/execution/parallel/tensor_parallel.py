@@ -88,16 +88,31 @@ class TPPlan:
     def parallelize(self, model: torch.nn.Module, cfg, tp: TPGroup) -> None:
         inner = model.model
         for layer in inner.layers:
-            for path in self.row_parallel:
-                owner, _, leaf = path.rpartition(".")
-                parent = layer.get_submodule(owner)
-                setattr(parent, leaf, RowParallelLinear(getattr(parent, leaf), tp))
-            for name in self.reduced_blocks:
-                if hasattr(layer, name):
-                    reduce_output(getattr(layer, name), tp)
+            self.parallelize_layer(layer, tp)
         setattr(inner, self.embedding, VocabParallelEmbedding(
             vocab_per_rank(cfg.vocab_size, tp.size), cfg.hidden_size, cfg.vocab_size, tp))
         model.tp = tp
+
+    def parallelize_layer(self, layer: torch.nn.Module, tp: TPGroup) -> None:
+        """One decoder layer's communicating parts (also a layer outside model.layers, such as
+        an MTP module's, which must split exactly like the model's own)."""
+        for path in self.row_parallel:
+            owner, _, leaf = path.rpartition(".")
+            parent = layer.get_submodule(owner)
+            setattr(parent, leaf, RowParallelLinear(getattr(parent, leaf), tp))
+        for name in self.reduced_blocks:
+            if hasattr(layer, name):
+                reduce_output(getattr(layer, name), tp)
+
+    def layer_weight(self, rest: str, t: torch.Tensor, cfg, tp: TPGroup
+                     ) -> tuple[str, torch.Tensor]:
+        """(name inside the parallelized layer, this rank's slice) of one layer tensor named
+        `rest` inside its layer; cfg is the whole model's config."""
+        t = self.shard_layer(rest, t, cfg, tp)
+        for path in self.row_parallel:
+            if rest.startswith(path + "."):
+                rest = f"{path}.linear.{rest[len(path) + 1:]}"
+        return rest, t
 
     def shard_weights(self, weights: Iterable[tuple[str, torch.Tensor]], cfg, tp: TPGroup
                       ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,10 +124,8 @@ class TPPlan:
                 m = _LAYER.match(name)
                 if m:
                     layer, rest = m.groups()
-                    t = self.shard_layer(rest, t, cfg, tp)
-                    for path in self.row_parallel:
-                        if rest.startswith(path + "."):
-                            name = f"{layer}{path}.linear.{rest[len(path) + 1:]}"
+                    rest, t = self.layer_weight(rest, t, cfg, tp)
+                    name = layer + rest
             yield name, t.contiguous()
 
 

@@ -82,7 +82,10 @@ def run_worker(spec: WorkerSpec) -> int:
             msg = broadcast_step(None, tp.step_group)
             if msg.shutdown:
                 return 0
-            runner.compute_logits(blocks.model_input(msg))
+            inp = blocks.model_input(msg)
+            runner.compute_logits(inp)
+            if runner.mtp is not None:  # its part of the MTP drafts, fed rank 0's sampled ids
+                runner.mtp.propose(runner, runner.step_seqs, None, inp.finished_request_ids)
     finally:
         destroy_distributed()
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loomserve.execution.layers import dense
-from loomserve.execution.layers.parallel_linear import gather_logits
+from loomserve.execution.layers.parallel_linear import argmax_logits, gather_logits
 from loomserve.execution.layers.quant import QuantEmbedding
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,17 @@ def lm_head_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | 
     if tp is None:
         return logits
     return gather_logits(logits, embedding.vocab_size, tp)
+
+
+def lm_head_argmax(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,
+                   embedding: nn.Embedding) -> torch.Tensor:
+    """Greedy ids of lm_head_logits' logits, the same on every tensor-parallel rank (no logits
+    gathered: each rank's best of its vocabulary slice is all-gathered)."""
+    logits = _local_logits(model, hidden, lm_head, embedding)
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return logits.argmax(dim=-1)
+    return argmax_logits(logits, embedding.vocab_size, tp)
 
 
 def _local_logits(model: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None,

@@ -1,0 +1,133 @@
+"""GLM-4.5's multi-token prediction (MTP) layer, loaded to draft for speculative decoding.
+
+GLM-4.5 / 4.6 checkpoints carry num_nextn_predict_layers (1) MTP layers past the model's own, at
+model.layers.{N + i} (N = num_hidden_layers): enorm, hnorm, eh_proj, shared_head.norm,
+shared_head.head, sometimes embed_tokens (absent: the model's), and a decoder layer as the
+model's own (GQA with the q/k/v bias, q/k norms and partial RoPE; the MoE of layer N + i), its
+tensors named as a decoder layer's at that index:
+
+    g_p = shared_head.norm(DecoderLayer(eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)])))
+    logits_p = shared_head.head(g_p)                            (a guess of t_{p+2})
+
+h_p is the model's output at p, its final hidden state *after* the final norm: what vLLM's and
+SGLang's GLM-4.5 MTP (written with Zhipu) are fed, their model's forward returning it normed. A
+chained draft's h_p is the previous step's g_p, normed as well: GLM's NextN normalizes at the end
+of every step (as vllm-project/vllm#46075 describes it; vLLM's DeepSeek path does so since #45895,
+SGLang's deepseek_nextn always did). (deepseek_mtp.py feeds DeepSeek's modules the hidden states before
+the norms.) The embedding at position 0 is zeroed, as vLLM does.
+
+The layer's attention is one more full-attention layer in the model's KV group
+(Glm4MoeForCausalLM.kv_cache_specs); the proposer (execution/spec_mtp.py) drives it through the
+interface DeepSeek's modules have: `model.mtp.layers[i](model, ids, positions, previous, meta)`
+returns the next step's `previous` (here g), `.logits(model, g)` its logits. transformers has
+no MTP code; the test reference is the formula in plain torch around transformers' Glm4Moe
+decoder layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loomserve.execution.layers.norm import RMSNorm
+from loomserve.execution.models.deepseek_mtp import mtp_tensor_names
+from loomserve.execution.models.glm4_moe import (
+    Glm4MoeConfig,
+    Glm4MoeDecoderLayer,
+    Glm4MoeForCausalLM,
+    load_checkpoint,
+)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: Glm4MoeConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+
+class Glm4MoeMtpLayer(Glm4MoeDecoderLayer):
+    """One MTP layer: the decoder layer at model.layers.{N + i} with the MTP parts beside its
+    blocks, so every parameter bears the checkpoint's name under that prefix. embed_tokens and
+    the head fall back to the target model's when the checkpoint has none of its own."""
+
+    def __init__(self, cfg: Glm4MoeConfig, index: int, own_embed: bool, own_head: bool):
+        super().__init__(cfg, index)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embed else None
+        self.shared_head = SharedHead(cfg, own_head)
+
+    def forward(self, target: Glm4MoeForCausalLM, input_ids: torch.Tensor,
+                positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
+        """input_ids: the token at p + 1 for each row at position p; previous: h_p. Returns
+        g_p (after shared_head.norm), the next step's `previous` and `logits`' input."""
+        embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
+        e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
+        cos, sin = target.rotary.lookup(positions)
+        return self.shared_head.norm(super().forward(x, (cos, sin, target.rotary.half), meta))
+
+    def logits(self, target: Glm4MoeForCausalLM, normed: torch.Tensor) -> torch.Tensor:
+        if self.shared_head.head is None:
+            return target.compute_logits(normed)
+        return self.shared_head.head(normed)
+
+
+class Glm4MoeMTP(nn.Module):
+    """The checkpoint's MTP layers, in order (layer i predicts i + 2 tokens ahead)."""
+
+    def __init__(self, layers: list[Glm4MoeMtpLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class _AsLayerZero(nn.Module):
+    """`layer` named model.layers.0 of a model with `config`: how load_checkpoint sees it."""
+
+    def __init__(self, config: Glm4MoeConfig, layer: Glm4MoeMtpLayer) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([layer])
+
+
+def load_mtp(target: Glm4MoeForCausalLM, folder: str, num_nextn: int,
+             dtype: torch.dtype, device: torch.device) -> Glm4MoeMTP:
+    """The MTP layers of the checkpoint in `folder`, in `dtype` on `device`. Raises ValueError
+    when the checkpoint lacks them, holds FP8-scaled MTP weights, or the model is one tensor
+    parallel rank's slice (the MTP layer is not sharded yet)."""
+    if target.tp is not None:
+        raise ValueError("--speculative-config: GLM-4.5's MTP layer runs on one rank only (no "
+                         "tensor parallelism yet)")
+    cfg = target.config
+    names = mtp_tensor_names(folder, cfg.num_layers)
+    if any(n.endswith(("weight_scale_inv", "weight_scale")) for n in names):
+        raise ValueError("--speculative-config: the checkpoint's MTP weights are FP8-scaled, "
+                         "which the MTP drafter does not load; dequantize first")
+    layers = []
+    for i in range(num_nextn):
+        pre = f"model.layers.{cfg.num_layers + i}."
+        mine = {n: p for n, p in names.items() if n.startswith(pre)}
+        if pre + "eh_proj.weight" not in mine:
+            raise ValueError(f"--speculative-config: method 'mtp' needs the checkpoint's MTP "
+                             f"weights, and {folder} holds no {pre}eh_proj.weight "
+                             f"(num_nextn_predict_layers is {num_nextn})")
+        with torch.device("meta"):  # no time spent initializing what is loaded next
+            layer = Glm4MoeMtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
+                                    pre + "shared_head.head.weight" in mine)
+        layer = layer.to(dtype).to_empty(device=device)
+        load_checkpoint(_AsLayerZero(cfg, layer), _tensors(mine, pre, dtype))
+        layers.append(layer)
+    return Glm4MoeMTP(layers).eval().requires_grad_(False)
+
+
+def _tensors(files: dict[str, str], pre: str, dtype: torch.dtype):
+    """(name under model.layers.0., tensor in `dtype`) for each of `files`' tensors under pre."""
+    from safetensors import safe_open
+
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            for name in sorted(n for n, p in files.items() if p == path):
+                yield "model.layers.0." + name[len(pre):], f.get_tensor(name).to(dtype)

@@ -1,0 +1,183 @@
+"""MTP drafts (`"method": "mtp"`) on tiny-glm4-moe, whose checkpoint carries GLM-4.5's MTP layer
+at model.layers.3 (execution/models/glm4_moe_mtp.py), driven by the proposer DeepSeek-V3's
+modules use (execution/spec_mtp.py).
+
+Oracles: the MTP layer's logits against the MTP formula in plain torch around transformers'
+Glm4Moe decoder layer (tests/fixtures/build_mla_fixture.py: mtp_reference, family-agnostic),
+fed transformers' own final hidden states after the norm (GLM's contract, glm4_moe_mtp.py), for
+one prompt, for its chained drafts 2 and 3 (fed the previous step's normed output), and for
+every draft 1 of a multi-step run;
+greedy outputs against the same engine without speculation, cold and warm (prefix hits),
+chunked, with every block and every per-request state gone afterwards. The fixture's MTP head
+was fitted to the target's greedy continuations of MTP_PROMPT, so drafts there are accepted
+and rejected both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from loomserve import SamplingParams
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelInput
+from loomserve.execution.spec_mtp import MtpRun
+from loomserve.kv.spec import FullAttentionSpec
+from tests.engine.test_spec_decode import fixture, make
+from tests.engine.test_spec_mtp import assert_clean_mtp
+from tests.execution.models.conftest import Blocks, seq
+
+NAME = "tiny-glm4-moe"
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "always_draft": True}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+MTP_PROMPT = list(range(20, 52)) * 2  # one the fixture's MTP head was fitted on
+PROMPTS = [MTP_PROMPT, [7, 8, 9, 10, 11] * 6 + list(range(20, 29)), list(range(100, 113)),
+           list(range(20, 52)) * 3]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(build_mla_fixture, its transformers reference model of tiny-glm4-moe), loaded once."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "build_mla_fixture.py")
+    spec = importlib.util.spec_from_file_location("build_mla_fixture", path)
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    return b, b.reference_model(fixture(NAME))
+
+
+def _runner(path: str, spec: dict | None = MTP):
+    from loomserve.execution.model_runner import ModelRunner
+    return ModelRunner(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu",
+                                                block_size=4, kv_cache_memory="2MB",
+                                                speculative_config=spec))
+
+
+def test_mtp_logits_equal_the_plain_torch_reference(reference):
+    r = _runner(fixture(NAME))
+    assert type(r.model.mtp).__name__ == "Glm4MoeMTP"
+    # the MTP layer's GQA attention: a fourth full-attention layer, in the model's one group
+    assert len(r.layer_specs) == 4 and all(isinstance(s, FullAttentionSpec) for s in r.layer_specs)
+    assert [g.layer_ids for g in r.kv_cache_config.groups] == [(0, 1, 2, 3)]
+    assert type(r.model.mtp.layers[0].mlp).__name__ == "DeepseekMoE"
+    tokens = [5, 17, 301, 42, 42, 9, 128, 77, 3, 250, 64]
+    table = Blocks(r.block_size).cover([], len(tokens) + 4)
+    out = r.execute(ModelInput([seq("r", tokens, 0, table)]))
+    sampled = out.sampled["r"]
+    b, model = reference
+    ref, y = b.mtp_reference(fixture(NAME), tokens, sampled, ref=model, normed=True)
+    follows, drafts = out.drafts["r"]
+    assert follows == len(tokens) + 1 and len(drafts) == 3
+    assert drafts[0] == int(ref[-1].argmax())
+    # every row's logits (the step's target hidden states again, same blocks)
+    s = seq("r", tokens, 0, table)
+    r.compute_logits(ModelInput([s]))
+    hidden, r.model.last_hidden = r.model.last_hidden, None
+    h = r.mtp.run_module(r, 0, [MtpRun(s, 0, tokens[1:] + [sampled], [hidden], None)])
+    layer = r.model.mtp.layers[0]
+    got = layer.logits(r.model, h).float()
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+    # drafts 2 and 3 as the proposer chains them: one row at the next position fed the last
+    # draft and the previous step's output, against the reference fed that step's g
+    g, prev = [_shared_norm(model, y[-1])], h[-1:]
+    for j in (1, 2):
+        chain_ref, y = b.mtp_reference(fixture(NAME), tokens + [sampled] + drafts[:j - 1],
+                                       drafts[j - 1], ref=model, normed=True, chained=tuple(g))
+        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
+                                prev)
+        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
+                                   atol=2e-4, rtol=2e-4)
+        assert drafts[j] == int(chain_ref[-1].argmax()), j
+        g.append(_shared_norm(model, y[-1]))
+
+def _shared_norm(ref, y: torch.Tensor) -> torch.Tensor:
+    """g = shared_head.norm(y) in plain torch, with the checkpoint's weight."""
+    _, w, n, eps = ref
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w[
+        f"model.layers.{n}.shared_head.norm.weight"]
+
+
+def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
+    """Exact greedy outputs, drafts accepted and rejected, and every step's draft 1 equal to the
+    reference's argmax over the final sequence at that position (the MTP cache rows stay those
+    of the accepted tokens through chunked prefill, rejections, rollback and prefix hits)."""
+    plain = make(NAME, None)
+    ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    # 32-token steps: prompts run as several chunks (the MTP's held-back chunk row)
+    llm = make(NAME, MTP, max_num_batched_tokens=32)
+    seen: list[tuple[int, int]] = []
+    receive = llm.core.spec.receive
+    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
+                                       receive(d))
+    cold = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
+    drafts_of_first = list(seen)
+    cold += [o.token_ids for o in llm.generate(PROMPTS[1:], GREEDY)]
+    warm = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix hits this time
+    assert cold == ref and warm == ref
+    stats = llm.core.spec.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[0] > 0
+    assert_clean_mtp(llm)
+    b, model = reference
+    tokens = PROMPTS[0] + ref[0]
+    logits, _ = b.mtp_reference(fixture(NAME), tokens[:-1], tokens[-1], ref=model, normed=True)
+    assert len(drafts_of_first) > 5
+    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
+        assert first == int(logits[count - 2].argmax()), count
+
+
+@pytest.mark.parametrize("name, cls", [("tiny-qwen3-5", "Qwen3_5ForCausalLM"),
+                                       ("tiny-minimax-m2", "MiniMaxM2ForCausalLM")])
+def test_mtp_is_refused_for_families_without_an_mtp_loader(name, cls):
+    """Qwen3.5 (a Qwen3-Next subclass whose MTP layer is not built) and MiniMax-M2."""
+    with pytest.raises(ValueError, match=f"Glm4MoeForCausalLM, .*; {cls} is not supported"):
+        _runner(fixture(name))
+
+
+def test_mtp_is_refused_without_the_mtp_layer_weights(tmp_path):
+    """config.json says num_nextn_predict_layers 1, the safetensors hold no layer 3."""
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "no-mtp"
+    shutil.copytree(fixture(NAME), dst)
+    w = load_file(dst / "model.safetensors")
+    save_file({k: v for k, v in w.items() if not k.startswith("model.layers.3.")},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds no model.layers.3.eh_proj.weight"):
+        _runner(str(dst))
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="no num_nextn_predict_layers >= 1"):
+        _runner(str(dst))
+
+
+def test_glm_mtp_refuses_a_tensor_parallel_slice():
+    """The MTP layer is not sharded: a rank's slice of the model (target.tp set) is refused
+    before any weight is read (the TP groups themselves need several processes)."""
+    from loomserve.execution.models.glm4_moe_mtp import load_mtp
+
+    r = _runner(fixture(NAME), None)
+    assert r.model.mtp is None and len(r.layer_specs) == 3  # no MTP layer without method mtp
+    r.model.tp = object()
+    with pytest.raises(ValueError, match="one rank only"):
+        load_mtp(r.model, fixture(NAME), 1, torch.float32, torch.device("cpu"))
+
+
+def test_small_pool_preemption_stays_exact_and_leak_free():
+    """Preempted and recomputed requests: their MTP rows are written again with the target's,
+    greedy outputs stay those of the engine without speculation."""
+    plain = make(NAME, None, block_size=16, kv_cache_memory="4MiB")
+    ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    page = plain.core.runner.kv_cache_config.page_bytes  # without the MTP layer's rows
+    llm = make(NAME, MTP, kv_cache_memory=str(page * 14), block_size=16,
+               scheduling_policy="fcfs", max_num_batched_tokens=40, long_prefill_threshold=24)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
+    assert llm.core.scheduler.num_preemptions > 0
+    assert llm.core.spec.stats.num_accepted_tokens > 0
+    assert_clean_mtp(llm)

@@ -1,0 +1,141 @@
+"""MTP drafts (`"method": "mtp"`) on tiny-qwen3-next, whose checkpoint carries Qwen3-Next's MTP
+layer under mtp.* (execution/models/qwen3_next_mtp.py) beside a hybrid target (Gated DeltaNet
+and gated full attention), driven by the proposer DeepSeek-V3's and GLM-4.5's modules use.
+
+Oracles: the MTP layer's logits against vLLM's Qwen3-Next MTP formula in plain torch around
+transformers' Qwen3Next decoder layer (tests/fixtures/build_linear_fixtures.py:
+qwen3_next_mtp_reference), fed transformers' final hidden states after the norm, for one
+prompt, its chained drafts 2 and 3, and every draft 1 of a multi-step run; greedy outputs
+against the same engine without speculation, cold and warm (prefix hits, state checkpoints),
+chunked, with every block and per-request state gone afterwards. The fixture's fc and norm were
+fitted to the target's greedy continuations of MTP_PROMPT, so drafts there are accepted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+from loomserve import SamplingParams
+from loomserve.config import EngineConfig
+from loomserve.execution.batch import ModelInput
+from loomserve.execution.spec_mtp import MtpRun
+from loomserve.kv.spec import FullAttentionSpec
+from tests.engine.test_spec_decode import fixture, make
+from tests.engine.test_spec_mtp import assert_clean_mtp
+from tests.execution.models.test_linear_layers import RunnerSeqs
+
+NAME = "tiny-qwen3-next"
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "always_draft": True}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+MTP_PROMPT = list(range(20, 52)) * 2  # one the fixture's MTP layer was fitted on
+PROMPTS = [MTP_PROMPT, [7, 8, 9, 10, 11] * 6 + list(range(20, 29)), list(range(100, 113)),
+           list(range(20, 52)) * 3]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(build_linear_fixtures, its transformers reference with the MTP layer as layer n)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "build_linear_fixtures.py")
+    spec = importlib.util.spec_from_file_location("build_linear_fixtures", path)
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    return b, b.qwen3_next_mtp_reference_model(fixture(NAME))
+
+
+def _runner(path: str, spec: dict | None = MTP):
+    from loomserve.execution.model_runner import ModelRunner
+    return ModelRunner(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu",
+                                                block_size=4, kv_cache_memory="2MB",
+                                                speculative_config=spec))
+
+
+def test_mtp_logits_equal_the_plain_torch_reference(reference):
+    r = _runner(fixture(NAME))
+    layer = r.model.mtp.layers[0]
+    assert type(layer.model.layers[0].mlp).__name__ == "SparseMoE"
+    # the MTP layer's gated attention: a fifth layer, full attention, grouped with layers 1, 3
+    assert len(r.layer_specs) == 5 and isinstance(r.layer_specs[4], FullAttentionSpec)
+    g_attn = r.attn_groups[0]
+    assert r.kv_cache_config.groups[g_attn].layer_ids == (1, 3, 4)
+    tokens = [5, 17, 301, 42, 42, 9, 128, 77, 3, 250, 64]
+    rs = RunnerSeqs(r)
+    tables = rs.new()
+    s = rs.seq("r", tables, tokens, 0, zero=True)
+    for g in r.attn_groups:  # room for the chained drafts' rows
+        while len(tables[g]) * r.block_size < len(tokens) + 4:
+            tables[g].append(rs.alloc())
+    out = r.execute(ModelInput([s]))
+    sampled = out.sampled["r"]
+    b, ref_model = reference
+    ref, g = b.qwen3_next_mtp_reference(ref_model, tokens, sampled)
+    follows, drafts = out.drafts["r"]
+    assert follows == len(tokens) + 1 and len(drafts) == 3
+    assert drafts[0] == int(ref[-1].argmax())
+    # every row's logits (the step's target hidden states again, same blocks, state from zero)
+    s = rs.seq("r", tables, tokens, 0, zero=True)
+    r.compute_logits(ModelInput([s]))
+    hidden, r.model.last_hidden = r.model.last_hidden, None
+    h = r.mtp.run_module(r, 0, [MtpRun(s, 0, tokens[1:] + [sampled], [hidden], None)])
+    torch.testing.assert_close(layer.logits(r.model, h).float(), ref, atol=2e-4, rtol=2e-4)
+    # drafts 2 and 3 as the proposer chains them, against the reference fed the previous g
+    chain, prev = [g[-1]], h[-1:]
+    for j in (1, 2):
+        chain_ref, g = b.qwen3_next_mtp_reference(
+            ref_model, tokens + [sampled] + drafts[:j - 1], drafts[j - 1], chained=tuple(chain))
+        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
+                                prev)
+        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
+                                   atol=2e-4, rtol=2e-4)
+        assert drafts[j] == int(chain_ref[-1].argmax()), j
+        chain.append(g[-1])
+
+
+def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
+    """Exact greedy outputs over the hybrid target, drafts accepted and rejected, and every
+    step's draft 1 equal to the reference's argmax over the final sequence at that position."""
+    plain = make(NAME, None)
+    ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = make(NAME, MTP, max_num_batched_tokens=32)  # prompts in several chunks
+    seen: list[tuple[int, int]] = []
+    receive = llm.core.spec.receive
+    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
+                                       receive(d))
+    cold = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
+    drafts_of_first = list(seen)
+    cold += [o.token_ids for o in llm.generate(PROMPTS[1:], GREEDY)]
+    warm = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix hits this time
+    assert cold == ref and warm == ref
+    stats = llm.core.spec.stats
+    assert stats.num_draft_tokens > stats.num_drafts > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_clean_mtp(llm)
+    b, ref_model = reference
+    tokens = PROMPTS[0] + ref[0]
+    logits, _ = b.qwen3_next_mtp_reference(ref_model, tokens[:-1], tokens[-1])
+    assert len(drafts_of_first) > 5
+    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
+        assert first == int(logits[count - 2].argmax()), count
+
+
+def test_mtp_is_refused_without_the_mtp_weights_or_on_a_tensor_parallel_slice(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loomserve.execution.models.qwen3_next_mtp import load_mtp
+
+    dst = tmp_path / "no-mtp"
+    shutil.copytree(fixture(NAME), dst)
+    w = load_file(dst / "model.safetensors")
+    save_file({k: v for k, v in w.items() if not k.startswith("mtp.")},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds no mtp.fc.weight"):
+        _runner(str(dst))
+    r = _runner(fixture(NAME), None)
+    assert r.model.mtp is None and len(r.layer_specs) == 4  # no MTP layer without method mtp
+    r.model.tp = object()  # a rank's slice (the TP groups themselves need several processes)
+    with pytest.raises(ValueError, match="one rank only"):
+        load_mtp(r.model, fixture(NAME), 1, torch.float32, torch.device("cpu"))
