@@ -4,10 +4,26 @@ Parts (--parts, all by default), in this order:
   tests       the CUDA-relevant test files (CUDA_TESTS) by pytest on the device: the Triton
               attention backend against the dense reference, the host tier's pinned round trip
   attention   attention alone, triton vs torch backends (benchmarks/gpu_attention.py)
+  spec        speculative decoding on --spec-model (the default model), in the device dtype,
+              ngram and suffix (k = 4, the draft budget on) against the same engine without
+              drafts: greedy outputs of copy-shaped prompts (a text, "repeat it", its first
+              tokens) and AGREE_PROMPTS, every prompt prefilled in one step (required equal:
+              verification rows are decode rows; where not, [prompt index, first differing
+              position] pairs, the copy prompts first);
+              decode tok/s at 1 and 8 streams on the copy prompts (as in speed, below), the
+              acceptance length (1 + accepted / drafts, from the core's spec_decode counters)
+              and the budget's fitted prices (the step's time T(B, 0), a draft row's td): on a
+              GPU a draft row should cost little until the batch is compute-bound
+  async       --async-scheduling against the synchronous loop on --spec-model at --streams
+              streams (prompts of 32 tokens, all prefilled in one step), rounds alternating
+              (benchmarks/async_scheduling.py's one_round): greedy outputs equal (required),
+              decode tok/s (streams / median decode step), the host share of a step (the core
+              thread outside the model, over the step)
   models      per model, below
   fp8         the fp8 check, below
 
-For each model, the built-in default model first (SmolLM2-135M-Instruct), then each fixture in tests/fixtures/ (every folder with a config.json) (every folder of tests/fixtures with a config.json):
+For each model, the built-in default model first (SmolLM2-135M-Instruct), then each fixture
+(every folder of tests/fixtures with a config.json):
   agreement   greedy outputs (same prompts, ignore_eos, fp32 on both sides) on CUDA vs CPU:
               the share of prompts whose token ids are all equal, and the first position
               where each differing pair parts (fp32 kernels differ in summation order, so a
@@ -24,10 +40,14 @@ For each model, the built-in default model first (SmolLM2-135M-Instruct), then e
   fp8         --fp8-models (the default model) with --quantization fp8: whether fp8 tensor-core
               products run (sm_89+), greedy agreement with the unquantized model, speed
 
-Exit status: 0 when every model ran and every CUDA/CPU pair agreed, 1 when something failed or
-disagreed, 3 (with one line on stderr, no traceback, no JSON written) when no CUDA device is
-present. `--cpu-only` runs the same logic with the CPU standing in for the GPU (fp32, small
-sizes, tiny-llama by default) to prove the script on a machine without one.
+Each part reports its own failures (an `errors` list) and the others run; spec and async run
+before the models, whose loop stops at --budget-s.
+
+Exit status: 0 when every part ran and every pair of greedy outputs agreed (CUDA/CPU, and the
+spec, async and graphs engines with their references), 1 when something failed or disagreed,
+3 (with one line on stderr, no traceback, no JSON written) when no CUDA device is present.
+`--cpu-only` runs the same logic with the CPU standing in for the GPU (fp32, small sizes,
+tiny-llama by default) to prove the script on a machine without one.
 
 Run:    python benchmarks/gpu_check.py [--models tiny-llama default] [--out gpu_check.json]
         python benchmarks/gpu_check.py --cpu-only       # dry run here: results/gpu_check-cpu.json
@@ -55,7 +75,14 @@ AGREE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a t
 
 CUDA_TESTS = ["tests/execution/test_triton_attention.py",
               "tests/kv/tiers/test_store.py::test_cuda_pool_round_trip"]
-PARTS = ("tests", "attention", "models", "graphs", "fp8")
+PARTS = ("tests", "attention", "spec", "async", "models", "graphs", "fp8")
+SPEC_METHODS = {m: {"method": m, "num_speculative_tokens": 4} for m in ("ngram", "suffix")}
+SPEC_STREAMS = (1, 8)
+COPY_ASK = "\n\nRepeat the text above exactly, from its start:\n\n"
+COPY_SEED = 8  # the copy's first tokens, given in the prompt
+ASYNC_ROUNDS = 3
+ASYNC_PROMPT_LEN = 32  # at most: every prompt prefills in the first step, as in
+# benchmarks/async_scheduling.py, so the steps after it are decode steps of every stream
 
 
 def model_names() -> list[str]:
@@ -121,6 +148,12 @@ def greedy(llm, prompts: Sequence[Any], n: int) -> list[list[int]]:
     return [list(o.token_ids) for o in llm.generate(list(prompts), sp)]
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token id lists part (None: equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def agreement(name: str, device: str, ref_device: str, n: int, kv: str) -> dict[str, Any]:
     """Greedy token ids on ``device`` vs ``ref_device``, fp32 on both."""
     outs = {}
@@ -128,11 +161,7 @@ def agreement(name: str, device: str, ref_device: str, n: int, kv: str) -> dict[
         llm = make_llm(name, dev, "float32", kv)
         outs[dev] = greedy(llm, AGREE_PROMPTS, n)
         release(llm, dev)
-    parted = []
-    for a, b in zip(outs[device], outs[ref_device]):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                     None if len(a) == len(b) else min(len(a), len(b)))
-        parted.append(first)
+    parted = [first_difference(a, b) for a, b in zip(outs[device], outs[ref_device])]
     equal = sum(p is None for p in parted)
     return {"prompts": len(AGREE_PROMPTS), "tokens": n, "equal": equal,
             "agree_rate": round(equal / len(AGREE_PROMPTS), 3),
@@ -252,6 +281,201 @@ def graphs_check(name: str, args, hw) -> dict[str, Any]:
     return entry
 
 
+def copy_texts(count: int, min_chars: int = 4000) -> list[str]:
+    """Distinct texts to copy, the same on every machine: the engine's own modules."""
+    folder = os.path.join(REPO_ROOT, "loomserve", "engine")
+    texts = []
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".py"):
+            with open(os.path.join(folder, f)) as fh:
+                text = fh.read()
+            if len(text) >= min_chars:
+                texts.append(text)
+    if len(texts) < count:
+        raise RuntimeError(f"{len(texts)} texts to copy in {folder}, {count} needed")
+    return texts[:count]
+
+
+def copy_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """Copy-shaped prompts of ``length`` token ids: a text, a request to repeat it, then the
+    text's first COPY_SEED tokens, so that greedy decoding goes on copying (as an agent's edit
+    repeats the file it changes)."""
+    ask = tokenizer.encode(COPY_ASK, add_special_tokens=False)
+    body = length - len(ask) - COPY_SEED
+    if body < COPY_SEED:
+        raise ValueError(f"copy prompts of {length} tokens leave no room for a text")
+    return [head_ids(tokenizer, t, body) + ask
+            + head_ids(tokenizer, t, COPY_SEED, add_special_tokens=False)
+            for t in copy_texts(count)]
+
+
+def head_ids(tokenizer, text: str, n: int, **kw) -> list[int]:
+    """The first ``n`` token ids of ``text``, encoding only as much of it as that takes."""
+    chars = 2 * n  # a token is rarely shorter than two characters
+    while True:
+        ids = tokenizer.encode(text[:chars], **kw)
+        if len(ids) >= n or chars >= len(text):
+            return ids[:n]
+        chars *= 2
+
+
+def spec_counters(before, after) -> dict[str, Any]:
+    """Drafts verified between two EngineStats, and the mean acceptance length (tokens a
+    verified step emits per request: 1 + accepted / drafts; None without drafts)."""
+    d = {k: getattr(after, f"spec_decode_num_{k}") - getattr(before, f"spec_decode_num_{k}")
+         for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    d["acceptance_length"] = round(1 + d["accepted_tokens"] / d["drafts"], 2) \
+        if d["drafts"] else None
+    return d
+
+
+def budget_prices(llm, num_decodes: int) -> dict[str, Any] | None:
+    """The draft budget's fitted prices at ``num_decodes`` requests: the step's time without
+    drafts T(B, 0), a draft row's td (seconds), and the acceptance a request's first draft
+    needs to pay (budget.py: a T(B, 0) >= ROW_MARGIN td B)."""
+    from loomserve.engine.spec.budget import ROW_MARGIN
+
+    p = llm.core.spec.budget.fit.prices(num_decodes)
+    if p is None:
+        return None
+    step, row = p
+    return {"step_s": float(f"{step:.4g}"), "draft_row_s": float(f"{row:.4g}"),
+            "break_even_acceptance": round(ROW_MARGIN * row * num_decodes / step, 3)}
+
+
+def spec_run(name: str, args, config: dict | None) -> dict[str, Any]:
+    """One engine, speculating with ``config`` or not: greedy outputs of the copy prompts and
+    AGREE_PROMPTS, then decode tok/s at SPEC_STREAMS on the copy prompts (as in speed), with
+    the drafts verified and the budget's prices after each."""
+    import torch
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    # one step prefills every prompt whole (token budget, per-request cap 512), so the
+    # prefill schedule, on which greedy output depends, is the same with and without drafts
+    llm = make_llm(name, args.device, args.dtype, args.kv_memory, enable_prefix_caching=False,
+                   max_num_seqs=16, max_num_batched_tokens=8192, speculative_config=config)
+    try:
+        ready = llm.core.ready()
+        plen = min(max(args.prompt_len, 128), 512, ready.max_model_len // 2)
+        gen = min(args.decode_tokens, ready.max_model_len - plen - 1)
+        copies = copy_prompts(llm.tokenizer, max(SPEC_STREAMS), plen)
+        out: dict[str, Any] = {"dtype": ready.dtype, "prompt_len": plen, "decode_tokens": gen,
+                               "outputs": greedy(llm, copies + AGREE_PROMPTS, gen),
+                               "decode": {}}
+        for c in SPEC_STREAMS:
+            t1 = timed(llm, copies[:c], 1, sync)
+            before = llm.core.stats()
+            tn = timed(llm, copies[:c], gen, sync)
+            row = {"tok_per_s": round(c * (gen - 1) / (tn - t1), 1) if tn > t1 else None}
+            if config is not None:
+                row.update(spec_counters(before, llm.core.stats()),
+                           prices=budget_prices(llm, c))
+            out["decode"][str(c)] = row
+    finally:
+        release(llm, args.device)
+    return out
+
+
+def spec_check(name: str, args) -> dict[str, Any]:
+    """Speculative decoding (SPEC_METHODS, the budget on) against the same engine without it,
+    in the device dtype: greedy agreement (required: verification rows are decode rows, the
+    prefill schedule is the same), decode tok/s at SPEC_STREAMS, acceptance, the budget's
+    prices. Each engine's failure is reported and the others run."""
+    entry: dict[str, Any] = {"model": name, "methods": {}}
+    t0 = time.perf_counter()
+    base = None
+    for method, config in (("none", None), *SPEC_METHODS.items()):
+        try:
+            run = spec_run(name, args, config)
+        except Exception as e:  # noqa: BLE001 - reported; the other engines run
+            entry.setdefault("errors", []).append(f"{method}: {type(e).__name__}: {e}")
+            continue
+        outs = run.pop("outputs")
+        if config is None:
+            base = outs
+            entry.update(dtype=run["dtype"], prompt_len=run["prompt_len"],
+                         decode_tokens=run["decode_tokens"], copy_prompts=max(SPEC_STREAMS),
+                         none={"decode": run["decode"]})
+            continue
+        m = entry["methods"][method] = {"config": config, "decode": run["decode"]}
+        if base is not None:
+            parted = [first_difference(a, b) for a, b in zip(base, outs)]
+            m["agreement"] = {"prompts": len(parted), "equal": parted.count(None),
+                              "first_difference_at": [[i, p] for i, p in enumerate(parted)
+                                                      if p is not None]}
+            for c, row in run["decode"].items():
+                plain = entry["none"]["decode"][c]["tok_per_s"]
+                row["speedup"] = round(row["tok_per_s"] / plain, 2) \
+                    if row["tok_per_s"] and plain else None
+    entry["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(f"[gpu_check] spec {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    return entry
+
+
+def async_check(name: str, args) -> dict[str, Any]:
+    """--async-scheduling against the synchronous loop at --streams streams, rounds
+    alternating between the two engines (benchmarks/async_scheduling.py's one_round): greedy
+    outputs equal in every round (required), decode tok/s (streams / median decode step), the
+    whole round's tok/s and the host share of a step."""
+    import statistics
+
+    import async_scheduling as asy
+
+    entry: dict[str, Any] = {"model": name, "streams": args.streams}
+    t0 = time.perf_counter()
+    engines: dict[str, Any] = {}
+    try:
+        for mode in ("sync", "async"):
+            engines[mode] = make_llm(name, args.device, args.dtype, args.kv_memory,
+                                     async_scheduling=mode == "async",
+                                     enable_prefix_caching=False, max_num_seqs=args.streams,
+                                     max_num_batched_tokens=max(2048, args.streams
+                                                                * ASYNC_PROMPT_LEN))
+        sync_exec = engines["sync"].core.executor
+        sync_exec.execute_model = asy.TimedExecute(sync_exec.execute_model)
+        ready = engines["sync"].core.ready()
+        plen = min(args.prompt_len, ASYNC_PROMPT_LEN, ready.max_model_len // 2)
+        gen = min(args.decode_tokens, ready.max_model_len - plen - 1)
+        skip = min(3, gen // 2)  # the prefill and the ramp are not decode steps
+        ps = asy.prompts(args.streams, plen, ready.vocab_size)
+        entry.update(prompt_len=plen, decode_tokens=gen)
+        rounds: dict[str, list[dict]] = {"sync": [], "async": []}
+        equal = [True] * len(ps)
+        for r in range(ASYNC_ROUNDS + 1):  # round 0 warms both up and is not kept
+            got = {}
+            for mode in ("sync", "async") if r % 2 else ("async", "sync"):
+                res = asy.one_round(engines[mode], f"r{r}{mode}", ps, gen, skip)
+                got[mode] = res.pop("outputs")
+                if r:
+                    rounds[mode].append(res)
+            equal = [e and a == b for e, a, b in zip(equal, got["sync"], got["async"])]
+        entry.update(prompts=len(ps), equal=sum(equal))
+        for mode, rs in rounds.items():
+            step_ms = statistics.median(x["step_ms"] for x in rs)
+            entry[mode] = {"decode_tok_per_s": round(1e3 * args.streams / step_ms, 1),
+                           "step_ms": round(step_ms, 3),
+                           "round_tok_per_s": round(statistics.median(
+                               x["tok_per_s"] for x in rs), 1),
+                           "host_share": round(statistics.median(
+                               x["host_share"] for x in rs), 3),
+                           "runs_step_ms": [round(x["step_ms"], 3) for x in rs]}
+    except Exception as e:  # noqa: BLE001 - reported; the other parts stand
+        entry.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+    finally:
+        for mode in list(engines):
+            release(engines.pop(mode), args.device)
+    entry["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(f"[gpu_check] async {name}: {json.dumps(entry)}", file=sys.stderr, flush=True)
+    return entry
+
+
+def spec_async_ok(spec: dict | None, asyn: dict | None) -> bool:
+    """The spec and async parts (None: not run) ran whole and every greedy output agreed."""
+    return (spec is None or (not spec.get("errors") and all(
+        m["agreement"]["equal"] == m["agreement"]["prompts"] for m in spec["methods"].values()))
+    ) and (asyn is None or (not asyn.get("errors") and asyn["equal"] == asyn["prompts"]))
+
+
 def measure_hardware(device: str, dtype: str) -> dict[str, Any]:
     """Copy bandwidth (read + write bytes / time) and a large matmul's rate on ``device``."""
     import torch
@@ -308,7 +532,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu-only", action="store_true",
                     help="dry run: the CPU stands in for the GPU (fp32, small sizes)")
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
-                    help="which parts run (default: all; --cpu-only runs models and fp8)")
+                    help="which parts run (default: all; --cpu-only runs spec, async, models "
+                         "and fp8)")
     ap.add_argument("--models", nargs="+", default=None,
                     help="fixture names and/or 'default' (all; tiny-llama with --cpu-only)")
     ap.add_argument("--graph-models", nargs="*", default=["default"],
@@ -316,6 +541,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--fp8-models", nargs="*", default=None,
                     help="models also run with --quantization fp8 (default: the default model; "
                          "tiny-llama with --cpu-only)")
+    ap.add_argument("--spec-model", default=None,
+                    help="model of the spec and async parts (default; tiny-llama with --cpu-only)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="speed dtype (auto: bf16 on CUDA)")
     ap.add_argument("--streams", type=int, default=None, help="decode streams (64; 4 on CPU)")
@@ -339,9 +566,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.models = args.models or (["tiny-llama"] if cpu else model_names())
     if args.fp8_models is None:
         args.fp8_models = ["tiny-llama"] if cpu else ["default"]
+    args.spec_model = args.spec_model or ("tiny-llama" if cpu else "default")
     if cpu:
         args.device = "cpu"
-        args.parts = [p for p in args.parts if p in ("models", "fp8")]  # no graphs on a CPU
+        args.parts = [p for p in args.parts if p in ("spec", "async", "models", "fp8")]
     return args
 
 
@@ -359,6 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0, results, fp8 = time.perf_counter(), [], []
     tests = cuda_tests(150) if "tests" in args.parts else None
     attention = attention_part() if "attention" in args.parts else None
+    # fixed-cost parts before the models, whose loop stops at --budget-s
+    spec = spec_check(args.spec_model, args) if "spec" in args.parts else None
+    asyn = async_check(args.spec_model, args) if "async" in args.parts else None
     for name in args.models if "models" in args.parts else []:
         if time.perf_counter() - t0 > args.budget_s:
             results.append({"model": name, "errors": ["skipped: past --budget-s"]})
@@ -373,9 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         and all(not r.get("errors") and r["captured_sizes"] and r["equal"] == r["prompts"]
                 for r in graphs) \
         and (tests is None or tests["returncode"] == 0) \
+        and spec_async_ok(spec, asyn) \
         and (attention is None or not ("error" in attention
                                        or any("error" in c for c in attention["cases"])))
-    payload = {"description": "loomserve on a GPU: CUDA vs CPU greedy agreement, bf16 speed "
+    payload = {"description": "loomserve on a GPU: CUDA vs CPU greedy agreement, bf16 speed, "
+                              "speculative decoding, async scheduling "
                               "(benchmarks/gpu_check.py)",
                "cpu_only_dry_run": args.cpu_only, "device": args.device, "hardware": hw,
                "host": host_info(), "torch": torch.__version__,
@@ -384,8 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "settings": {k: getattr(args, k) for k in ("streams", "prefill_streams",
                                                            "prompt_len", "decode_tokens",
                                                            "agree_tokens", "dtype")},
-               "tests": tests, "attention": attention, "models": results, "graphs": graphs,
-               "fp8": fp8}
+               "tests": tests, "attention": attention, "spec": spec, "async": asyn,
+               "models": results, "graphs": graphs, "fp8": fp8}
     print("wrote", write_json(args.out, payload), file=sys.stderr)
     return 0 if ok else 1
 

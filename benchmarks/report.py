@@ -799,13 +799,48 @@ def gpu_check(r: Result) -> list[Block]:
     src = r.source()
     dry = " (CPU dry run: no GPU)" if d.get("cpu_only_dry_run") else f" ({d.get('device')})"
     for m in d["models"]:
-        a = m["agreement"]
-        out.add(src, f"{m['model']}{dry}: greedy outputs equal to the CPU's",
-                f"{a['equal']} of {a['prompts']} prompts", "-", a["prompts"])
-        for c, x in m["speed"]["decode"].items():
+        if "agreement" in m:  # else it failed or was skipped: its errors are in the file
+            a = m["agreement"]
+            out.add(src, f"{m['model']}{dry}: greedy outputs equal to the CPU's",
+                    f"{a['equal']} of {a['prompts']} prompts", "-", a["prompts"])
+        for c, x in m.get("speed", {}).get("decode", {}).items():
             out.add(src, f"{m['model']}{dry}: decode, {streams(c)}", f"{num(x['tok_per_s'])} tok/s",
                     f"{num(x['bandwidth_limit_tok_per_s'])} tok/s (bandwidth)")
+    gpu_check_spec(out, src, d.get("spec"), dry)
+    gpu_check_async(out, src, d.get("async"), dry)
     return out.out()
+
+
+def gpu_check_spec(out: Blocks, src: Source, spec: dict | None, dry: str) -> None:
+    """Drafts against plain decoding: greedy agreement, decode tok/s on copy prompts, the
+    acceptance length and the draft budget's fitted step and draft-row prices."""
+    for method, m in (spec or {}).get("methods", {}).items():
+        name = f"{spec['model']}{dry}, {method} (k = {m['config']['num_speculative_tokens']})"
+        if "agreement" in m:
+            a = m["agreement"]
+            out.add(src, f"{name}: greedy outputs equal to plain decoding's",
+                    f"{a['equal']} of {a['prompts']} prompts", "-", a["prompts"])
+        for c, x in m["decode"].items():
+            p, plain = x.get("prices"), spec["none"]["decode"][c]["tok_per_s"]
+            out.add(src, f"{name}: decode on copy prompts, {streams(c)}",
+                    f"{num(x['tok_per_s'])} tok/s ({num(x.get('speedup'))}x plain's "
+                    f"{num(plain)}; acceptance length {num(x['acceptance_length'])})", "-",
+                    "one run", "-" if p is None else f"fitted: step {num(1e3 * p['step_s'])} ms,"
+                    f" draft row {num(1e3 * p['draft_row_s'])} ms")
+
+
+def gpu_check_async(out: Blocks, src: Source, x: dict | None, dry: str) -> None:
+    """--async-scheduling against the synchronous loop: agreement, decode rate, host share."""
+    if not x or "equal" not in x:
+        return
+    name = f"{x['model']}{dry}, {streams(x['streams'])}"
+    out.add(src, f"{name}: greedy outputs with --async-scheduling equal to without",
+            f"{x['equal']} of {x['prompts']} prompts", "-", x["prompts"])
+    for mode in ("sync", "async"):
+        m = x[mode]
+        out.add(src, f"{name}, {mode}: decode (streams / median step)",
+                f"{num(m['decode_tok_per_s'])} tok/s (host share {100 * m['host_share']:.0f}%)",
+                "-", runs_of(m["runs_step_ms"]), minmax(m["runs_step_ms"], " ms"))
 
 
 # -- summarisers: scheduler, engine, API -----------------------------------------------------

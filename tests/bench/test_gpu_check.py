@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -46,3 +47,40 @@ def test_cpu_only_dry_run_on_one_fixture(tmp_path):
     assert f8["agreement"]["prompts"] == len(gpu_check.AGREE_PROMPTS)
     assert f8["speed"]["weight_bytes"] < speed["weight_bytes"]
     assert all(row["tok_per_s"] > 0 for row in f8["speed"]["decode"].values())
+    assert_spec_and_async(data, gpu_check, streams=3)
+
+
+def assert_spec_and_async(data, gpu_check, streams):
+    """The spec part: each drafter's greedy outputs equal plain decoding's, its decode rows
+    and counters; the async part: outputs equal, both loops measured."""
+    spec = data["spec"]
+    assert spec["model"] == "tiny-llama" and "errors" not in spec
+    streams_keys = {str(c) for c in gpu_check.SPEC_STREAMS}
+    assert set(spec["none"]["decode"]) == streams_keys
+    assert set(spec["methods"]) == set(gpu_check.SPEC_METHODS)
+    drafts = 0
+    for m in spec["methods"].values():
+        a = m["agreement"]
+        assert a["prompts"] == spec["copy_prompts"] + len(gpu_check.AGREE_PROMPTS)
+        assert a["equal"] == a["prompts"] and a["first_difference_at"] == []
+        assert set(m["decode"]) == streams_keys
+        for row in m["decode"].values():
+            assert row["tok_per_s"] > 0 and row["speedup"] > 0
+            assert row["accepted_tokens"] <= row["draft_tokens"]
+            if row["drafts"]:
+                assert 1 <= row["acceptance_length"] <= 1 + m["config"]["num_speculative_tokens"]
+            if row["prices"] is not None:
+                assert row["prices"]["step_s"] > 0 and row["prices"]["draft_row_s"] > 0
+            drafts += row["drafts"]
+    assert drafts > 0  # the copy prompts were drafted for, and the drafts verified
+    assert gpu_check.spec_async_ok(spec, data["async"])
+    differ = copy.deepcopy(spec)  # a disagreement, or a part's error, fails the check (exit 1)
+    differ["methods"]["suffix"]["agreement"]["equal"] -= 1
+    assert not gpu_check.spec_async_ok(differ, data["async"])
+    assert not gpu_check.spec_async_ok(spec, {**data["async"], "errors": ["RuntimeError: x"]})
+    asy = data["async"]
+    assert "errors" not in asy and asy["equal"] == asy["prompts"] == streams
+    for mode in ("sync", "async"):
+        x = asy[mode]
+        assert x["decode_tok_per_s"] > 0 and 0 <= x["host_share"] <= 1
+        assert len(x["runs_step_ms"]) == gpu_check.ASYNC_ROUNDS
