@@ -3,12 +3,12 @@ next step's drafts from this step's hidden states, in the execution plane after 
 
 After each step, for every request, the first MTP module runs over the step's rows whose next
 token is now known: a row at position p gets the target's final hidden state h_p (the model's
-`last_hidden`: DeepSeek's before the final norm, GLM-4.5's after it) and the token at p + 1,
+`last_hidden`: its output, after the final norm, in every family) and the token at p + 1,
 which is the next row's token, or for the last accepted row the token just sampled (with
 drafts: rows 0..a, the accepted drafts then the token sampled after them; rejected rows are not
 run). Its K/V rows go to the module's own attention layer (MLA for DeepSeek-V3, GQA for
-GLM-4.5) at the same positions and slots, so every position the target has accepted also has
-its MTP row, computed from the accepted tokens: rejected drafts leave nothing
+GLM-4.5 and Qwen3-Next) at the same positions and slots, so every position the target has
+accepted also has its MTP row, computed from the accepted tokens: rejected drafts leave nothing
 behind that the next steps do not overwrite, and a page holds the MTP row with the target's
 (prefix hits, tiers, P/D move it).
 A prefill chunk that does not end the prompt holds its last row back (its next token is the
@@ -16,11 +16,13 @@ next chunk's first) and runs it at the start of the next chunk's pass.
 
 The last run row's logits give draft 1 (argmax: the drafts are a point mass, which the
 rejection sampler's exactness assumes). Draft j + 1 (k > 1) runs module min(j, n - 1) as one
-more decode row at the next position, fed its own previous output and draft j (vLLM reuses the
-last module alike); its K/V goes to the request's own slots past its accepted tokens, which the
-next steps overwrite, and the chain stops where the request's blocks end. The drafts go back in
-ModelOutput.drafts as (number of tokens they follow, ids); the core's MtpDrafter proposes them
-in the next step, through the same budget, cuts and rollback as any drafter.
+more decode row at the next position, fed draft j and its own previous output g, after the
+module's final norm: the tensor its logits come from (one convention for the three families,
+as vLLM and SGLang chain; vLLM reuses the last module alike). Its K/V goes to the request's
+own slots past its accepted tokens, which the next steps overwrite, and the chain stops where
+the request's blocks end. The drafts go back in ModelOutput.drafts as (number of tokens they
+follow, ids); the core's MtpDrafter proposes them in the next step, through the same budget,
+cuts and rollback as any drafter.
 
 Tensor parallelism (DeepSeek-V3's modules, split as the target's layers: deepseek_mtp.py): every
 rank runs the proposer after every step, since each MTP forward is collective; the worker ranks
@@ -72,7 +74,8 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
     from loomserve.execution.parallel.state import get_dcp, get_pcp
 
     # each family's loader returns model.mtp, whose layers are called (model, ids, positions,
-    # h, meta) and have .logits(model, h); while it is set, forward keeps model.last_hidden
+    # h, meta) -> g (normed) and have .logits(model, g); while it is set, forward keeps its
+    # output (after the final norm) in model.last_hidden
     loaders = {DeepseekV3ForCausalLM: deepseek_mtp.load_mtp,
                Glm4MoeForCausalLM: glm4_moe_mtp.load_mtp,
                Qwen3NextForCausalLM: qwen3_next_mtp.load_mtp}

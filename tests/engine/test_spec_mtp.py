@@ -1,9 +1,11 @@
 """MTP drafts (`"method": "mtp"`) on tiny-deepseek-v3, whose checkpoint carries one MTP module.
 
 Oracles: the MTP module's logits against DeepSeek's formula in plain torch around transformers'
-decoder layer (tests/fixtures/build_mla_fixture.py: mtp_reference), fed transformers' own
-hidden states, for one prompt and for every draft of a multi-step run (the MTP cache rows stay
-those of the accepted tokens); greedy outputs against the same engine without speculation,
+decoder layer (tests/fixtures/build_mla_fixture.py: mtp_reference), fed transformers' own final
+hidden states after the norm (as vLLM and SGLang feed it, deepseek_mtp.py), for one prompt, for
+its chained drafts 2 and 3 (fed the previous step's output after shared_head.norm), and for
+every draft of a multi-step run (the MTP cache rows stay those of the accepted tokens); greedy
+outputs against the same engine without speculation,
 cold and warm (prefix hits), chunked, preempted, with two modules, with every block and every
 per-request state gone afterwards. The fixture's MTP head was fitted to the target's greedy
 continuations of MTP_PROMPT, so drafts there are accepted and rejected both.
@@ -68,7 +70,7 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     out = r.execute(ModelInput([seq("r", tokens, 0, table)]))
     sampled = out.sampled["r"]
     b, model = reference
-    ref, _ = b.mtp_reference(fixture("tiny-deepseek-v3"), tokens, sampled, ref=model)
+    ref, g = b.mtp_reference(fixture("tiny-deepseek-v3"), tokens, sampled, ref=model)
     # draft 1 follows the prompt and the sampled token: the last row's argmax
     follows, drafts = out.drafts["r"]
     assert follows == len(tokens) + 1 and len(drafts) == 3
@@ -78,9 +80,24 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     r.compute_logits(ModelInput([s]))
     hidden, r.model.last_hidden = r.model.last_hidden, None
     h = r.mtp.run_module(r, 0, [MtpRun(s, 0, tokens[1:] + [sampled], [hidden], None)])
-    got = r.model.mtp.layers[0].logits(r.model, h).float()
+    layer = r.model.mtp.layers[0]
+    got = layer.logits(r.model, h).float()
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(h, g, atol=2e-4, rtol=2e-4)  # what a chained step is fed
+    # drafts 2 and 3 as the proposer chains them: one row at the next position fed the last
+    # draft and the previous step's g (after shared_head.norm), against the reference alike
+    chain, prev = [g[-1]], h[-1:]
+    for j in (1, 2):
+        chain_ref, g = b.mtp_reference(fixture("tiny-deepseek-v3"),
+                                       tokens + [sampled] + drafts[:j - 1], drafts[j - 1],
+                                       ref=model, chained=tuple(chain))
+        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
+                                prev)
+        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
+                                   atol=2e-4, rtol=2e-4)
+        assert drafts[j] == int(chain_ref[-1].argmax()), j
+        chain.append(g[-1])
 
 
 def test_drafts_over_many_steps_match_a_full_recompute(reference):

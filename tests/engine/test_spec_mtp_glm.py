@@ -69,7 +69,7 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     out = r.execute(ModelInput([seq("r", tokens, 0, table)]))
     sampled = out.sampled["r"]
     b, model = reference
-    ref, y = b.mtp_reference(fixture(NAME), tokens, sampled, ref=model, normed=True)
+    ref, g = b.mtp_reference(fixture(NAME), tokens, sampled, ref=model)
     follows, drafts = out.drafts["r"]
     assert follows == len(tokens) + 1 and len(drafts) == 3
     assert drafts[0] == int(ref[-1].argmax())
@@ -84,22 +84,16 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
     # drafts 2 and 3 as the proposer chains them: one row at the next position fed the last
     # draft and the previous step's output, against the reference fed that step's g
-    g, prev = [_shared_norm(model, y[-1])], h[-1:]
+    chain, prev = [g[-1]], h[-1:]
     for j in (1, 2):
-        chain_ref, y = b.mtp_reference(fixture(NAME), tokens + [sampled] + drafts[:j - 1],
-                                       drafts[j - 1], ref=model, normed=True, chained=tuple(g))
+        chain_ref, g = b.mtp_reference(fixture(NAME), tokens + [sampled] + drafts[:j - 1],
+                                       drafts[j - 1], ref=model, chained=tuple(chain))
         prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
                                 prev)
         torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
                                    atol=2e-4, rtol=2e-4)
         assert drafts[j] == int(chain_ref[-1].argmax()), j
-        g.append(_shared_norm(model, y[-1]))
-
-def _shared_norm(ref, y: torch.Tensor) -> torch.Tensor:
-    """g = shared_head.norm(y) in plain torch, with the checkpoint's weight."""
-    _, w, n, eps = ref
-    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w[
-        f"model.layers.{n}.shared_head.norm.weight"]
+        chain.append(g[-1])
 
 
 def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
@@ -126,7 +120,7 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
     assert_clean_mtp(llm)
     b, model = reference
     tokens = PROMPTS[0] + ref[0]
-    logits, _ = b.mtp_reference(fixture(NAME), tokens[:-1], tokens[-1], ref=model, normed=True)
+    logits, _ = b.mtp_reference(fixture(NAME), tokens[:-1], tokens[-1], ref=model)
     assert len(drafts_of_first) > 5
     for count, first in drafts_of_first:  # drafted when the request had `count` tokens
         assert first == int(logits[count - 2].argmax()), count

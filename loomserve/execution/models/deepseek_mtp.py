@@ -4,16 +4,28 @@ DeepSeek-V3 / R1 checkpoints carry num_nextn_predict_layers MTP modules past the
 layers, at model.layers.{N + i} (N = num_hidden_layers): enorm, hnorm, eh_proj, a full decoder
 layer (MLA, then MoE or a dense MLP as layer N + i would have), shared_head.norm, shared_head.head
 and sometimes embed_tokens (absent: the model's own, as in most releases). Module i at position p
-takes a hidden state h_p (the model's final one, before its norm, for the first module; the
-previous module's output after that) and the token at p + 1:
+takes a hidden state h_p and the token at p + 1:
 
-    h'_p = DecoderLayer(eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)]))
-    logits_p = shared_head.head(shared_head.norm(h'_p))        (a guess of t_{p+2})
+    g_p = shared_head.norm(DecoderLayer(eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)])))
+    logits_p = shared_head.head(g_p)                            (a guess of t_{p+2})
 
-The embedding at position 0 is zeroed, as vLLM and SGLang do (the layer was trained so).
+Which h_p: for the first module, the model's output at p, its final hidden state *after* the
+final norm; for a chained draft, the previous step's g_p, after shared_head.norm. That is what
+the serving engines feed DeepSeek's modules: vLLM's proposer passes the target's returned hidden
+states (DeepseekV2Model.forward ends in self.norm), and its DeepSeekMultiTokenPredictorLayer
+returns (pre-norm for the logits, shared_head.norm of it to recycle) since
+vllm-project/vllm#45895 (read in vLLM 0.33's deepseek_mtp.py); SGLang's deepseek_nextn takes
+the hidden states its logits processor saw (post-norm) and ends every step in shared_head.norm;
+AMD's ATOM, whose first step already took the post-norm state, moved its chained steps to g
+(ROCm/ATOM#1764), citing the checkpoint-side modeling_deepseek.py (the main model's forward
+ends in self.norm and that tensor is the MTP's previous_hidden_states), and measured DeepSeek-R1
+acceptance going from 61.4% to 64.6% (3 drafts). The three families here (GLM-4.5, Qwen3-Next
+too) take h_p so. The embedding at position 0 is zeroed, as vLLM and SGLang do.
+
 Each module's attention keeps its own latent rows: one more MLA layer in the model's KV group
 (DeepseekV3ForCausalLM.kv_cache_specs). transformers has no MTP code; the test reference is
-the formula above in plain torch around transformers' decoder layer.
+the formula above in plain torch around transformers' decoder layer
+(tests/fixtures/build_mla_fixture.py: mtp_reference).
 
 Tensor parallelism: on a rank of N (target.tp set) the module is that rank's slice, split by
 the target's own plan (DeepseekV3TP): its decoder layer is built from the rank's config and
@@ -74,31 +86,30 @@ class MtpLayer(nn.Module):
 
     def forward(self, target: DeepseekV3ForCausalLM, input_ids: torch.Tensor,
                 positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
-        """input_ids: the token at p + 1 for each row at position p; previous: h_p. Returns
-        the module's hidden state (before shared_head.norm), the next module's `previous`."""
+        """input_ids: the token at p + 1 for each row at position p; previous: h_p (normed).
+        Returns g_p (after shared_head.norm): `logits`' input and the next step's `previous`."""
         embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
         e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
         cos, sin = target.rotary.lookup(positions)
-        return self.block(x, (cos, sin, target.rotary.half), meta)
+        return self.shared_head.norm(self.block(x, (cos, sin, target.rotary.half), meta))
 
-    def logits(self, target: DeepseekV3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] (under TP: on rank 0, the sampler's; a slice elsewhere)."""
-        h = self.shared_head.norm(hidden)
+    def logits(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] of g (under TP: on rank 0, the sampler's; a slice elsewhere)."""
         if self.shared_head.head is None:
-            return target.compute_logits(h)
+            return target.compute_logits(normed)
         if target.tp is not None:  # the rank's vocabulary rows: joined as the target's are
-            return lm_head_logits(target, h, self.shared_head.head, target.model.embed_tokens)
-        return self.shared_head.head(h)
+            return lm_head_logits(target, normed, self.shared_head.head,
+                                  target.model.embed_tokens)
+        return self.shared_head.head(normed)
 
-    def greedy(self, target: DeepseekV3ForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
         """The argmax ids of `logits`, the same on every tensor-parallel rank (each rank feeds
         them to the next chained draft)."""
         if target.tp is None:
-            return self.logits(target, hidden).argmax(dim=-1)
+            return self.logits(target, normed).argmax(dim=-1)
         head = self.shared_head.head
-        return lm_head_argmax(target, self.shared_head.norm(hidden),
-                              target.lm_head if head is None else head,
+        return lm_head_argmax(target, normed, target.lm_head if head is None else head,
                               target.model.embed_tokens)
 
 

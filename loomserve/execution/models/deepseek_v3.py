@@ -198,7 +198,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.groups: list[int | None] | None = None
         self.tp = None  # the TPGroup when this is one rank's slice (parallel/tensor_parallel.py)
         # the checkpoint's MTP modules when drafting with them (deepseek_mtp.py), else None;
-        # with them, forward keeps its final hidden state before the norm: `last_hidden`
+        # with them, forward keeps its output (after the final norm) in `last_hidden`
         self.mtp = None
         self.last_hidden: torch.Tensor | None = None
 
@@ -233,9 +233,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer, g in zip(self.model.layers, groups):
             meta = attn_meta if isinstance(attn_meta, AttentionMetadata) else attn_meta[g]
             x = layer(x, rope, meta)
-        if self.mtp is not None:
+        x = self.model.norm(x)
+        if self.mtp is not None:  # the first MTP module's h_p, as vLLM and SGLang feed it
             self.last_hidden = x
-        return self.model.norm(x)
+        return x
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -13,8 +13,8 @@ h_p is the model's output at p, its final hidden state *after* the final norm: w
 SGLang's GLM-4.5 MTP (written with Zhipu) are fed, their model's forward returning it normed. A
 chained draft's h_p is the previous step's g_p, normed as well: GLM's NextN normalizes at the end
 of every step (as vllm-project/vllm#46075 describes it; vLLM's DeepSeek path does so since #45895,
-SGLang's deepseek_nextn always did). (deepseek_mtp.py feeds DeepSeek's modules the hidden states before
-the norms.) The embedding at position 0 is zeroed, as vLLM does.
+SGLang's deepseek_nextn always did); deepseek_mtp.py feeds DeepSeek's modules alike. The embedding
+at position 0 is zeroed, as vLLM does.
 
 The layer's attention is one more full-attention layer in the model's KV group
 (Glm4MoeForCausalLM.kv_cache_specs); the proposer (execution/spec_mtp.py) drives it through the
