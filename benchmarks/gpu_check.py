@@ -12,8 +12,9 @@ Parts (--parts, all by default), in this order:
               position] pairs, the copy prompts first);
               decode tok/s at 1 and 8 streams on the copy prompts (as in speed, below), the
               acceptance length (1 + accepted / drafts, from the core's spec_decode counters)
-              and the budget's fitted prices (the step's time T(B, 0), a draft row's td): on a
-              GPU a draft row should cost little until the batch is compute-bound
+              and the budget's fitted prices (the step's time T(B, 0), a draft row's td, a
+              verified step's overhead tv): on a GPU a draft row should cost little until the
+              batch is compute-bound
   async       --async-scheduling against the synchronous loop on --spec-model at --streams
               streams (prompts of 32 tokens, all prefilled in one step), rounds alternating
               (benchmarks/async_scheduling.py's one_round): greedy outputs equal (required),
@@ -331,16 +332,18 @@ def spec_counters(before, after) -> dict[str, Any]:
 
 def budget_prices(llm, num_decodes: int) -> dict[str, Any] | None:
     """The draft budget's fitted prices at ``num_decodes`` requests: the step's time without
-    drafts T(B, 0), a draft row's td (seconds), and the acceptance a request's first draft
-    needs to pay (budget.py: a T(B, 0) >= ROW_MARGIN td B)."""
+    drafts T(B, 0), a draft row's td and a verified step's overhead tv (seconds), and the
+    acceptance a request's first draft needs to pay (budget.py: a (T + tv) >= ROW_MARGIN td B)."""
     from loomserve.engine.spec.budget import ROW_MARGIN
 
     p = llm.core.spec.budget.fit.prices(num_decodes)
     if p is None:
         return None
-    step, row = p
-    return {"step_s": float(f"{step:.4g}"), "draft_row_s": float(f"{row:.4g}"),
-            "break_even_acceptance": round(ROW_MARGIN * row * num_decodes / step, 3)}
+    return {"step_s": float(f"{p.base:.4g}"), "draft_row_s": float(f"{p.td:.4g}"),
+            "verify_s": float(f"{p.tv:.4g}"),
+            "request_row_s": None if p.tb is None else float(f"{p.tb:.4g}"),
+            "break_even_acceptance": round(ROW_MARGIN * p.td * num_decodes / (p.base + p.tv),
+                                           3)}
 
 
 def spec_run(name: str, args, config: dict | None) -> dict[str, Any]:

@@ -273,6 +273,7 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         trace = self.trace
         trace.begin()
+        start = time.perf_counter()
         tiers = self.tiers
         if tiers is not None:
             tiers.poll()
@@ -281,6 +282,7 @@ class EngineCore:
         outputs = self._grammar_failures() if self.structured is not None else []
         sched = self.scheduler.schedule()
         inp = sched.model_input
+        shape = self.spec.step_shape(sched.scheduled) if self.spec is not None else None
         if self.structured is not None:
             self.structured.fill_bitmask(inp, self.scheduler.requests)
         trace.mark("schedule")
@@ -314,6 +316,8 @@ class EngineCore:
         if self.events is not None:
             self.events.flush()
         trace.mark("update")
+        if shape is not None:  # the drafts' whole cost: proposals, rows, verification
+            self.spec.observe_step(shape, time.perf_counter() - start)
         if trace.enabled:
             trace.end(_shape(inp))
         return outputs
@@ -329,8 +333,6 @@ class EngineCore:
         result = self.executor.execute_model(inp)
         seconds = time.perf_counter() - t0
         self.cost_model.observe(sched.features, seconds)
-        if self.spec is not None:
-            self.spec.observe_step(sched.scheduled, seconds)
         return result
 
     def _swap(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, ModelOutput]:

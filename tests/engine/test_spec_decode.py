@@ -386,13 +386,14 @@ def test_budget_drafts_only_where_the_measured_step_time_pays():
 
 def test_step_time_fit_prices_draft_rows_apart_from_requests():
     """Requests' rows dear (10 ms), draft rows cheap (0.5 ms, sharing a request's context
-    pass): the fit tells them apart, so drafts pay at 8 requests and 50% acceptance; and with
-    one batch size only, the step's time at it is still known."""
+    pass), a verified step 2 ms of overhead: the fit tells the three apart, so drafts pay at 8
+    requests and 50% acceptance; with one batch size only, the step's time at it is known."""
     b = DraftBudget(SpeculativeConfig("ngram", 4))
-    for n, d in ((8, 0), (8, 8), (4, 2), (6, 0), (8, 16), (2, 4), (7, 7)):
-        b.observe_step(n, d, 0.001 + 0.010 * n + 0.0005 * d)
-    base, td = b.fit.prices(8)
+    for n, d in ((8, 0), (8, 8), (4, 2), (6, 0), (8, 16), (2, 4), (7, 7), (3, 0)):
+        b.observe_step(n, d, 0.001 + 0.010 * n + 0.0005 * d + 0.002 * (d > 0))
+    base, td, tv, tb = b.fit.prices(8)
     assert base == pytest.approx(0.081, rel=1e-3) and td == pytest.approx(0.0005, rel=1e-2)
+    assert tv == pytest.approx(0.002, rel=1e-2) and tb == pytest.approx(0.010, rel=1e-2)
     for _ in range(200):
         b.observe("r", 1, True)
         b.end_step()
@@ -400,8 +401,62 @@ def test_step_time_fit_prices_draft_rows_apart_from_requests():
     lockstep = DraftBudget(SpeculativeConfig("ngram", 4))
     for d in (0, 8, 0, 16, 4):
         lockstep.observe_step(32, d, 0.2 + 0.005 * d)
-    base, td = lockstep.fit.prices(32)
+    base, td, tv, tb = lockstep.fit.prices(32)
     assert base == pytest.approx(0.2, rel=1e-3) and td == pytest.approx(0.005, rel=1e-3)
+    assert tv == pytest.approx(0.0, abs=1e-6) and tb is None  # one batch size: not known
+
+
+def test_step_time_fit_is_not_thrown_by_one_stalled_step():
+    """A step 100x its usual time (a host pause, a first call's warm-up) counts as twice the
+    prediction once the fit has settled: the prices stay known and move by less than 20%
+    (unclipped, that one step makes the draft row's price negative: no prices at all)."""
+    b = DraftBudget(SpeculativeConfig("ngram", 4))
+    shapes = [(8, 0), (8, 8), (4, 2), (6, 0), (8, 16), (2, 4), (7, 7), (3, 0)] * 4
+    for n, d in shapes:  # the CPU's regime: a draft row ~4 ms, a step of 8 requests 76 ms
+        b.observe_step(n, d, 0.02 + 0.007 * n + 0.004 * d)
+    base, td, _, _ = b.fit.prices(8)
+    b.observe_step(8, 0, 100 * base)
+    after = b.fit.prices(8)
+    assert after is not None
+    assert after[0] == pytest.approx(base, rel=0.2) and after[1] == pytest.approx(td, rel=0.2)
+
+
+def test_drafts_for_part_of_a_batch_pay_by_the_request_rows_they_save():
+    """Two requests of 32 copy (a = 0.9), the rest have nothing to draft: the steps go on for
+    the 30 others, so an accepted token saves only a later request row (tb), not a step's
+    share. Draft rows as dear as a request's (td = tb = 5 ms): no drafts; cheap (td 1 ms):
+    drafts for the two; the batch never changed size (tb unknown): none."""
+    def budget(td, sizes):
+        b = DraftBudget(SpeculativeConfig("ngram", 4))
+        for n in sizes:
+            for d in (0, 8, 2, 16, 0, 4):
+                b.observe_step(n, d, 0.02 + 0.005 * n + td * d)
+        for _ in range(100):
+            for r in ("a", "b"):
+                b.observe(r, 9, True)  # a = 0.9
+            b.end_step()
+        return b
+    two = [("a", 4), ("b", 4)]
+    assert _draft_rows(budget(0.005, (24, 32, 28)), two, 32) == [0, 0]
+    assert min(_draft_rows(budget(0.001, (24, 32, 28)), two, 32)) >= 2
+    assert _draft_rows(budget(0.001, (32,)), two, 32) == [0, 0]
+    # every request of the batch drafts: the batch needs fewer steps, a token is worth T / B
+    everyone = [(r, 4) for r in "ab"]
+    assert min(_draft_rows(budget(0.005, (2, 3, 4)), everyone, 2)) >= 1
+
+
+def test_budget_weighs_a_verified_steps_overhead():
+    """Rows nearly free but a step with drafts 1.5 ms dearer (a small model: proposals and
+    verification cost more than its rows): at 1/2 acceptance one request's 4 drafts (0.94
+    tokens expected) pay for it in a 2 ms step, one request's among 8 in a 9 ms step do not."""
+    b = DraftBudget(SpeculativeConfig("ngram", 4))
+    for n, d in ((1, 0), (1, 2), (8, 0), (8, 8), (4, 4), (2, 0), (8, 16), (1, 4)):
+        b.observe_step(n, d, 0.001 * n + 0.00001 * d + 0.0015 * (d > 0) + 0.001)
+    for _ in range(200):
+        b.observe("r0", 1, True)
+        b.end_step()
+    assert _draft_rows(b, [("r0", 4)]) != [0]
+    assert _draft_rows(b, [("r0", 4)], num_decodes=8) == [0]
 
 
 def test_pd_decode_instance_speculates_on_imported_kv():

@@ -16,12 +16,14 @@ Flow per step (the scheduler calls in; loomserve.execution.rejection_sampler run
    stay with the request, which fills them next (a block id list only grows: the runner's
    block tables and the TP step message depend on it); every block returns at finish.
 4. `on_verified` feeds the budget (the request's and the batch's acceptance) and the metrics
-   (vLLM's spec_decode_* counters); `observe_step` gives the budget the time of each
-   decode-only step, its request count and its draft rows.
+   (vLLM's spec_decode_* counters); `observe_step` gives the budget the whole time of each
+   decode-only step (the drafter's proposals and verification included), its request count
+   and its draft rows.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from loomserve.config.speculative import SpeculativeConfig
@@ -96,7 +98,9 @@ class SpecDecoder:
                 self.max_model_len - req.num_tokens)
         if k <= 0:
             return []
+        t = time.perf_counter()
         drafts = self.drafter.propose(self.view(req), k)[:k]
+        self.budget.observe_proposal(time.perf_counter() - t)
         stops = req.stop_token_ids
         for i, t in enumerate(drafts):
             if t in stops:
@@ -126,11 +130,19 @@ class SpecDecoder:
             per_pos[i] += 1
         self.budget.observe(request_id, num_accepted, num_accepted < num_drafts)
 
-    def observe_step(self, scheduled: list, seconds: float) -> None:
-        """A step ran: a decode-only one (drafts included) teaches the budget its row costs."""
-        if all(req.num_tokens - req.num_computed_tokens == 1 for req, _ in scheduled):
-            b = len(scheduled)
-            self.budget.observe_step(b, sum(n for _, n in scheduled) - b, seconds)
+    @staticmethod
+    def step_shape(scheduled: list) -> tuple[int, int] | None:
+        """(decoding requests, draft rows) of a decode-only step as scheduled; None else."""
+        if not scheduled or any(req.num_tokens - req.num_computed_tokens != 1
+                                for req, _ in scheduled):
+            return None
+        return len(scheduled), sum(n for _, n in scheduled) - len(scheduled)
+
+    def observe_step(self, shape: tuple[int, int] | None, seconds: float) -> None:
+        """A step of `shape` (step_shape) took `seconds`, scheduling to update: a decode-only
+        one teaches the budget its costs."""
+        if shape is not None:
+            self.budget.observe_step(shape[0], shape[1], seconds)
 
     def end_step(self) -> None:
         self.budget.end_step()
