@@ -72,6 +72,7 @@ class StepTimeFit:
     def __init__(self) -> None:
         self._xx = np.zeros((4, 4))
         self._xt = np.zeros(4)
+        self._coef: np.ndarray | None = None
 
     def observe(self, num_decodes: int, draft_rows: int, seconds: float) -> None:
         """One step; once the fit has SETTLED_STEPS behind it, a step off by more than OUTLIER x (a first call's
@@ -84,12 +85,17 @@ class StepTimeFit:
                 seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
         self._xx = self._xx * STEP_DECAY + np.outer(x, x)
         self._xt = self._xt * STEP_DECAY + x * seconds
+        self._coef = None
 
     def _known(self) -> bool:
         return self._xx[0, 0] > 0 and (self._varies(1) or self._varies(2))
 
     def _solve(self) -> np.ndarray:
-        return np.linalg.lstsq(self._xx, self._xt, rcond=1e-9)[0]
+        """(t0, tb, td, tv); solved once per observation (every request's check of a step
+        asks for the prices)."""
+        if self._coef is None:
+            self._coef = np.linalg.lstsq(self._xx, self._xt, rcond=1e-9)[0]
+        return self._coef
 
     def _varies(self, i: int) -> bool:
         w = self._xx[0, 0]
