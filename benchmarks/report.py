@@ -385,9 +385,19 @@ def spec_decode(r: Result) -> list[Block]:
                     f"{x['tok_per_s'] / b['tok_per_s']:.2f}x",
                     "-" if sys_name == "none-staggered" else _spec_goal(set_name, cs),
                     len(x["runs"]), f"acceptance length {num(x['acceptance_length'] or 1)}; "
-                    f"{num(x['tok_per_s'])} tok/s; greedy text "
+                    + _pass_ratios(x["runs"], b["runs"])
+                    + f"{num(x['tok_per_s'])} tok/s; greedy text "
                     + _text_diff(x["runs"], b["runs"]) + f"; {_load(s)}")
     return out.out()
+
+
+def _pass_ratios(runs: list[dict], base: list[dict]) -> str:
+    """Each pass's ratio to none's in the same pass (interleaved: the same host drift), when
+    there are several; their spread is the measurement's."""
+    if len(runs) < 2:
+        return ""
+    return "per pass " + " / ".join(f"{x['tok_per_s'] / y['tok_per_s']:.2f}x"
+                                    for x, y in zip(runs, base)) + "; "
 
 
 def _text_diff(runs: list[dict], base: list[dict]) -> str:
