@@ -33,9 +33,10 @@ PROMPTS = [MTP_PROMPT, [7, 8, 9, 10, 11] * 6 + list(range(20, 29)), list(range(1
            list(range(20, 52)) * 3]
 
 
-def _builder():
-    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "build_mla_fixture.py")
-    spec = importlib.util.spec_from_file_location("build_mla_fixture", path)
+def load_builder(filename: str = "build_mla_fixture.py"):
+    """A fixture builder under tests/fixtures as a module (its references and fits)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", filename)
+    spec = importlib.util.spec_from_file_location(filename.removesuffix(".py"), path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -51,19 +52,46 @@ def plain():
 @pytest.fixture(scope="module")
 def reference():
     """(the builder module, its transformers reference model), loaded once."""
-    b = _builder()
+    b = load_builder()
     return b, b.reference_model(fixture("tiny-deepseek-v3"))
 
 
-def _runner(name: str, spec: dict | None = MTP):
+def mtp_runner(path: str, spec: dict | None = MTP):
+    """A float32 CPU runner of the checkpoint at path with MTP drafts (spec None: without)."""
     from loomserve.execution.model_runner import ModelRunner
-    return ModelRunner(EngineConfig.from_kwargs(model=fixture(name), dtype="float32",
-                                                device="cpu", block_size=4,
-                                                kv_cache_memory="2MB", speculative_config=spec))
+    return ModelRunner(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu",
+                                                block_size=4, kv_cache_memory="2MB",
+                                                speculative_config=spec))
+
+
+def check_chained_drafts(reference_fn, r, s, tokens: list[int], sampled: int,
+                         drafts: list[int], g: torch.Tensor, h: torch.Tensor) -> None:
+    """Drafts 2 and 3 as the proposer chains them (one row at the next position fed the last
+    draft and the previous step's output after shared_head.norm) against the reference fed
+    the previous step's g alike, logits and ids. reference_fn(tokens, next token, chained)
+    -> (logits, g) is the builder's plain-torch formula."""
+    layer = r.model.mtp.layers[0]
+    chain, prev = [g[-1]], h[-1:]
+    for j in (1, 2):
+        chain_ref, g = reference_fn(tokens + [sampled] + drafts[:j - 1], drafts[j - 1],
+                                    tuple(chain))
+        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
+                                prev)
+        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
+                                   atol=2e-4, rtol=2e-4)
+        assert drafts[j] == int(chain_ref[-1].argmax()), j
+        chain.append(g[-1])
+
+
+def mla_reference_fn(reference, name: str):
+    """check_chained_drafts' reference for a build_mla_fixture model (DeepSeek, GLM)."""
+    b, model = reference
+    return lambda tokens, nxt, chained: b.mtp_reference(fixture(name), tokens, nxt, ref=model,
+                                                        chained=chained)
 
 
 def test_mtp_logits_equal_the_plain_torch_reference(reference):
-    r = _runner("tiny-deepseek-v3")
+    r = mtp_runner(fixture("tiny-deepseek-v3"))
     assert r.model.mtp is not None and len(r.layer_specs) == 4  # 3 layers + the MTP layer's
     tokens = [5, 17, 301, 42, 42, 9, 128, 77, 3, 250, 64]
     table = Blocks(r.block_size).cover([], len(tokens) + 4)
@@ -85,19 +113,8 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(h, g, atol=2e-4, rtol=2e-4)  # what a chained step is fed
-    # drafts 2 and 3 as the proposer chains them: one row at the next position fed the last
-    # draft and the previous step's g (after shared_head.norm), against the reference alike
-    chain, prev = [g[-1]], h[-1:]
-    for j in (1, 2):
-        chain_ref, g = b.mtp_reference(fixture("tiny-deepseek-v3"),
-                                       tokens + [sampled] + drafts[:j - 1], drafts[j - 1],
-                                       ref=model, chained=tuple(chain))
-        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
-                                prev)
-        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
-                                   atol=2e-4, rtol=2e-4)
-        assert drafts[j] == int(chain_ref[-1].argmax()), j
-        chain.append(g[-1])
+    check_chained_drafts(mla_reference_fn(reference, "tiny-deepseek-v3"), r, s, tokens, sampled,
+                         drafts, g, h)
 
 
 def test_drafts_over_many_steps_match_a_full_recompute(reference):
@@ -128,7 +145,7 @@ def test_drafts_over_many_steps_match_a_full_recompute(reference):
 ])
 def test_mtp_is_refused_without_mtp_weights_or_family(name, message):
     with pytest.raises(ValueError, match=message):
-        _runner(name)
+        mtp_runner(fixture(name))
 
 
 def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(plain):

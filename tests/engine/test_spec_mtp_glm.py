@@ -15,50 +15,40 @@ and rejected both.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 
 import pytest
 import torch
 
-from loomserve import SamplingParams
-from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput
 from loomserve.execution.spec_mtp import MtpRun
 from loomserve.kv.spec import FullAttentionSpec
 from tests.engine.test_spec_decode import fixture, make
-from tests.engine.test_spec_mtp import assert_clean_mtp
+from tests.engine.test_spec_mtp import (
+    GREEDY,
+    MTP,
+    PROMPTS,
+    assert_clean_mtp,
+    check_chained_drafts,
+    load_builder,
+    mla_reference_fn,
+    mtp_runner,
+)
 from tests.execution.models.conftest import Blocks, seq
 
 NAME = "tiny-glm4-moe"
-MTP = {"method": "mtp", "num_speculative_tokens": 3, "always_draft": True}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-MTP_PROMPT = list(range(20, 52)) * 2  # one the fixture's MTP head was fitted on
-PROMPTS = [MTP_PROMPT, [7, 8, 9, 10, 11] * 6 + list(range(20, 29)), list(range(100, 113)),
-           list(range(20, 52)) * 3]
 
 
 @pytest.fixture(scope="module")
 def reference():
     """(build_mla_fixture, its transformers reference model of tiny-glm4-moe), loaded once."""
-    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "build_mla_fixture.py")
-    spec = importlib.util.spec_from_file_location("build_mla_fixture", path)
-    b = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(b)
+    b = load_builder()
     return b, b.reference_model(fixture(NAME))
 
 
-def _runner(path: str, spec: dict | None = MTP):
-    from loomserve.execution.model_runner import ModelRunner
-    return ModelRunner(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu",
-                                                block_size=4, kv_cache_memory="2MB",
-                                                speculative_config=spec))
-
-
 def test_mtp_logits_equal_the_plain_torch_reference(reference):
-    r = _runner(fixture(NAME))
+    r = mtp_runner(fixture(NAME))
     assert type(r.model.mtp).__name__ == "Glm4MoeMTP"
     # the MTP layer's GQA attention: a fourth full-attention layer, in the model's one group
     assert len(r.layer_specs) == 4 and all(isinstance(s, FullAttentionSpec) for s in r.layer_specs)
@@ -82,18 +72,7 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     got = layer.logits(r.model, h).float()
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
-    # drafts 2 and 3 as the proposer chains them: one row at the next position fed the last
-    # draft and the previous step's output, against the reference fed that step's g
-    chain, prev = [g[-1]], h[-1:]
-    for j in (1, 2):
-        chain_ref, g = b.mtp_reference(fixture(NAME), tokens + [sampled] + drafts[:j - 1],
-                                       drafts[j - 1], ref=model, chained=tuple(chain))
-        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
-                                prev)
-        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
-                                   atol=2e-4, rtol=2e-4)
-        assert drafts[j] == int(chain_ref[-1].argmax()), j
-        chain.append(g[-1])
+    check_chained_drafts(mla_reference_fn(reference, NAME), r, s, tokens, sampled, drafts, g, h)
 
 
 def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
@@ -131,7 +110,7 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
 def test_mtp_is_refused_for_families_without_an_mtp_loader(name, cls):
     """Qwen3.5 (a Qwen3-Next subclass whose MTP layer is not built) and MiniMax-M2."""
     with pytest.raises(ValueError, match=f"Glm4MoeForCausalLM, .*; {cls} is not supported"):
-        _runner(fixture(name))
+        mtp_runner(fixture(name))
 
 
 def test_mtp_is_refused_without_the_mtp_layer_weights(tmp_path):
@@ -144,11 +123,11 @@ def test_mtp_is_refused_without_the_mtp_layer_weights(tmp_path):
     save_file({k: v for k, v in w.items() if not k.startswith("model.layers.3.")},
               dst / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="holds no model.layers.3.eh_proj.weight"):
-        _runner(str(dst))
+        mtp_runner(str(dst))
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match="no num_nextn_predict_layers >= 1"):
-        _runner(str(dst))
+        mtp_runner(str(dst))
 
 
 def test_glm_mtp_refuses_a_tensor_parallel_slice():
@@ -156,7 +135,7 @@ def test_glm_mtp_refuses_a_tensor_parallel_slice():
     before any weight is read (the TP groups themselves need several processes)."""
     from loomserve.execution.models.glm4_moe_mtp import load_mtp
 
-    r = _runner(fixture(NAME), None)
+    r = mtp_runner(fixture(NAME), None)
     assert r.model.mtp is None and len(r.layer_specs) == 3  # no MTP layer without method mtp
     r.model.tp = object()
     with pytest.raises(ValueError, match="one rank only"):

@@ -13,49 +13,38 @@ fitted to the target's greedy continuations of MTP_PROMPT, so drafts there are a
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 
 import pytest
 import torch
 
-from loomserve import SamplingParams
-from loomserve.config import EngineConfig
 from loomserve.execution.batch import ModelInput
 from loomserve.execution.spec_mtp import MtpRun
 from loomserve.kv.spec import FullAttentionSpec
 from tests.engine.test_spec_decode import fixture, make
-from tests.engine.test_spec_mtp import assert_clean_mtp
+from tests.engine.test_spec_mtp import (
+    GREEDY,
+    MTP,
+    PROMPTS,
+    assert_clean_mtp,
+    check_chained_drafts,
+    load_builder,
+    mtp_runner,
+)
 from tests.execution.models.test_linear_layers import RunnerSeqs
 
 NAME = "tiny-qwen3-next"
-MTP = {"method": "mtp", "num_speculative_tokens": 3, "always_draft": True}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-MTP_PROMPT = list(range(20, 52)) * 2  # one the fixture's MTP layer was fitted on
-PROMPTS = [MTP_PROMPT, [7, 8, 9, 10, 11] * 6 + list(range(20, 29)), list(range(100, 113)),
-           list(range(20, 52)) * 3]
 
 
 @pytest.fixture(scope="module")
 def reference():
     """(build_linear_fixtures, its transformers reference with the MTP layer as layer n)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "build_linear_fixtures.py")
-    spec = importlib.util.spec_from_file_location("build_linear_fixtures", path)
-    b = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(b)
+    b = load_builder("build_linear_fixtures.py")
     return b, b.qwen3_next_mtp_reference_model(fixture(NAME))
 
 
-def _runner(path: str, spec: dict | None = MTP):
-    from loomserve.execution.model_runner import ModelRunner
-    return ModelRunner(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu",
-                                                block_size=4, kv_cache_memory="2MB",
-                                                speculative_config=spec))
-
-
 def test_mtp_logits_equal_the_plain_torch_reference(reference):
-    r = _runner(fixture(NAME))
+    r = mtp_runner(fixture(NAME))
     layer = r.model.mtp.layers[0]
     assert type(layer.model.layers[0].mlp).__name__ == "SparseMoE"
     # the MTP layer's gated attention: a fifth layer, full attention, grouped with layers 1, 3
@@ -82,17 +71,9 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
     hidden, r.model.last_hidden = r.model.last_hidden, None
     h = r.mtp.run_module(r, 0, [MtpRun(s, 0, tokens[1:] + [sampled], [hidden], None)])
     torch.testing.assert_close(layer.logits(r.model, h).float(), ref, atol=2e-4, rtol=2e-4)
-    # drafts 2 and 3 as the proposer chains them, against the reference fed the previous g
-    chain, prev = [g[-1]], h[-1:]
-    for j in (1, 2):
-        chain_ref, g = b.qwen3_next_mtp_reference(
-            ref_model, tokens + [sampled] + drafts[:j - 1], drafts[j - 1], chained=tuple(chain))
-        prev = r.mtp.run_module(r, 0, [MtpRun(s, len(tokens) + j - 1, [drafts[j - 1]], [], None)],
-                                prev)
-        torch.testing.assert_close(layer.logits(r.model, prev).float()[0], chain_ref[-1],
-                                   atol=2e-4, rtol=2e-4)
-        assert drafts[j] == int(chain_ref[-1].argmax()), j
-        chain.append(g[-1])
+    check_chained_drafts(
+        lambda t, nxt, chained: b.qwen3_next_mtp_reference(ref_model, t, nxt, chained=chained),
+        r, s, tokens, sampled, drafts, g, h)
 
 
 def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
@@ -133,8 +114,8 @@ def test_mtp_is_refused_without_the_mtp_weights_or_on_a_tensor_parallel_slice(tm
     save_file({k: v for k, v in w.items() if not k.startswith("mtp.")},
               dst / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="holds no mtp.fc.weight"):
-        _runner(str(dst))
-    r = _runner(fixture(NAME), None)
+        mtp_runner(str(dst))
+    r = mtp_runner(fixture(NAME), None)
     assert r.model.mtp is None and len(r.layer_specs) == 4  # no MTP layer without method mtp
     r.model.tp = object()  # a rank's slice (the TP groups themselves need several processes)
     with pytest.raises(ValueError, match="one rank only"):
