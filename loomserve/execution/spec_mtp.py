@@ -24,7 +24,8 @@ the request's blocks end. The drafts go back in ModelOutput.drafts as (number of
 follow, ids); the core's MtpDrafter proposes them in the next step, through the same budget,
 cuts and rollback as any drafter.
 
-Tensor parallelism (DeepSeek-V3's modules, split as the target's layers: deepseek_mtp.py): every
+Tensor parallelism (every family's MTP layers, split as the target's layers: deepseek_mtp.py,
+glm4_moe_mtp.py, qwen3_next_mtp.py, by parallel/tensor_parallel.py's extra-layer rules): every
 rank runs the proposer after every step, since each MTP forward is collective; the worker ranks
 (parallel/worker_proc.py), which never sample, get rank 0's emitted ids by one broadcast
 (emitted_ids), and each draft is a vocabulary-split argmax that gives every rank the same id to
@@ -141,7 +142,7 @@ class MtpProposer:
         for j in range(self.k):
             layer = layers[min(j, len(layers) - 1)]
             # under TP only rank 0 holds whole logits: `greedy` gives every rank the same ids,
-            # which the next chained row is fed (deepseek_mtp.py; the only MTP split so far)
+            # which the next chained row is fed (every family's layer has `greedy`)
             ids = (layer.logits(model, h).argmax(dim=-1) if runner.tp is None
                    else layer.greedy(model, h)).tolist()
             for r, t in zip(live, ids):

@@ -130,16 +130,10 @@ def test_mtp_is_refused_without_the_mtp_layer_weights(tmp_path):
         mtp_runner(str(dst))
 
 
-def test_glm_mtp_refuses_a_tensor_parallel_slice():
-    """The MTP layer is not sharded: a rank's slice of the model (target.tp set) is refused
-    before any weight is read (the TP groups themselves need several processes)."""
-    from loomserve.execution.models.glm4_moe_mtp import load_mtp
-
+def test_no_mtp_layer_without_method_mtp():
+    """(Under -tp 2 the layer splits as the target's: tests/engine/test_spec_mtp_tp.py.)"""
     r = mtp_runner(fixture(NAME), None)
-    assert r.model.mtp is None and len(r.layer_specs) == 3  # no MTP layer without method mtp
-    r.model.tp = object()
-    with pytest.raises(ValueError, match="one rank only"):
-        load_mtp(r.model, fixture(NAME), 1, torch.float32, torch.device("cpu"))
+    assert r.model.mtp is None and len(r.layer_specs) == 3
 
 
 def test_small_pool_preemption_stays_exact_and_leak_free():

@@ -1,4 +1,5 @@
-"""MTP drafts under tensor parallelism (-tp 2, gloo on the CPU) on tiny-deepseek-v3.
+"""MTP drafts under tensor parallelism (-tp 2, gloo on the CPU) on tiny-deepseek-v3, and on
+tiny-glm4-moe and tiny-qwen3-next (their MTP layer split as their target's layers).
 
 Oracles: the same engine at one rank, without drafts (greedy outputs) and with MTP drafts (every
 draft list the core received, and so the acceptance counts). Rank 1 holds half the MTP module's
@@ -67,6 +68,42 @@ def test_tp2_mtp_matches_one_rank_outputs_and_drafts_and_leaves_nothing():
             (one_stats.num_accepted_tokens, one_stats.accepted_per_pos)
         # rank 0's view: every block back, no request or held chunk row; rank 1 runs the same
         # proposer over the same step messages and ids, so it holds what rank 0 holds
+        assert_clean_mtp(llm)
+    finally:
+        llm.close()
+
+
+def _glm_slice(mtp) -> tuple:
+    return (mtp.self_attn.num_heads, mtp.self_attn.num_kv_heads, mtp.mlp.experts_gate_up.shape[1],
+            mtp.shared_head.head.weight.shape[0], mtp.eh_proj.weight.shape)
+
+
+def _qwen3_next_slice(mtp) -> tuple:
+    block = mtp.model.layers[0]
+    return (block.self_attn.num_heads, block.self_attn.num_kv_heads,
+            block.mlp.experts_gate_up.shape[1], None, mtp.fc.weight.shape)
+
+
+@pytest.mark.parametrize("name, slice_of", [("tiny-glm4-moe", _glm_slice),
+                                            ("tiny-qwen3-next", _qwen3_next_slice)])
+def test_glm_and_qwen3_next_mtp_split_as_their_targets(name, slice_of):
+    """GLM-4.5's MTP layer (GQA with q/k/v bias, MoE with a shared expert, its own head) and
+    Qwen3-Next's (gated attention, MoE with a gated shared expert, the target's head) at -tp 2:
+    rank 0 holds half the heads (one of the two KV heads), half the expert columns, half the
+    own head's vocabulary rows; outputs equal one rank's without drafts, drafts one rank's."""
+    model = fixture(name)
+    plain, _, _ = _closed(model, 1, None)
+    one, one_drafts, one_stats = _closed(model, 1)
+    outs, drafts, stats, llm = _drafting(model, 2)
+    try:
+        mtp = llm.core.executor.driver_runner.model.mtp.layers[0]  # rank 0's slice
+        head = 256 if name == "tiny-glm4-moe" else None
+        assert slice_of(mtp) == (2, 1, 32, head, (64, 128))
+        assert outs == plain == one
+        assert drafts == one_drafts and len(drafts) > 10
+        assert stats.num_draft_tokens > stats.num_drafts  # chained drafts (k = 3) ran
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert stats.accepted_per_pos == one_stats.accepted_per_pos
         assert_clean_mtp(llm)
     finally:
         llm.close()

@@ -33,11 +33,12 @@ gets the layer's all-reduce hooks and tensor slices, exactly as model.layers.i d
 and kv_b_proj rows split, the latent path and so the cache rows replicated, MoE by columns);
 enorm, hnorm, eh_proj and shared_head.norm are whole; an own embed_tokens or shared_head.head
 holds the rank's vocabulary rows, as the target's. `greedy` gives every rank the same ids.
+GLM-4.5's layer (glm4_moe_mtp.py) shares SharedHead and rank_slice; the split itself is
+tensor_parallel.py's (parallelize_extra_layer, extra_layer_weight), Qwen3-Next's too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -48,7 +49,6 @@ from torch import nn
 
 from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
-from loomserve.execution.layers.parallel_linear import VocabParallelEmbedding, vocab_per_rank
 from loomserve.execution.models.deepseek_v3 import (
     DecoderLayer,
     DeepseekV3Config,
@@ -57,7 +57,12 @@ from loomserve.execution.models.deepseek_v3 import (
     load_mlp_weight,
 )
 from loomserve.execution.models.loading.weight_layout import lm_head_argmax, lm_head_logits
-from loomserve.execution.parallel.tensor_parallel import plan_of, vocab_rows
+from loomserve.execution.parallel.tensor_parallel import (
+    extra_layer_weight,
+    parallelize_extra_layer,
+    vocab_parallel_like,
+    vocab_slice,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # names inside model.layers.{N + i} that belong to the decoder layer itself
@@ -65,10 +70,28 @@ _BLOCK = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, own_head: bool) -> None:
+    """The MTP module's final norm and LM head (None: the target's); the GLM-4.5 layer's too."""
+
+    def __init__(self, cfg, own_head: bool) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+    def logits(self, target: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] of g (under TP: on rank 0, the sampler's; a slice elsewhere)."""
+        if self.head is None:
+            return target.compute_logits(normed)
+        if target.tp is not None:  # the rank's vocabulary rows: joined as the target's are
+            return lm_head_logits(target, normed, self.head, target.model.embed_tokens)
+        return self.head(normed)
+
+    def greedy(self, target: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """The argmax ids of `logits`, the same on every tensor-parallel rank (each rank feeds
+        them to the next chained draft)."""
+        if target.tp is None:
+            return self.logits(target, normed).argmax(dim=-1)
+        head = target.lm_head if self.head is None else self.head
+        return lm_head_argmax(target, normed, head, target.model.embed_tokens)
 
 
 class MtpLayer(nn.Module):
@@ -95,22 +118,10 @@ class MtpLayer(nn.Module):
         return self.shared_head.norm(self.block(x, (cos, sin, target.rotary.half), meta))
 
     def logits(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] of g (under TP: on rank 0, the sampler's; a slice elsewhere)."""
-        if self.shared_head.head is None:
-            return target.compute_logits(normed)
-        if target.tp is not None:  # the rank's vocabulary rows: joined as the target's are
-            return lm_head_logits(target, normed, self.shared_head.head,
-                                  target.model.embed_tokens)
-        return self.shared_head.head(normed)
+        return self.shared_head.logits(target, normed)
 
     def greedy(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        """The argmax ids of `logits`, the same on every tensor-parallel rank (each rank feeds
-        them to the next chained draft)."""
-        if target.tp is None:
-            return self.logits(target, normed).argmax(dim=-1)
-        head = self.shared_head.head
-        return lm_head_argmax(target, normed, target.lm_head if head is None else head,
-                              target.model.embed_tokens)
+        return self.shared_head.greedy(target, normed)
 
 
 class DeepseekMTP(nn.Module):
@@ -174,28 +185,20 @@ def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
 def _parallelize(target: DeepseekV3ForCausalLM, layer: MtpLayer) -> None:
     """The rank's communicating parts of `layer` (built from the rank's config): the decoder
     layer's as the target's layers have them, an own embedding over the vocabulary slice."""
-    tp = target.tp
-    plan_of(type(target)).parallelize_layer(layer.block, tp)
+    parallelize_extra_layer(target, layer.block)
     if layer.embed_tokens is not None:
-        full = target.model.embed_tokens  # the target's VocabParallelEmbedding
-        layer.embed_tokens = VocabParallelEmbedding(full.num_embeddings, full.embedding_dim,
-                                                    full.vocab_size, tp)
+        layer.embed_tokens = vocab_parallel_like(target)
 
 
-def _rank_slice(target: DeepseekV3ForCausalLM, rest: str, t: torch.Tensor
-                ) -> tuple[str, torch.Tensor]:
-    """(name inside the MTP module, this rank's slice) of one of its tensors under TP."""
-    tp = target.tp
-    if rest in ("embed_tokens.weight", "shared_head.head.weight"):  # vocabulary rows
-        rows = vocab_per_rank(target.model.embed_tokens.vocab_size, tp.size)
-        return rest, vocab_rows(t, tp.rank * rows, rows)
+def rank_slice(target: nn.Module, rest: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(name inside an MTP module, this rank's slice) of one of its tensors under TP: an own
+    embedding or head by vocabulary rows, the decoder layer's (_BLOCK) by the target's plan,
+    the rest (enorm, hnorm, eh_proj, shared_head.norm) whole."""
+    if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+        return rest, vocab_slice(target, t)
     if not rest.startswith(_BLOCK):
-        return rest, t  # enorm, hnorm, eh_proj, shared_head.norm: whole
-    plan = plan_of(type(target))
-    # the plan slices by the model's whole sizes; shard_config divided each of them exactly
-    whole = dataclasses.replace(target.config, **{
-        k: v * tp.size for k, v in plan.divisions(target.config).items()})
-    return plan.layer_weight(rest, t, whole, tp)
+        return rest, t
+    return extra_layer_weight(target, rest, t)
 
 
 def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
@@ -216,7 +219,7 @@ def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
             for name in sorted(n for n, p in files.items() if p == path):
                 rest, t = name[len(pre):], f.get_tensor(name)
                 if target.tp is not None:
-                    rest, t = _rank_slice(target, rest, t)
+                    rest, t = rank_slice(target, rest, t)
                     t = t.contiguous()
                 if rest.startswith(_BLOCK):
                     t = target.deinterleaved(rest, t)

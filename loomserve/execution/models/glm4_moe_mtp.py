@@ -21,7 +21,8 @@ The layer's attention is one more full-attention layer in the model's KV group
 interface DeepSeek's modules have: `model.mtp.layers[i](model, ids, positions, previous, meta)`
 returns the next step's `previous` (here g), `.logits(model, g)` its logits. transformers has
 no MTP code; the test reference is the formula in plain torch around transformers' Glm4Moe
-decoder layer.
+decoder layer. Under tensor parallelism the layer splits as the target's layers (Glm4MoeTP):
+heads and expert columns split, an own embedding or head by vocabulary rows, the rest whole.
 """
 
 from __future__ import annotations
@@ -30,20 +31,17 @@ import torch
 from torch import nn
 
 from loomserve.execution.layers.norm import RMSNorm
-from loomserve.execution.models.deepseek_mtp import mtp_tensor_names
+from loomserve.execution.models.deepseek_mtp import SharedHead, mtp_tensor_names, rank_slice
 from loomserve.execution.models.glm4_moe import (
     Glm4MoeConfig,
     Glm4MoeDecoderLayer,
     Glm4MoeForCausalLM,
     load_checkpoint,
 )
-
-
-class SharedHead(nn.Module):
-    def __init__(self, cfg: Glm4MoeConfig, own_head: bool) -> None:
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+from loomserve.execution.parallel.tensor_parallel import (
+    parallelize_extra_layer,
+    vocab_parallel_like,
+)
 
 
 class Glm4MoeMtpLayer(Glm4MoeDecoderLayer):
@@ -70,9 +68,10 @@ class Glm4MoeMtpLayer(Glm4MoeDecoderLayer):
         return self.shared_head.norm(super().forward(x, (cos, sin, target.rotary.half), meta))
 
     def logits(self, target: Glm4MoeForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        if self.shared_head.head is None:
-            return target.compute_logits(normed)
-        return self.shared_head.head(normed)
+        return self.shared_head.logits(target, normed)
+
+    def greedy(self, target: Glm4MoeForCausalLM, normed: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.greedy(target, normed)
 
 
 class Glm4MoeMTP(nn.Module):
@@ -96,11 +95,8 @@ class _AsLayerZero(nn.Module):
 def load_mtp(target: Glm4MoeForCausalLM, folder: str, num_nextn: int,
              dtype: torch.dtype, device: torch.device) -> Glm4MoeMTP:
     """The MTP layers of the checkpoint in `folder`, in `dtype` on `device`. Raises ValueError
-    when the checkpoint lacks them, holds FP8-scaled MTP weights, or the model is one tensor
-    parallel rank's slice (the MTP layer is not sharded yet)."""
-    if target.tp is not None:
-        raise ValueError("--speculative-config: GLM-4.5's MTP layer runs on one rank only (no "
-                         "tensor parallelism yet)")
+    when the checkpoint lacks them or holds FP8-scaled MTP weights. Under TP each rank loads
+    its slice, split as the target's layers (deepseek_mtp.py's rank_slice)."""
     cfg = target.config
     names = mtp_tensor_names(folder, cfg.num_layers)
     if any(n.endswith(("weight_scale_inv", "weight_scale")) for n in names):
@@ -117,17 +113,25 @@ def load_mtp(target: Glm4MoeForCausalLM, folder: str, num_nextn: int,
         with torch.device("meta"):  # no time spent initializing what is loaded next
             layer = Glm4MoeMtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
                                     pre + "shared_head.head.weight" in mine)
+            if target.tp is not None:
+                parallelize_extra_layer(target, layer)  # the layer is its own decoder layer
+                if layer.embed_tokens is not None:
+                    layer.embed_tokens = vocab_parallel_like(target)
         layer = layer.to(dtype).to_empty(device=device)
-        load_checkpoint(_AsLayerZero(cfg, layer), _tensors(mine, pre, dtype))
+        load_checkpoint(_AsLayerZero(cfg, layer), _tensors(target, mine, pre, dtype))
         layers.append(layer)
     return Glm4MoeMTP(layers).eval().requires_grad_(False)
 
 
-def _tensors(files: dict[str, str], pre: str, dtype: torch.dtype):
-    """(name under model.layers.0., tensor in `dtype`) for each of `files`' tensors under pre."""
+def _tensors(target: Glm4MoeForCausalLM, files: dict[str, str], pre: str, dtype: torch.dtype):
+    """(name under model.layers.0., tensor in `dtype`; under TP the rank's slice) for each of
+    `files`' tensors under pre."""
     from safetensors import safe_open
 
     for path in sorted(set(files.values())):
         with safe_open(path, "pt") as f:
             for name in sorted(n for n, p in files.items() if p == path):
-                yield "model.layers.0." + name[len(pre):], f.get_tensor(name).to(dtype)
+                rest, t = name[len(pre):], f.get_tensor(name)
+                if target.tp is not None:
+                    rest, t = rank_slice(target, rest, t)
+                yield "model.layers.0." + rest, t.to(dtype).contiguous()

@@ -13,9 +13,10 @@ a chained draft's h_p is the previous step's g_p. Every norm is Qwen3-Next's (1 
 position is masked. The config names no layer count (vLLM defaults to one): the layers are those
 under mtp.layers.* in the checkpoint. The layer's attention is one more full-attention layer in
 the model's KV group (Qwen3NextForCausalLM.kv_cache_specs); the proposer (execution/spec_mtp.py)
-drives it through the interface of DeepSeek's and GLM-4.5's modules. transformers has no MTP
-code; the test reference is the formula in plain torch around transformers' Qwen3Next decoder
-layer.
+drives it through the interface of DeepSeek's and GLM-4.5's modules. Under tensor parallelism
+its decoder layer splits as the target's layers (Qwen3NextTP); fc and the norms are whole.
+transformers has no MTP code; the test reference is the formula in plain torch around
+transformers' Qwen3Next decoder layer.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ import re
 import torch
 from torch import nn
 
+from loomserve.execution.models.loading.weight_layout import lm_head_argmax
 from loomserve.execution.models.qwen3_next import (
     DecoderLayer,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
     ZeroCenteredRMSNorm,
+)
+from loomserve.execution.parallel.tensor_parallel import (
+    extra_layer_weight,
+    parallelize_extra_layer,
 )
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -73,6 +79,10 @@ class Qwen3NextMtpLayer(nn.Module):
     def logits(self, target: Qwen3NextForCausalLM, normed: torch.Tensor) -> torch.Tensor:
         return target.compute_logits(normed)
 
+    def greedy(self, target: Qwen3NextForCausalLM, normed: torch.Tensor) -> torch.Tensor:
+        """The argmax ids of `logits`, the same on every tensor-parallel rank."""
+        return lm_head_argmax(target, normed, target.lm_head, target.model.embed_tokens)
+
 
 class Qwen3NextMTP(nn.Module):
     """The checkpoint's MTP layers, in order."""
@@ -86,10 +96,8 @@ def load_mtp(target: Qwen3NextForCausalLM, folder: str, num_nextn: int,
              dtype: torch.dtype, device: torch.device) -> Qwen3NextMTP:
     """The MTP layer of the checkpoint in `folder`, in `dtype` on `device` (num_nextn: 1, the
     one layer Qwen3-Next ships). Raises ValueError when the checkpoint lacks it or holds more
-    than one, or the model is one tensor-parallel rank's slice."""
-    if target.tp is not None:
-        raise ValueError("--speculative-config: Qwen3-Next's MTP layer runs on one rank only "
-                         "(no tensor parallelism yet)")
+    than one. Under TP each rank loads the slice of its decoder layer the target's plan gives
+    (fc and the norms whole; embedding and head are the target's)."""
     cfg = target.config
     names = _mtp_tensor_files(folder)
     if any(n.endswith(("weight_scale_inv", "weight_scale")) for n in names):
@@ -109,8 +117,10 @@ def load_mtp(target: Qwen3NextForCausalLM, folder: str, num_nextn: int,
         mlp_only_layers=cfg.mlp_only_layers + (() if moe else (n,)))
     with torch.device("meta"):  # no time spent initializing what is loaded next
         layer = Qwen3NextMtpLayer(block_cfg, DecoderLayer(block_cfg, n))
+        if target.tp is not None:
+            parallelize_extra_layer(target, layer.model.layers[0])
     layer = layer.to(dtype).to_empty(device=device)
-    layer.load_weights(_tensors(names, dtype))
+    layer.load_weights(_tensors(target, names, dtype))
     return Qwen3NextMTP([layer]).eval().requires_grad_(False)
 
 
@@ -131,13 +141,18 @@ def _mtp_tensor_files(folder: str) -> dict[str, str]:
     return {n: p for n, p in pairs if n.startswith("mtp.")}
 
 
-def _tensors(files: dict[str, str], dtype: torch.dtype):
-    """(name as Qwen3NextMtpLayer's, tensor in `dtype`) for each of `files`' tensors."""
+def _tensors(target: Qwen3NextForCausalLM, files: dict[str, str], dtype: torch.dtype):
+    """(name as Qwen3NextMtpLayer's, tensor in `dtype`; under TP the decoder layer's the rank's
+    slice) for each of `files`' tensors."""
     from safetensors import safe_open
 
     for path in sorted(set(files.values())):
         with safe_open(path, "pt") as f:
             for name in sorted(n for n, p in files.items() if p == path):
-                rest = name[len("mtp."):]
-                rest = "model." + rest if rest.startswith("layers.") else rest
-                yield rest, f.get_tensor(name).to(dtype)
+                rest, t = name[len("mtp."):], f.get_tensor(name)
+                if rest.startswith("layers.0."):
+                    inner = rest[len("layers.0."):]
+                    if target.tp is not None:
+                        inner, t = extra_layer_weight(target, inner, t)
+                    rest = "model.layers.0." + inner
+                yield rest, t.to(dtype).contiguous()

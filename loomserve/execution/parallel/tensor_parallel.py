@@ -21,6 +21,8 @@ rows). Two ways for a block to sum its partial outputs: Megatron's row-parallel 
 (`row_parallel`: the linear becomes a RowParallelLinear that all-reduces) or an all-reduce hook
 on the block's output (`reduced_blocks`), which leaves the model's modules and parameter names
 as they are. Model classes without a plan, and quantized weights, are refused at N > 1.
+A decoder layer outside model.layers (an MTP layer) splits by the same plan: it is built from
+the rank's config and sliced by the whole one, which `parallelize` keeps on the model.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class TPPlan:
         setattr(inner, self.embedding, VocabParallelEmbedding(
             vocab_per_rank(cfg.vocab_size, tp.size), cfg.hidden_size, cfg.vocab_size, tp))
         model.tp = tp
+        model.tp_whole_config = cfg  # the sizes layer_weight slices by (extra_layer_weight)
 
     def parallelize_layer(self, layer: torch.nn.Module, tp: TPGroup) -> None:
         """One decoder layer's communicating parts (also a layer outside model.layers, such as
@@ -163,6 +166,34 @@ def shard_weights(model_cls: type, weights: Iterable[tuple[str, torch.Tensor]], 
     """HF-named full tensors -> this rank's slices, named as the parallelized model's
     load_weights expects."""
     return plan_of(model_cls).shard_weights(weights, cfg, tp)
+
+
+# --- layers outside model.layers (MTP), split as the model's own ----------------------------
+
+def parallelize_extra_layer(model: torch.nn.Module, layer: torch.nn.Module) -> None:
+    """The communicating parts of `layer`, a decoder layer built from the rank's config that
+    is not in model.model.layers (an MTP layer's), exactly as the model's own layers have them."""
+    plan_of(type(model)).parallelize_layer(layer, model.tp)
+
+
+def extra_layer_weight(model: torch.nn.Module, rest: str, t: torch.Tensor
+                       ) -> tuple[str, torch.Tensor]:
+    """(name inside such a layer, this rank's slice) of its tensor named `rest` inside it."""
+    return plan_of(type(model)).layer_weight(rest, t, model.tp_whole_config, model.tp)
+
+
+def vocab_parallel_like(model: torch.nn.Module) -> VocabParallelEmbedding:
+    """A (meta) embedding split over the vocabulary as the model's own input embedding."""
+    full = getattr(model.model, plan_of(type(model)).embedding)
+    return VocabParallelEmbedding(full.num_embeddings, full.embedding_dim, full.vocab_size,
+                                  model.tp)
+
+
+def vocab_slice(model: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary rows of a whole [vocab, ...] tensor (an own embedding or head)."""
+    tp, vocab = model.tp, model.tp_whole_config.vocab_size
+    rows = vocab_per_rank(vocab, tp.size)
+    return vocab_rows(t, tp.rank * rows, rows)
 
 
 # --- rules several models share ----------------------------------------------------------------
