@@ -232,8 +232,8 @@ def _add_scheduling(p) -> None:
                         "%(default)s = every token)")
     g.add_argument("--async-scheduling", action="store_true",
                    default=_DEFAULTS["async_scheduling"],
-                   help="schedule the next step while this one executes (any rank layout "
-                        "and model; not with --speculative-config, KV tiers, P/D or DEP); "
+                   help="schedule the next step while this one executes (any rank layout, "
+                        "model and P/D role; not with --speculative-config, KV tiers or DEP); "
                         "docs/design/scheduler.md (default: off)")
 
 

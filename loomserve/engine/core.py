@@ -280,7 +280,8 @@ class EngineCore:
         self.transfer.poll()
         trace.mark("poll")
         outputs = self._grammar_failures() if self.structured is not None else []
-        sched = self.scheduler.schedule()
+        sched = SchedulerOutput(ModelInput([])) if self._drain_first() else \
+            self.scheduler.schedule()
         inp = sched.model_input
         shape = self.spec.step_shape(sched.scheduled) if self.spec is not None else None
         if self.structured is not None:
@@ -321,6 +322,14 @@ class EngineCore:
         if trace.enabled:
             trace.end(_shape(inp))
         return outputs
+
+    def _drain_first(self) -> bool:
+        """Async scheduling with a decode leg's KV to import: this step only finishes the one
+        in flight. An import (a tier load, a tail copy) writes rows claimed at schedule time,
+        and rows a finish, abort or preemption freed meanwhile may still be written by it."""
+        ov = self.overlap
+        return ov is not None and ov.in_flight and self.transfer.peer_attached and \
+            bool(self.scheduler.waiting)
 
     def _execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Run a scheduled step on the workers and time it for the cost model."""

@@ -26,6 +26,13 @@ stop token, already among the request's tokens, so the state and KV that row lea
 for them; where it ends a block, that block stays hittable, one more than without async
 scheduling (docs/design/scheduler.md, "Async scheduling").
 
+P/D legs: a prefill leg is staged in the update of the step that ran its last chunk (done by
+then; a request at its max_tokens is not scheduled again), from rows freed just before and given
+to no step yet. A decode leg's import (a tier load, a tail copy) writes rows claimed at schedule
+time, which may be rows freed while the step in flight still writes them (a finish's extra row,
+an abort, a preemption): while the peer tier is attached and requests wait, a step only finishes
+the one in flight and the next schedules with none (EngineCore._drain_first).
+
 Refused (refuse_unsupported): what reads or changes KV or tokens outside the step order.
 """
 
@@ -42,7 +49,7 @@ from loomserve.execution.batch import ModelInput, ModelOutput
 
 def refuse_unsupported(config: EngineConfig) -> None:
     """ValueError naming each combination --async-scheduling does not support, and why
-    (every rank layout and KV layer kind is supported; DEP is not)."""
+    (every rank layout, KV layer kind and P/D role is supported; DEP and tiers are not)."""
     why = []
     if config.speculative.speculative_config is not None:
         why.append("--speculative-config (drafts are proposed from a request's latest token "
@@ -51,9 +58,6 @@ def refuse_unsupported(config: EngineConfig) -> None:
     if config.tier.enabled:
         why.append("KV tiers (a tier write copies pages the scheduler counts as computed, "
                    "which the step in flight may not have written yet)")
-    if config.control.role != "both":
-        why.append("prefill/decode roles (the KV hand-over reads pages the step in flight may "
-                   "not have written yet)")
     pc = config.parallel
     if pc.enable_expert_parallel and pc.data_parallel_size > 1:
         why.append("expert parallelism over DP ranks (the lockstep runs dummy MoE steps on "

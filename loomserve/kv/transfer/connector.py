@@ -14,6 +14,10 @@ PeerTier joins the engine's tiers at the first decode leg: below the configured 
 
 Invariants:
 - Malformed or unusable params never fail a request: it computes its prefix instead.
+- Under --async-scheduling a prefill leg stages in the update of the step that wrote its pages,
+  from rows no later step was given yet; an import (a tier load, a tail copy) writes rows
+  claimed at schedule time, so the engine schedules with no step in flight while the peer tier
+  is attached and requests wait (EngineCore._drain_first).
 - Every registration is dropped exactly once, whatever way the request ends.
 """
 
