@@ -94,34 +94,50 @@ class SharedHead(nn.Module):
         return lm_head_argmax(target, normed, head, target.model.embed_tokens)
 
 
-class MtpLayer(nn.Module):
+class NextNParts:
+    """What a DeepSeek-style MTP (NextN) layer holds beside its decoder block, and how it
+    uses them: enorm, hnorm, eh_proj, an optional own embed_tokens and the shared head
+    (GLM-4.5's layer is built the same way around its own block)."""
+
+    def add_nextn_parts(self, hidden: int, vocab: int, eps: float, cfg, own_embed: bool,
+                        own_head: bool) -> None:
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.embed_tokens = nn.Embedding(vocab, hidden) if own_embed else None
+        self.shared_head = SharedHead(cfg, own_head)
+
+    def block_input(self, target: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                    previous: torch.Tensor) -> torch.Tensor:
+        """eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)]), the embedding zeroed at position 0."""
+        embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
+        e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
+
+    def logits(self, target: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.logits(target, normed)
+
+    def greedy(self, target: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.greedy(target, normed)
+
+
+class MtpLayer(NextNParts, nn.Module):
     """One MTP module; embed and head fall back to the target model's when the checkpoint
     has none of its own."""
 
     def __init__(self, cfg: DeepseekV3Config, index: int, own_embed: bool, own_head: bool):
         super().__init__()
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embed else None
-        self.shared_head = SharedHead(cfg, own_head)
+        self.add_nextn_parts(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, cfg,
+                             own_embed, own_head)
         self.block = DecoderLayer(cfg, index)  # layer N + i: MoE where DeepSeek puts it
 
     def forward(self, target: DeepseekV3ForCausalLM, input_ids: torch.Tensor,
                 positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
         """input_ids: the token at p + 1 for each row at position p; previous: h_p (normed).
         Returns g_p (after shared_head.norm): `logits`' input and the next step's `previous`."""
-        embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
-        e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
+        x = self.block_input(target, input_ids, positions, previous)
         cos, sin = target.rotary.lookup(positions)
         return self.shared_head.norm(self.block(x, (cos, sin, target.rotary.half), meta))
-
-    def logits(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.logits(target, normed)
-
-    def greedy(self, target: DeepseekV3ForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.greedy(target, normed)
 
 
 class DeepseekMTP(nn.Module):

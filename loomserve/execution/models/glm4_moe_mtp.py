@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loomserve.execution.layers.norm import RMSNorm
-from loomserve.execution.models.deepseek_mtp import SharedHead, mtp_tensor_names, rank_slice
+from loomserve.execution.models.deepseek_mtp import NextNParts, mtp_tensor_names, rank_slice
 from loomserve.execution.models.glm4_moe import (
     Glm4MoeConfig,
     Glm4MoeDecoderLayer,
@@ -44,34 +43,23 @@ from loomserve.execution.parallel.tensor_parallel import (
 )
 
 
-class Glm4MoeMtpLayer(Glm4MoeDecoderLayer):
+class Glm4MoeMtpLayer(NextNParts, Glm4MoeDecoderLayer):
     """One MTP layer: the decoder layer at model.layers.{N + i} with the MTP parts beside its
     blocks, so every parameter bears the checkpoint's name under that prefix. embed_tokens and
     the head fall back to the target model's when the checkpoint has none of its own."""
 
     def __init__(self, cfg: Glm4MoeConfig, index: int, own_embed: bool, own_head: bool):
         super().__init__(cfg, index)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embed else None
-        self.shared_head = SharedHead(cfg, own_head)
+        self.add_nextn_parts(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, cfg,
+                             own_embed, own_head)
 
     def forward(self, target: Glm4MoeForCausalLM, input_ids: torch.Tensor,
                 positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
         """input_ids: the token at p + 1 for each row at position p; previous: h_p. Returns
         g_p (after shared_head.norm), the next step's `previous` and `logits`' input."""
-        embed = target.model.embed_tokens if self.embed_tokens is None else self.embed_tokens
-        e = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(previous)], dim=-1))
+        x = self.block_input(target, input_ids, positions, previous)
         cos, sin = target.rotary.lookup(positions)
         return self.shared_head.norm(super().forward(x, (cos, sin, target.rotary.half), meta))
-
-    def logits(self, target: Glm4MoeForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.logits(target, normed)
-
-    def greedy(self, target: Glm4MoeForCausalLM, normed: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.greedy(target, normed)
 
 
 class Glm4MoeMTP(nn.Module):
