@@ -265,13 +265,14 @@ def run_store(args: argparse.Namespace) -> int:
     except (FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"loomserve store: error: {e}", file=sys.stderr)
         return 1
-    print("loomserve store: " + svc.describe(), flush=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
         stop["now"] = True
 
+    # handlers before the ready line: a supervisor may signal as soon as it reads it
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    print("loomserve store: " + svc.describe(), flush=True)
     rc = 0
     try:
         procs = ([svc.proc] if isinstance(svc, RedisService) else [svc.master, svc.client])
