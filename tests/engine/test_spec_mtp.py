@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -54,6 +55,18 @@ def reference():
     """(the builder module, its transformers reference model), loaded once."""
     b = load_builder()
     return b, b.reference_model(fixture("tiny-deepseek-v3"))
+
+
+def fixture_without(tmp_path, name: str, prefix: str):
+    """A copy of fixture `name` under tmp_path whose safetensors lack the tensors under prefix."""
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "no-mtp"
+    shutil.copytree(fixture(name), dst)
+    w = load_file(dst / "model.safetensors")
+    save_file({k: v for k, v in w.items() if not k.startswith(prefix)},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def mtp_runner(path: str, spec: dict | None = MTP):

@@ -16,7 +16,6 @@ and rejected both.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from tests.engine.test_spec_mtp import (
     PROMPTS,
     assert_clean_mtp,
     check_chained_drafts,
+    fixture_without,
     load_builder,
     mla_reference_fn,
     mtp_runner,
@@ -115,13 +115,7 @@ def test_mtp_is_refused_for_families_without_an_mtp_loader(name, cls):
 
 def test_mtp_is_refused_without_the_mtp_layer_weights(tmp_path):
     """config.json says num_nextn_predict_layers 1, the safetensors hold no layer 3."""
-    from safetensors.torch import load_file, save_file
-
-    dst = tmp_path / "no-mtp"
-    shutil.copytree(fixture(NAME), dst)
-    w = load_file(dst / "model.safetensors")
-    save_file({k: v for k, v in w.items() if not k.startswith("model.layers.3.")},
-              dst / "model.safetensors", metadata={"format": "pt"})
+    dst = fixture_without(tmp_path, NAME, "model.layers.3.")
     with pytest.raises(ValueError, match="holds no model.layers.3.eh_proj.weight"):
         mtp_runner(str(dst))
     cfg = json.loads((dst / "config.json").read_text())

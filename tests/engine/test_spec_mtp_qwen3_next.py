@@ -13,8 +13,6 @@ fitted to the target's greedy continuations of MTP_PROMPT, so drafts there are a
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -28,6 +26,7 @@ from tests.engine.test_spec_mtp import (
     PROMPTS,
     assert_clean_mtp,
     check_chained_drafts,
+    fixture_without,
     load_builder,
     mtp_runner,
 )
@@ -105,13 +104,7 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
 
 def test_mtp_is_refused_without_the_mtp_weights(tmp_path):
     """(Under -tp 2 the layer splits as the target's: tests/engine/test_spec_mtp_tp.py.)"""
-    from safetensors.torch import load_file, save_file
-
-    dst = tmp_path / "no-mtp"
-    shutil.copytree(fixture(NAME), dst)
-    w = load_file(dst / "model.safetensors")
-    save_file({k: v for k, v in w.items() if not k.startswith("mtp.")},
-              dst / "model.safetensors", metadata={"format": "pt"})
+    dst = fixture_without(tmp_path, NAME, "mtp.")
     with pytest.raises(ValueError, match="holds no mtp.fc.weight"):
         mtp_runner(str(dst))
     r = mtp_runner(fixture(NAME), None)

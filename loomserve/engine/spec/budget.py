@@ -133,6 +133,7 @@ class DraftBudget:
         self._off_steps = 0
         self._step_accepted = self._step_rejections = 0
         self.propose_s = 0.0  # the drafter's mean time for one request's proposal
+        self._prices: Prices | None = None  # the fit's, at the step's B (step_cap)
 
     @property
     def acceptance(self) -> float:
@@ -155,19 +156,21 @@ class DraftBudget:
         self._step += 1
         if num_decodes <= 0 or (self.max_batch is not None and num_decodes > self.max_batch):
             return 0
+        self._prices = self.fit.prices(num_decodes)  # for this step's checks, at its B
         return self.max_tokens
 
     def _probing(self) -> bool:
         return self._off_steps + 1 >= PROBE_EVERY
 
     def worth_proposing(self, request_id: str, num_decodes: int) -> bool:
-        """May a first draft of this request pay this step? (Skips the drafter where not.)"""
+        """May a first draft of this request pay this step (after step_cap(num_decodes))?
+        (Skips the drafter where not.)"""
         if self.always or self._probing():
             return True
         a = self.request_acceptance(request_id)
         if a < self.min_yield:
             return False
-        prices = self.fit.prices(num_decodes)
+        prices = self._prices
         if prices is None:
             return True
         return a * (prices.base + prices.tv) >= \
@@ -182,7 +185,7 @@ class DraftBudget:
                 counts[i] = min(n, self.k, cap - sum(counts))
             return counts
         acc = [self.request_acceptance(rid) for rid, _ in candidates]
-        p = self.fit.prices(num_decodes)
+        p = self._prices
         counts = self._greedy(acc, candidates, num_decodes, cap, p, whole=True)
         if p is not None and sum(c > 0 for c in counts) < num_decodes:
             counts = self._greedy(acc, candidates, num_decodes, cap, p, whole=False)

@@ -175,18 +175,9 @@ def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
     """The MTP modules of the checkpoint in `folder`, in `dtype` on `device`. Raises
     ValueError when the checkpoint lacks them or holds FP8 block-scaled MTP weights."""
     cfg = target.config
-    names = mtp_tensor_names(folder, cfg.num_layers)
-    if any(n.endswith("weight_scale_inv") for n in names):
-        raise ValueError("--speculative-config: the checkpoint's MTP weights are FP8 "
-                         "block-scaled, which the MTP drafter does not load; dequantize first")
     layers = []
-    for i in range(num_nextn):
-        pre = f"model.layers.{cfg.num_layers + i}."
-        mine = {n: p for n, p in names.items() if n.startswith(pre)}
-        if not any(n[len(pre):].startswith("eh_proj.") for n in mine):
-            raise ValueError(f"--speculative-config: method 'mtp' needs the checkpoint's MTP "
-                             f"weights, and {folder} holds no {pre}eh_proj.weight "
-                             f"(num_nextn_predict_layers is {num_nextn})")
+    for i, (pre, mine) in enumerate(mtp_layer_files(folder, cfg.num_layers, num_nextn,
+                                                    ("weight_scale_inv",), "FP8 block-scaled")):
         with torch.device("meta"):  # no time spent initializing what is loaded next
             layer = MtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
                              pre + "shared_head.head.weight" in mine)
@@ -196,6 +187,41 @@ def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
         _load_layer(target, layer, pre, mine)
         layers.append(layer)
     return DeepseekMTP(layers).eval().requires_grad_(False)
+
+
+def mtp_layer_files(folder: str, num_layers: int, num_nextn: int, scale_suffixes: tuple,
+                    scaled: str) -> list[tuple[str, dict[str, str]]]:
+    """(prefix model.layers.{N + i}., its tensors' names -> files) per MTP layer. Raises
+    ValueError when a tensor ends in one of scale_suffixes (`scaled` names that format) or a
+    layer has no eh_proj."""
+    names = mtp_tensor_names(folder, num_layers)
+    if any(n.endswith(scale_suffixes) for n in names):
+        raise ValueError(f"--speculative-config: the checkpoint's MTP weights are {scaled}, "
+                         "which the MTP drafter does not load; dequantize first")
+    out = []
+    for i in range(num_nextn):
+        pre = f"model.layers.{num_layers + i}."
+        mine = {n: p for n, p in names.items() if n.startswith(pre)}
+        if pre + "eh_proj.weight" not in mine:
+            raise ValueError(f"--speculative-config: method 'mtp' needs the checkpoint's MTP "
+                             f"weights, and {folder} holds no {pre}eh_proj.weight "
+                             f"(num_nextn_predict_layers is {num_nextn})")
+        out.append((pre, mine))
+    return out
+
+
+def layer_tensors(target: nn.Module, files: dict[str, str], pre: str):
+    """(name, name under pre, tensor; under TP the rank's slice) of files' tensors, file by
+    file, each once."""
+    from safetensors import safe_open
+
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            for name in sorted(n for n, p in files.items() if p == path):
+                rest, t = name[len(pre):], f.get_tensor(name)
+                if target.tp is not None:
+                    rest, t = rank_slice(target, rest, t)
+                yield name, rest, t
 
 
 def _parallelize(target: DeepseekV3ForCausalLM, layer: MtpLayer) -> None:
@@ -221,8 +247,6 @@ def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
                 files: dict[str, str]) -> None:
     """Every parameter of `layer` from its tensors (named under `pre`; under TP the rank's
     slices), exactly once."""
-    from safetensors import safe_open
-
     params = dict(layer.named_parameters())
     expected = {n + s for n in params if n.endswith("gate_up_proj.weight") for s in ("#0", "#1")}
     expected |= {n for n in params if not n.endswith(("gate_up_proj.weight", "mlp.experts_gate_up",
@@ -230,20 +254,14 @@ def _load_layer(target: DeepseekV3ForCausalLM, layer: MtpLayer, pre: str,
     if isinstance(layer.block.mlp, DeepseekMoE):
         expected |= {f"block.mlp.{k}" for k in layer.block.mlp.expected_keys()}
     seen: list[str] = []
-    for path in sorted(set(files.values())):
-        with safe_open(path, "pt") as f:
-            for name in sorted(n for n, p in files.items() if p == path):
-                rest, t = name[len(pre):], f.get_tensor(name)
-                if target.tp is not None:
-                    rest, t = rank_slice(target, rest, t)
-                    t = t.contiguous()
-                if rest.startswith(_BLOCK):
-                    t = target.deinterleaved(rest, t)
-                    keys = load_mlp_weight(layer.block, "block.", rest, name, t)
-                    seen.extend(keys if keys is not None
-                                else [copy_into(params, "block." + rest, t)])
-                else:
-                    seen.append(copy_into(params, rest, t))
+    for name, rest, t in layer_tensors(target, files, pre):
+        t = t.contiguous()
+        if rest.startswith(_BLOCK):
+            t = target.deinterleaved(rest, t)
+            keys = load_mlp_weight(layer.block, "block.", rest, name, t)
+            seen.extend(keys if keys is not None else [copy_into(params, "block." + rest, t)])
+        else:
+            seen.append(copy_into(params, rest, t))
     missing = expected - set(seen)
     dup = {n for n in seen if seen.count(n) > 1}
     if missing or dup:

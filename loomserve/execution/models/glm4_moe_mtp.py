@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loomserve.execution.models.deepseek_mtp import NextNParts, mtp_tensor_names, rank_slice
+from loomserve.execution.models.deepseek_mtp import NextNParts, layer_tensors, mtp_layer_files
 from loomserve.execution.models.glm4_moe import (
     Glm4MoeConfig,
     Glm4MoeDecoderLayer,
@@ -86,18 +86,9 @@ def load_mtp(target: Glm4MoeForCausalLM, folder: str, num_nextn: int,
     when the checkpoint lacks them or holds FP8-scaled MTP weights. Under TP each rank loads
     its slice, split as the target's layers (deepseek_mtp.py's rank_slice)."""
     cfg = target.config
-    names = mtp_tensor_names(folder, cfg.num_layers)
-    if any(n.endswith(("weight_scale_inv", "weight_scale")) for n in names):
-        raise ValueError("--speculative-config: the checkpoint's MTP weights are FP8-scaled, "
-                         "which the MTP drafter does not load; dequantize first")
     layers = []
-    for i in range(num_nextn):
-        pre = f"model.layers.{cfg.num_layers + i}."
-        mine = {n: p for n, p in names.items() if n.startswith(pre)}
-        if pre + "eh_proj.weight" not in mine:
-            raise ValueError(f"--speculative-config: method 'mtp' needs the checkpoint's MTP "
-                             f"weights, and {folder} holds no {pre}eh_proj.weight "
-                             f"(num_nextn_predict_layers is {num_nextn})")
+    for i, (pre, mine) in enumerate(mtp_layer_files(
+            folder, cfg.num_layers, num_nextn, ("weight_scale_inv", "weight_scale"), "FP8-scaled")):
         with torch.device("meta"):  # no time spent initializing what is loaded next
             layer = Glm4MoeMtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
                                     pre + "shared_head.head.weight" in mine)
@@ -114,12 +105,5 @@ def load_mtp(target: Glm4MoeForCausalLM, folder: str, num_nextn: int,
 def _tensors(target: Glm4MoeForCausalLM, files: dict[str, str], pre: str, dtype: torch.dtype):
     """(name under model.layers.0., tensor in `dtype`; under TP the rank's slice) for each of
     `files`' tensors under pre."""
-    from safetensors import safe_open
-
-    for path in sorted(set(files.values())):
-        with safe_open(path, "pt") as f:
-            for name in sorted(n for n, p in files.items() if p == path):
-                rest, t = name[len(pre):], f.get_tensor(name)
-                if target.tp is not None:
-                    rest, t = rank_slice(target, rest, t)
-                yield "model.layers.0." + rest, t.to(dtype).contiguous()
+    for _, rest, t in layer_tensors(target, files, pre):
+        yield "model.layers.0." + rest, t.to(dtype).contiguous()
