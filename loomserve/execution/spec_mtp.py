@@ -140,11 +140,9 @@ class MtpProposer:
         pos = [r.start + len(r.next_ids) - 1 for r in live]  # each live run's last position
         layers = model.mtp.layers
         for j in range(self.k):
-            layer = layers[min(j, len(layers) - 1)]
-            # under TP only rank 0 holds whole logits: `greedy` gives every rank the same ids,
-            # which the next chained row is fed (every family's layer has `greedy`)
-            ids = (layer.logits(model, h).argmax(dim=-1) if runner.tp is None
-                   else layer.greedy(model, h)).tolist()
+            # `greedy`: the logits' argmax, under TP the same ids on every rank (each feeds
+            # them to the next chained row) without gathering the logits
+            ids = layers[min(j, len(layers) - 1)].greedy(model, h).tolist()
             for r, t in zip(live, ids):
                 drafts[r.seq.request_id].append(t)
             keep = [n for n, r in enumerate(live) if self._has_slot(runner, r.seq, pos[n] + 1)]
