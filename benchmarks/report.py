@@ -383,11 +383,16 @@ def spec_decode(r: Result) -> list[Block]:
                 continue
             out.add(src, f"{sys_name} / none, {label}",
                     f"{x['tok_per_s'] / b['tok_per_s']:.2f}x",
-                    "-" if sys_name == "none-staggered" else _spec_goal(set_name, cs),
+                    "-" if sys_name.startswith("none-") else _spec_goal(set_name, cs),
                     len(x["runs"]), f"acceptance length {num(x['acceptance_length'] or 1)}; "
                     + _pass_ratios(x["runs"], b["runs"])
                     + f"{num(x['tok_per_s'])} tok/s; greedy text "
                     + _text_diff(x["runs"], b["runs"]) + f"; {_load(s)}")
+            sync = systems.get(sys_name.removesuffix("-async"), {}).get("rounds", {}).get(name)
+            if sys_name.endswith("-async") and sync is not None:  # what async scheduling adds
+                out.add(src, f"{sys_name} / {sys_name.removesuffix('-async')}, {label}",
+                        f"{x['tok_per_s'] / sync['tok_per_s']:.2f}x", "-", len(x["runs"]),
+                        _pass_ratios(x["runs"], sync["runs"]) + _load(s))
     return out.out()
 
 

@@ -14,6 +14,8 @@ Systems, each ``loomserve serve`` with its defaults (the built-in GGUF's blocks 
   suffix-request  {"method": "suffix", "suffix_session_scope": false, ...}: no session tree
   none-staggered  no speculation, as none, but each round's cache-filling pass sends stream i
                   --stagger-ms x i after the first: the none-vs-none baseline of the texts
+  none-async, suffix-async   as none and suffix, with --async-scheduling (a step with drafts
+                  runs alone; the others overlap the host work)
 
 Method: systems run one at a time (each server alone on the host), in ABBA order over
 --repeats passes so drift cancels; or, with --interleave, all servers at once and every round
@@ -67,7 +69,8 @@ from common.host import host_info  # noqa: E402
 from common.streaming import stream_completion  # noqa: E402
 from spec import workload  # noqa: E402
 
-SYSTEMS = ("none", "ngram", "suffix", "suffix-request", "none-staggered")
+SYSTEMS = ("none", "ngram", "suffix", "suffix-request", "none-staggered", "none-async",
+           "suffix-async")
 # --record: the benchmark of record, one command of ~15-20 minutes on 2 cores (estimated)
 RECORD = ["--systems", "none", "ngram", "suffix", "none-staggered",
           "--sets", "edit", "session", "control", "--concurrency", "1", "8", "32",
@@ -83,7 +86,7 @@ def spec_config(system: str, k: int) -> dict | None:
         return None
     if system == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k}
-    cfg: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": k}
+    cfg: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": k}  # suffix*
     if system == "suffix-request":
         cfg["suffix_session_scope"] = False
     return cfg
@@ -184,6 +187,8 @@ def server_argv(system: str, args: argparse.Namespace) -> tuple[list[str], int]:
     cfg = spec_config(system, args.k)
     if cfg is not None:
         argv += ["--speculative-config", json.dumps(cfg)]
+    if system.endswith("-async"):
+        argv.append("--async-scheduling")
     return argv, port
 
 

@@ -219,6 +219,7 @@ class EngineCore:
             self.kv.pins.on_drop = self.spec.drop_session
         self.scheduler.spec = self.spec
         self.overlap = make_step_overlap(config, self.executor, self.scheduler)
+        self._last_update: float | None = None  # async: when the latest step was updated
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_rejected = 0
@@ -283,7 +284,6 @@ class EngineCore:
         sched = SchedulerOutput(ModelInput([])) if self._drain_first() else \
             self.scheduler.schedule()
         inp = sched.model_input
-        shape = self.spec.step_shape(sched.scheduled) if self.spec is not None else None
         if self.structured is not None:
             self.structured.fill_bitmask(inp, self.scheduler.requests)
         trace.mark("schedule")
@@ -292,6 +292,7 @@ class EngineCore:
             inp = sched.model_input
         else:
             result = self._execute(sched)
+        shape = self.spec.step_shape(inp) if self.spec is not None else None
         trace.mark("execute")
         if tiers is not None:
             tiers.after_execute()
@@ -317,19 +318,39 @@ class EngineCore:
         if self.events is not None:
             self.events.flush()
         trace.mark("update")
-        if shape is not None:  # the drafts' whole cost: proposals, rows, verification
-            self.spec.observe_step(shape, time.perf_counter() - start)
+        if inp.seqs:  # the drafts' whole cost: proposals, rows, verification
+            seconds = self._step_seconds(start)
+            if shape is not None and seconds is not None:
+                self.spec.observe_step(shape, seconds)
         if trace.enabled:
             trace.end(_shape(inp))
         return outputs
 
     def _drain_first(self) -> bool:
-        """Async scheduling with a decode leg's KV to import: this step only finishes the one
-        in flight. An import (a tier load, a tail copy) writes rows claimed at schedule time,
-        and rows a finish, abort or preemption freed meanwhile may still be written by it."""
+        """Async scheduling: this step only finishes the one in flight (1) with a decode leg's
+        KV to import: an import (a tier load, a tail copy) writes rows claimed at schedule
+        time, and rows a finish, abort or preemption freed meanwhile may still be written by
+        the step in flight; (2) when the step in flight verifies drafts, or the next may draft
+        for a request whose token it samples (drafts follow known tokens, step_overlap.py)."""
         ov = self.overlap
-        return ov is not None and ov.in_flight and self.transfer.peer_attached and \
-            bool(self.scheduler.waiting)
+        if ov is None or not ov.in_flight:
+            return False
+        if self.transfer.peer_attached and self.scheduler.waiting:
+            return True
+        spec = self.spec
+        return spec is not None and (ov.drafts_in_flight or
+                                     spec.wants_drain(self.scheduler.running))
+
+    def _step_seconds(self, start: float) -> float | None:
+        """A step's whole time for the draft budget: schedule to update without async
+        scheduling; with it, the time since the update before (the steps' period: an
+        overlapped step costs what the overlap leaves; a drained one its whole length).
+        None for the first step after idling."""
+        now = time.perf_counter()
+        if self.overlap is None:
+            return now - start
+        last, self._last_update = self._last_update, now
+        return None if last is None else now - last
 
     def _execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Run a scheduled step on the workers and time it for the cost model."""
@@ -383,6 +404,7 @@ class EngineCore:
         the loop's idle wait, not at the next request), release finished tier writes and
         start due prefetches."""
         self.trace.idle()
+        self._last_update = None  # an idle gap is no step's time
         self.executor.check_health()
         if self.tiers is not None:
             self.tiers.poll()

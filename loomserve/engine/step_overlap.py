@@ -33,6 +33,12 @@ time, which may be rows freed while the step in flight still writes them (a fini
 an abort, a preemption): while the peer tier is attached and requests wait, a step only finishes
 the one in flight and the next schedules with none (EngineCore._drain_first).
 
+Speculative decoding: a step with drafts runs alone. Drafts follow a request's latest token
+and a verified request's count is known only at update, so the core finishes the step in
+flight before scheduling one that may draft, and finishes a step with drafts before scheduling
+the next (EngineCore._drain_first; which requests may draft: engine/spec/verify.py). Steps
+without drafts overlap as usual; the update rolls a verified request back as the synchronous one.
+
 Refused (refuse_unsupported): what reads or changes KV or tokens outside the step order.
 """
 
@@ -49,12 +55,9 @@ from loomserve.execution.batch import ModelInput, ModelOutput
 
 def refuse_unsupported(config: EngineConfig) -> None:
     """ValueError naming each combination --async-scheduling does not support, and why
-    (every rank layout, KV layer kind and P/D role is supported; DEP and tiers are not)."""
+    (every rank layout, KV layer kind, P/D role and drafter is supported; DEP and tiers are
+    not)."""
     why = []
-    if config.speculative.speculative_config is not None:
-        why.append("--speculative-config (drafts are proposed from a request's latest token "
-                   "and rejected ones roll its computed count back; with a step in flight that "
-                   "token is a placeholder and the count is not known)")
     if config.tier.enabled:
         why.append("KV tiers (a tier write copies pages the scheduler counts as computed, "
                    "which the step in flight may not have written yet)")
@@ -94,10 +97,17 @@ class StepOverlap:
         # (benchmarks/async_scheduling.py: the host work the overlap hides).
         self.wait_s = 0.0
         self.execute_s = 0.0
+        self.num_steps = 0  # steps started
+        self.num_overlapped = 0  # of them, started while the step before was in flight
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
+
+    @property
+    def drafts_in_flight(self) -> bool:
+        """The step in flight verifies drafts (its requests' counts are not known yet)."""
+        return self._pending is not None and bool(self._pending[0].num_drafts)
 
     def swap(self, sched: SchedulerOutput
              ) -> tuple[SchedulerOutput, ModelOutput, float] | None:
@@ -106,7 +116,11 @@ class StepOverlap:
         inp = sched.model_input
         started = None
         if inp.seqs or inp.finished_request_ids:
+            if self.drafts_in_flight:  # its requests' counts are unknown (_drain_first)
+                raise RuntimeError("a step was scheduled while drafts were being verified")
             started = (sched, self._thread.submit(self._run, inp))
+            self.num_steps += 1
+            self.num_overlapped += self._pending is not None
         done, self._pending = self._pending, started
         if done is None:
             return None
@@ -119,8 +133,8 @@ class StepOverlap:
         """On the execution thread: fill the placeholders, run the step."""
         last = self._last_sampled
         for s in inp.seqs:
-            if s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN:
-                s.token_ids[-1] = last[s.request_id]  # a decode's one token
+            if s.token_ids and s.token_ids[-1 - s.num_draft] == PLACEHOLDER_TOKEN:
+                s.token_ids[-1 - s.num_draft] = last[s.request_id]  # a decode's own token
             if s.history and s.history[-1] == PLACEHOLDER_TOKEN:
                 s.history[-1] = last[s.request_id]
         t0 = time.perf_counter()

@@ -139,9 +139,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan = self._plan()
         split = plan.target is not None and self.policy != "fcfs"
-        if self.spec is not None:
+        if self.spec is not None:  # drafts follow a request's latest token: never a placeholder
             self.spec.begin_step([r for r in self.running
-                                  if r.num_tokens - r.num_computed_tokens == 1])
+                                  if r.num_tokens - r.num_computed_tokens == 1
+                                  and not r.num_output_placeholders])
         if self.policy != "fcfs":  # higher priority first; victims come from later ones
             self.running.sort(key=lambda r: r.priority)
         done: set[str] = set()  # given blocks this step
@@ -391,7 +392,7 @@ class Scheduler:
 
         Returns (request, new token ids) for every request that produced a token."""
         if self.async_scheduling:
-            return self._update_async(out, sampled)
+            return self._update_async(out, sampled, verified)
         produced = []
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
@@ -412,16 +413,26 @@ class Scheduler:
             self.spec.end_step()
         return produced
 
-    def _update_async(self, out: SchedulerOutput, sampled: dict[str, int]
+    def _update_async(self, out: SchedulerOutput, sampled: dict[str, int],
+                      verified: dict[str, list[int]] | None
                       ) -> list[tuple[Request, list[int]]]:
         """Async scheduling: computed counts advanced at schedule time; here each placeholder
         becomes its real token. A request that finished meanwhile (a stop token found by the
         update before, an abort) drops it: its extra row in this step emits nothing. A request
-        preempted meanwhile keeps it, as it would have without async scheduling."""
+        preempted meanwhile keeps it, as it would have without async scheduling. A request with
+        drafts was not scheduled again while they were verified (EngineCore drains the step
+        first): its count rolls back past the rejected ones as without async scheduling."""
         produced = []
+        drafted = out.num_drafts
         for req in out.placeholders:
             req.num_output_placeholders -= 1
             if req.status.finished:
+                continue
+            d = drafted.get(req.request_id) if drafted else None
+            if d:
+                produced.append((req, self._accept(req, d, verified[req.request_id])))
+                if not req.status.finished:
+                    self.kv.cache_computed_blocks(req)
                 continue
             token = sampled[req.request_id]
             status = req.append_token(token)
@@ -429,6 +440,8 @@ class Scheduler:
             produced.append((req, [token]))
             if status is not None:
                 self.finish(req, status)
+        if self.spec is not None:
+            self.spec.end_step()
         return produced
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int]) -> list[int]:

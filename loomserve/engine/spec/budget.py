@@ -151,10 +151,14 @@ class DraftBudget:
         return (acc + PRIOR_WEIGHT * a) / (acc + rej + PRIOR_WEIGHT)
 
     # -- each step ---------------------------------------------------------------------------
+    def may_draft(self, num_decodes: int) -> bool:
+        """Whether a step of num_decodes decoding requests may hold drafts at all."""
+        return num_decodes > 0 and (self.max_batch is None or num_decodes <= self.max_batch)
+
     def step_cap(self, num_decodes: int) -> int:
         """Starts a step: the most draft rows it may hold (0: none)."""
         self._step += 1
-        if num_decodes <= 0 or (self.max_batch is not None and num_decodes > self.max_batch):
+        if not self.may_draft(num_decodes):
             return 0
         self._prices = self.fit.prices(num_decodes)  # for this step's checks, at its B
         return self.max_tokens

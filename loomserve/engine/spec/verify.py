@@ -17,8 +17,16 @@ Flow per step (the scheduler calls in; loomserve.execution.rejection_sampler run
    block tables and the TP step message depend on it); every block returns at finish.
 4. `on_verified` feeds the budget (the request's and the batch's acceptance) and the metrics
    (vLLM's spec_decode_* counters); `observe_step` gives the budget the whole time of each
-   decode-only step (the drafter's proposals and verification included), its request count
-   and its draft rows.
+   decode-only step (the drafter's proposals and verification included; under async
+   scheduling the period between two steps' updates), its request count and its draft rows.
+
+Async scheduling (engine/step_overlap.py): drafts follow a request's latest token, and a
+request with drafts in flight has an unknown count, so a step with drafts runs alone: the core
+finishes the step in flight before scheduling one that may draft (`wants_drain`) and finishes
+a step with drafts before scheduling the next. Steps without drafts overlap as usual. So that
+a workload with nothing to copy keeps most of its overlap, the core drains only for a request
+never asked, one whose last ask gave drafts, or one last asked REASK_EVERY steps ago (a drain
+asks every decoding request, so their turns fall together).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from loomserve.config.speculative import SpeculativeConfig
 from loomserve.engine.spec.budget import DraftBudget
 from loomserve.engine.spec.drafter import Drafter, DraftRequest
 from loomserve.engine.spec.ngram import NgramDrafter
+
+REASK_EVERY = 4  # async scheduling: steps a request whose drafter had nothing runs overlapped
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
@@ -65,10 +75,13 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._planned: dict[str, list[int]] = {}
         self._views: dict[str, DraftRequest] = {}
+        self._step = 0
+        self._asked: dict[str, tuple[int, bool]] = {}  # id -> (step last asked, got drafts)
 
     def begin_step(self, decodes: list) -> None:
         """Chooses this step's drafts for the decoding requests (before it is scheduled)."""
         self._planned = {}
+        self._step += 1
         b = len(decodes)
         cap = self.budget.step_cap(b)
         if cap <= 0:
@@ -84,6 +97,20 @@ class SpecDecoder:
         for rid, drafts, n in zip(ids, proposals, counts):
             if n:
                 self._planned[rid] = drafts[:n]
+        for req in decodes:
+            self._asked[req.request_id] = (self._step, req.request_id in self._planned)
+
+    def wants_drain(self, running: list) -> bool:
+        """Async scheduling, a step in flight: would the next step draft for a request whose
+        token that step samples (so it must be finished first)? See the module docstring."""
+        decodes = [r for r in running if r.num_output_placeholders]
+        if not self.budget.may_draft(len(decodes)):
+            return False
+        for req in decodes:
+            last = self._asked.get(req.request_id)
+            if last is None or last[1] or self._step - last[0] >= REASK_EVERY:
+                return True
+        return False
 
     def view(self, req) -> DraftRequest:
         v = self._views.get(req.request_id)
@@ -131,12 +158,12 @@ class SpecDecoder:
         self.budget.observe(request_id, num_accepted, num_accepted < num_drafts)
 
     @staticmethod
-    def step_shape(scheduled: list) -> tuple[int, int] | None:
-        """(decoding requests, draft rows) of a decode-only step as scheduled; None else."""
-        if not scheduled or any(req.num_tokens - req.num_computed_tokens != 1
-                                for req, _ in scheduled):
+    def step_shape(inp) -> tuple[int, int] | None:
+        """(decoding requests, draft rows) of a decode-only step's ModelInput; None else."""
+        seqs = inp.seqs
+        if not seqs or any(not s.sample or len(s.token_ids) != 1 + s.num_draft for s in seqs):
             return None
-        return len(scheduled), sum(n for _, n in scheduled) - len(scheduled)
+        return len(seqs), sum(s.num_draft for s in seqs)
 
     def observe_step(self, shape: tuple[int, int] | None, seconds: float) -> None:
         """A step of `shape` (step_shape) took `seconds`, scheduling to update: a decode-only
@@ -149,6 +176,7 @@ class SpecDecoder:
 
     def on_finished(self, req) -> None:
         self.budget.forget(req.request_id)
+        self._asked.pop(req.request_id, None)
         v = self._views.pop(req.request_id, None) or DraftRequest(
             req.request_id, req.session_id, req.all_token_ids, req.num_prompt_tokens)
         self.drafter.on_finished(v)
