@@ -145,3 +145,18 @@ def test_nothing_to_copy_keeps_the_overlap():
         clean(llm)
     finally:
         llm.close()
+
+
+def test_tensor_parallel_two_ranks_identical(monkeypatch):
+    """-tp 2: the drafted step's message and collectives still run on the execution thread in
+    schedule order; the output is the one-rank plain engine's."""
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")  # the worker inherits the environment
+    ps = prompts()[:2]
+    ref = reference("tiny-llama", ps)
+    llm = make("tiny-llama", NGRAM, async_scheduling=True, tensor_parallel_size=2)
+    try:
+        assert tokens(llm, ps) == ref
+        assert llm.core.stats().spec_decode_num_accepted_tokens > 0
+        clean(llm)
+    finally:
+        llm.close()
