@@ -7,10 +7,10 @@ token is now known: a row at position p gets the target's final hidden state h_p
 which is the next row's token, or for the last accepted row the token just sampled (with
 drafts: rows 0..a, the accepted drafts then the token sampled after them; rejected rows are not
 run). Its K/V rows go to the module's own attention layer (MLA for DeepSeek-V3, GQA for
-GLM-4.5 and Qwen3-Next) at the same positions and slots, so every position the target has
-accepted also has its MTP row, computed from the accepted tokens: rejected drafts leave nothing
-behind that the next steps do not overwrite, and a page holds the MTP row with the target's
-(prefix hits, tiers, P/D move it).
+GLM-4.5, Qwen3-Next and Qwen3.5) at the same positions and slots, so every position the
+target has accepted also has its MTP row, computed from the accepted tokens: rejected drafts
+leave nothing behind that the next steps do not overwrite, and a page holds the MTP row with the
+target's (prefix hits, tiers, P/D move it).
 A prefill chunk that does not end the prompt holds its last row back (its next token is the
 next chunk's first) and runs it at the start of the next chunk's pass.
 
@@ -50,6 +50,16 @@ from loomserve.execution.attention import build_metadata
 from loomserve.execution.attention.metadata import to_device
 from loomserve.execution.batch import ModelOutput, ScheduledSeq
 
+# families whose config.json names MTP modules the drafter does not run, and why
+# (docs/design/speculative.md, MTP drafts: Refused)
+_NOT_BUILT = {
+    "DeepseekV32ForCausalLM": "its MTP layer has a lightning indexer of its own, which needs "
+                              "the layer's rows in two KV groups (latent rows and indexer keys); "
+                              "the drafter builds one group's attention metadata",
+    "MiniMaxM2ForCausalLM": "the released MiniMax-M2 checkpoints name MTP modules in config.json "
+                            "(num_mtp_modules) but carry no trained MTP weights",
+}
+
 
 @dataclasses.dataclass
 class MtpRun:
@@ -71,6 +81,7 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
     from loomserve.execution.models import deepseek_mtp, glm4_moe_mtp, qwen3_next_mtp
     from loomserve.execution.models.deepseek_v3 import DeepseekV3ForCausalLM
     from loomserve.execution.models.glm4_moe import Glm4MoeForCausalLM
+    from loomserve.execution.models.qwen3_5 import Qwen3_5ForCausalLM, text_config
     from loomserve.execution.models.qwen3_next import Qwen3NextForCausalLM
     from loomserve.execution.parallel.state import get_dcp, get_pcp
 
@@ -79,19 +90,24 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
     # output (after the final norm) in model.last_hidden
     loaders = {DeepseekV3ForCausalLM: deepseek_mtp.load_mtp,
                Glm4MoeForCausalLM: glm4_moe_mtp.load_mtp,
-               Qwen3NextForCausalLM: qwen3_next_mtp.load_mtp}
+               Qwen3NextForCausalLM: qwen3_next_mtp.load_mtp,
+               Qwen3_5ForCausalLM: qwen3_next_mtp.load_mtp}  # Qwen3-Next's layer, dense or MoE
     load_mtp = loaders.get(type(model))
     if load_mtp is None:
+        why = _NOT_BUILT.get(type(model).__name__)
         raise ValueError(f"--speculative-config: method 'mtp' runs the MTP layers of "
                          f"{', '.join(c.__name__ for c in loaders)}; "
-                         f"{type(model).__name__} is not supported")
+                         f"{type(model).__name__} is not supported" + (f": {why}" if why else ""))
     with open(os.path.join(folder, "config.json")) as f:
-        num_nextn = int(json.load(f).get("num_nextn_predict_layers") or 0)
+        d, key = json.load(f), "num_nextn_predict_layers"
+    if type(model) is Qwen3_5ForCausalLM:  # the released ones: under text_config
+        d, key = text_config(d), "mtp_num_hidden_layers"
+    num_nextn = int(d.get(key) or 0)
     if type(model) is Qwen3NextForCausalLM and num_nextn < 1:
         num_nextn = 1  # its config.json names no count: one layer, as it ships (vLLM's default)
     if num_nextn < 1:
-        raise ValueError("--speculative-config: method 'mtp' needs a checkpoint with MTP "
-                         "layers; its config.json has no num_nextn_predict_layers >= 1")
+        raise ValueError(f"--speculative-config: method 'mtp' needs a checkpoint with MTP "
+                         f"layers; its config.json has no {key} >= 1")
     if get_dcp() is not None or get_pcp() is not None:  # TP runs: see TP in the docstring
         raise ValueError("--speculative-config: method 'mtp' does not run under context "
                          "parallelism (DCP / PCP) yet")

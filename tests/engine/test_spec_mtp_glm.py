@@ -105,11 +105,14 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
         assert first == int(logits[count - 2].argmax()), count
 
 
-@pytest.mark.parametrize("name, cls", [("tiny-qwen3-5", "Qwen3_5ForCausalLM"),
-                                       ("tiny-minimax-m2", "MiniMaxM2ForCausalLM")])
-def test_mtp_is_refused_for_families_without_an_mtp_loader(name, cls):
-    """Qwen3.5 (a Qwen3-Next subclass whose MTP layer is not built) and MiniMax-M2."""
-    with pytest.raises(ValueError, match=f"Glm4MoeForCausalLM, .*; {cls} is not supported"):
+@pytest.mark.parametrize("name, cls, why", [
+    ("tiny-deepseek-v32", "DeepseekV32ForCausalLM", "lightning indexer of its own"),
+    ("tiny-minimax-m2", "MiniMaxM2ForCausalLM", "carry no trained MTP weights")])
+def test_mtp_is_refused_for_families_without_an_mtp_loader(name, cls, why):
+    """DeepSeek-V3.2 (a DeepSeek-V3 subclass whose MTP layer, with its own indexer, is not
+    built) and MiniMax-M2 (no MTP weights released), each naming why."""
+    message = f"Glm4MoeForCausalLM, .*; {cls} is not supported: .*{why}"
+    with pytest.raises(ValueError, match=message):
         mtp_runner(fixture(name))
 
 

@@ -35,21 +35,33 @@ from tests.execution.models.test_linear_layers import RunnerSeqs
 NAME = "tiny-qwen3-next"
 
 
+def reference_of(name: str):
+    """(build_linear_fixtures, its transformers reference of fixture `name` with the MTP layer
+    as layer n)."""
+    b = load_builder("build_linear_fixtures.py")
+    return b, b.qwen3_next_mtp_reference_model(fixture(name))
+
+
 @pytest.fixture(scope="module")
 def reference():
-    """(build_linear_fixtures, its transformers reference with the MTP layer as layer n)."""
-    b = load_builder("build_linear_fixtures.py")
-    return b, b.qwen3_next_mtp_reference_model(fixture(NAME))
+    return reference_of(NAME)
 
 
 def test_mtp_logits_equal_the_plain_torch_reference(reference):
-    r = mtp_runner(fixture(NAME))
-    layer = r.model.mtp.layers[0]
-    assert type(layer.model.layers[0].mlp).__name__ == "SparseMoE"
     # the MTP layer's gated attention: a fifth layer, full attention, grouped with layers 1, 3
+    check_mtp_logits(NAME, reference, "SparseMoE", (1, 3, 4))
+
+
+def check_mtp_logits(name: str, reference, mlp: str, attention_layers: tuple[int, ...]) -> None:
+    """On fixture `name` (4 layers): the MTP layer's decoder layer has an `mlp` MLP, its
+    attention is the fifth layer, in the group of the target's `attention_layers`; its logits
+    for every row and chained drafts 2 and 3 equal the reference's."""
+    r = mtp_runner(fixture(name))
+    layer = r.model.mtp.layers[0]
+    assert type(layer.model.layers[0].mlp).__name__ == mlp
     assert len(r.layer_specs) == 5 and isinstance(r.layer_specs[4], FullAttentionSpec)
     g_attn = r.attn_groups[0]
-    assert r.kv_cache_config.groups[g_attn].layer_ids == (1, 3, 4)
+    assert r.kv_cache_config.groups[g_attn].layer_ids == attention_layers
     tokens = [5, 17, 301, 42, 42, 9, 128, 77, 3, 250, 64]
     rs = RunnerSeqs(r)
     tables = rs.new()
@@ -76,11 +88,15 @@ def test_mtp_logits_equal_the_plain_torch_reference(reference):
 
 
 def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference):
+    check_greedy_exact(NAME, reference)
+
+
+def check_greedy_exact(name: str, reference) -> None:
     """Exact greedy outputs over the hybrid target, drafts accepted and rejected, and every
     step's draft 1 equal to the reference's argmax over the final sequence at that position."""
-    plain = make(NAME, None)
+    plain = make(name, None)
     ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    llm = make(NAME, MTP, max_num_batched_tokens=32)  # prompts in several chunks
+    llm = make(name, MTP, max_num_batched_tokens=32)  # prompts in several chunks
     seen: list[tuple[int, int]] = []
     receive = llm.core.spec.receive
     llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),

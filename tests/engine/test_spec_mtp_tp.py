@@ -1,5 +1,6 @@
 """MTP drafts under tensor parallelism (-tp 2, gloo on the CPU) on tiny-deepseek-v3, and on
-tiny-glm4-moe and tiny-qwen3-next (their MTP layer split as their target's layers).
+tiny-glm4-moe, tiny-qwen3-next and tiny-qwen3-5-moe (their MTP layer split as their target's
+layers).
 
 Oracles: the same engine at one rank, without drafts (greedy outputs) and with MTP drafts (every
 draft list the core received, and so the acceptance counts). Rank 1 holds half the MTP module's
@@ -85,10 +86,12 @@ def _qwen3_next_slice(mtp) -> tuple:
 
 
 @pytest.mark.parametrize("name, slice_of", [("tiny-glm4-moe", _glm_slice),
-                                            ("tiny-qwen3-next", _qwen3_next_slice)])
+                                            ("tiny-qwen3-next", _qwen3_next_slice),
+                                            ("tiny-qwen3-5-moe", _qwen3_next_slice)])
 def test_glm_and_qwen3_next_mtp_split_as_their_targets(name, slice_of):
     """GLM-4.5's MTP layer (GQA with q/k/v bias, MoE with a shared expert, its own head) and
-    Qwen3-Next's (gated attention, MoE with a gated shared expert, the target's head) at -tp 2:
+    Qwen3-Next's (gated attention, MoE with a gated shared expert, the target's head; Qwen3.5's
+    alike, from the released layout, by Qwen3_5TP) at -tp 2:
     rank 0 holds half the heads (one of the two KV heads), half the expert columns, half the
     own head's vocabulary rows; outputs equal one rank's without drafts, drafts one rank's."""
     model = fixture(name)

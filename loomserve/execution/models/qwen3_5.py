@@ -13,7 +13,8 @@ all checked against transformers:
 Checkpoints: the released ones are the vision-language Qwen3_5ForConditionalGeneration /
 Qwen3_5MoeForConditionalGeneration (config.json's text_config; weights model.language_model.*,
 model.visual.*, lm_head, mtp.*). Only the text causal LM is served: its config is read from
-text_config, its weights renamed to model.*, the vision tower and the MTP head skipped. A flat
+text_config, its weights renamed to model.*, the vision tower and the MTP layer skipped (for
+`"method": "mtp"` drafts qwen3_next_mtp.py loads the MTP layer, as Qwen3-Next's). A flat
 Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint loads as it is.
 
 Tensor parallelism: Qwen3-Next's split (Qwen3NextTP), on the renamed weights.

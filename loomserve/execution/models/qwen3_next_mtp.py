@@ -1,4 +1,5 @@
-"""Qwen3-Next's multi-token prediction (MTP) layer, loaded to draft for speculative decoding.
+"""Qwen3-Next's and Qwen3.5's multi-token prediction (MTP) layer, loaded to draft for speculative
+decoding.
 
 Qwen3-Next checkpoints carry one MTP layer beside the model, under `mtp.`: pre_fc_norm_embedding,
 pre_fc_norm_hidden, fc, layers.0 (a full-attention decoder layer as the model's own: gated
@@ -17,6 +18,15 @@ drives it through the interface of DeepSeek's and GLM-4.5's modules. Under tenso
 its decoder layer splits as the target's layers (Qwen3NextTP); fc and the norms are whole.
 transformers has no MTP code; the test reference is the formula in plain torch around
 transformers' Qwen3Next decoder layer.
+
+Qwen3.5 (dense and MoE; qwen3_5.py serves it on these classes) carries the same layer under the
+same names, also in the released vision-language checkpoints (mtp.* beside model.language_model.*,
+as vLLM's qwen3_5_mtp reads them): fc over [pre_fc_norm_embedding(embed); pre_fc_norm_hidden(h)],
+one full-attention decoder layer of the model's kind (a dense SwiGLU for the dense models, the
+sparse MoE with its gated shared expert for the MoE ones), norm, the model's embedding and head.
+Its config counts the layers (text_config's mtp_num_hidden_layers: 1 in the released configs
+seen). Under TP its layer splits by Qwen3_5TP (Qwen3-Next's split). The test reference is the
+same formula around transformers' Qwen3.5 decoder layer.
 """
 
 from __future__ import annotations
@@ -95,9 +105,10 @@ class Qwen3NextMTP(nn.Module):
 def load_mtp(target: Qwen3NextForCausalLM, folder: str, num_nextn: int,
              dtype: torch.dtype, device: torch.device) -> Qwen3NextMTP:
     """The MTP layer of the checkpoint in `folder`, in `dtype` on `device` (num_nextn: 1, the
-    one layer Qwen3-Next ships). Raises ValueError when the checkpoint lacks it or holds more
-    than one. Under TP each rank loads the slice of its decoder layer the target's plan gives
-    (fc and the norms whole; embedding and head are the target's)."""
+    one layer Qwen3-Next and Qwen3.5 ship; more would share fc and norms, as vLLM builds them).
+    Raises ValueError when the checkpoint lacks it or holds more than one. Under TP each rank
+    loads the slice of its decoder layer the target's plan gives (fc and the norms whole;
+    embedding and head are the target's)."""
     cfg = target.config
     names = _mtp_tensor_files(folder)
     if any(n.endswith(("weight_scale_inv", "weight_scale")) for n in names):
@@ -108,8 +119,9 @@ def load_mtp(target: Qwen3NextForCausalLM, folder: str, num_nextn: int,
                          f"weights, and {folder} holds no mtp.fc.weight")
     count = len({int(m.group(1)) for n in names if (m := _MTP_LAYER.match(n))})
     if count != 1 or num_nextn != 1:
-        raise ValueError(f"--speculative-config: Qwen3-Next's MTP drafter runs one MTP layer; "
-                         f"{folder} holds {count} (num_nextn_predict_layers {num_nextn})")
+        raise ValueError(f"--speculative-config: the Qwen3-Next / Qwen3.5 MTP drafter runs one "
+                         f"MTP layer; {folder} holds {count} (the config says {num_nextn})")
+    # Qwen3-Next's layer and Qwen3.5-MoE's are sparse, Qwen3.5's dense one is not
     moe = any(".mlp.experts." in n or n.endswith("mlp.gate.weight") for n in names)
     n = cfg.num_layers
     block_cfg = dataclasses.replace(  # the layer as layer n of the model: full attention
