@@ -34,6 +34,10 @@ subcommand modules it imports); do not edit by hand. After changing an option, r
 `.venv/bin/python docs/gen_cli.py`; `tests/test_docs_current.py` fails while this page is
 stale. What the options do, and how they combine, is explained in the other pages of
 [docs/usage/](.).
+
+vLLM's spellings work too: underscores for dashes (`--max_model_len 8192`), and a JSON
+option's keys one at a time, nested with more dots and merged over the option's own JSON
+(`--speculative-config.method ngram --speculative-config.num_speculative_tokens 4`).
 """
 
 

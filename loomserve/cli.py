@@ -9,6 +9,7 @@ docs/usage/cli.md is generated from these parsers (docs/gen_cli.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -350,9 +351,96 @@ def _add_control(p) -> None:
                         "pull may take (default: %(default)s)")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that also takes vLLM's spellings of an option (its FlexibleArgumentParser):
+    underscores for dashes (--max_model_len), and a JSON option's keys one at a time
+    (--speculative-config.method ngram, nested with more dots), merged over the option's own
+    JSON when both are given. Each parser rewrites only its own options (subcommands' parsers
+    are of this class too), so an unknown option is reported as it was typed."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(vllm_spellings(args, self._option_string_actions),
+                                        namespace)
+
+
+def vllm_spellings(args: list[str], options: dict) -> list[str]:
+    """args with this parser's options in its own spelling (see ArgumentParser)."""
+    out: list[str] = []
+    keys: dict[str, dict] = {}  # a JSON option -> the keys given one at a time
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == "--":
+            out += args[i:]
+            break
+        name, eq, value = tok.partition("=")
+        base, dot, path = name.partition(".")
+        dashed = base.replace("_", "-") if base.startswith("--") else base
+        action = options.get(dashed)
+        if action is None:
+            out.append(tok)
+        elif not dot:
+            out.append(dashed + eq + value)
+        elif action.metavar == "JSON":  # --option.key value / --option.key=value
+            if not eq:
+                i += 1
+                if i == len(args):
+                    raise SystemExit(f"loomserve: error: {name} needs a value")
+                value = args[i]
+            _set_path(keys.setdefault(dashed, {}), path.split("."), _json_or_text(value))
+        else:
+            out.append(tok)
+        i += 1
+    for option, given in keys.items():
+        out = _merge_json_option(out, option, given)
+    return out
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _set_path(d: dict, path: list[str], value) -> None:
+    for key in path[:-1]:
+        d = d.setdefault(key, {})
+    d[path[-1]] = value
+
+
+def _merge_json_option(args: list[str], option: str, keys: dict) -> list[str]:
+    """args with option's JSON (the last one given, if any) updated by keys, given once."""
+    whole: dict = {}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if tok == option or tok.startswith(option + "="):
+            text = tok.partition("=")[2] if "=" in tok else (args[i + 1] if i + 1 < len(args)
+                                                              else "{}")
+            i += 1 if "=" in tok else 2
+            parsed = _json_or_text(text)
+            whole = parsed if isinstance(parsed, dict) else whole
+            continue
+        out.append(tok)
+        i += 1
+    _deep_update(whole, keys)
+    return out + [option, json.dumps(whole)]
+
+
+def _deep_update(d: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(d.get(k), dict):
+            _deep_update(d[k], v)
+        else:
+            d[k] = v
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `loomserve` parser with every subcommand; builds it, runs nothing."""
-    parser = argparse.ArgumentParser(prog="loomserve",
+    parser = ArgumentParser(prog="loomserve",
                                      description="An LLM serving engine for agentic traffic.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(sub)

@@ -76,3 +76,28 @@ def test_serve_subprocess_prints_one_startup_line_and_serves():
         assert piece in line, (piece, line)
     # uvicorn re-raises the SIGTERM it shut down on, after a graceful shutdown.
     assert proc.returncode in (0, -15), out
+
+
+def test_vllm_spellings_underscores_and_json_keys_one_at_a_time():
+    """As vLLM's parser: --max_model_len for --max-model-len; --speculative-config.key value
+    (nested with dots, merged over the option's own JSON, the keys winning); an unknown
+    option is reported as typed."""
+    p = build_parser()
+    cfg = engine_config_from_args(p.parse_args([
+        "serve", "--max_model_len", "512", "--max_num_seqs=7", "my_model_dir",
+        "--speculative_config", '{"method": "ngram", "num_speculative_tokens": 5}',
+        "--speculative-config.num_speculative_tokens=2", "--speculative-config.prompt_lookup_max",
+        "3", "--hf-overrides.rope_scaling.factor", "2.0",
+        "--hf-overrides.rope_scaling.rope_type", "yarn"]))
+    assert (cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == (512, 7)
+    assert cfg.model.model == "my_model_dir"  # a positional keeps its underscores
+    spec = cfg.speculative.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 2, 3)
+    assert cfg.model.hf_overrides == {"rope_scaling": {"factor": 2.0, "rope_type": "yarn"}}
+    only_keys = engine_config_from_args(p.parse_args(
+        ["serve", "--speculative-config.method", "suffix",
+         "--speculative-config.num_speculative_tokens", "4"])).speculative.speculative_config
+    assert (only_keys.method, only_keys.num_speculative_tokens) == ("suffix", 4)
+    for bad in (["serve", "--no_such_option"], ["serve", "--max-model-len.x", "3"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
