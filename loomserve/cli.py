@@ -80,6 +80,7 @@ def _add_serve(sub) -> None:
     _add_parallel(p)
     _add_chat(p)
     _add_control(p)
+    _add_vllm_options(p)
     p.set_defaults(func=_serve)
 
 
@@ -351,6 +352,71 @@ def _add_control(p) -> None:
                         "pull may take (default: %(default)s)")
 
 
+# vLLM options that ask for what loomserve always does: accepted, with no effect
+_VLLM_ALWAYS = {
+    "--trust-remote-code": "loomserve runs its own model code, never a checkpoint's",
+    "--enable-auto-tool-choice": "tool_choice auto works wherever a tool-call parser applies "
+                                 "(--tool-call-parser)",
+    "--enable-chunked-prefill": "prefill is always chunked",
+    "--enforce-eager": "eager is the default (--cuda-graphs turns graphs on)",
+    "--disable-log-stats": "loomserve logs no periodic stats (/metrics has them)",
+}
+
+
+def _add_vllm_options(p) -> None:
+    g = p.add_argument_group(
+        "vLLM's options", "accepted so that a vLLM command line runs as it is: each maps to "
+                          "loomserve's own option, or asks for what loomserve always does")
+    g.add_argument("--model", dest="model_option", metavar="MODEL",
+                   help="the model, as the positional MODEL")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="on a GPU, --kv-cache-memory F (F of the device's memory for this "
+                        "engine); on a CPU no effect (its pool: --kv-cache-memory)")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=_DEFAULTS["enable_prefix_caching"], help="on by default")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="--no-prefix-caching")
+    g.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                   help="--host-cache-memory of this many GiB")
+    g.add_argument("--kv-offloading-backend", choices=["native"], metavar="NAME",
+                   help="native only: loomserve's own host tier")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    for flag, what in _VLLM_ALWAYS.items():
+        g.add_argument(flag, action="store_true", help=f"no effect: {what}")
+
+
+def vllm_options(args: argparse.Namespace) -> None:
+    """Fold vLLM's options (_add_vllm_options) into loomserve's own, in place; ValueError on
+    a conflict."""
+    model = getattr(args, "model_option", None)
+    if model is not None:
+        if args.model not in (None, _DEFAULTS["model"], model):
+            raise ValueError(f"two models given: {args.model} and --model {model}")
+        args.model = model
+    f = getattr(args, "gpu_memory_utilization", None)
+    if f is not None:
+        if not 0 < f <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if args.kv_cache_memory is None and _on_cuda(args):
+            args.kv_cache_memory = str(f)
+    size = getattr(args, "kv_offloading_size", None)
+    if size is not None:
+        if args.host_cache_memory not in (None, _DEFAULTS["host_cache_memory"]):
+            raise ValueError("both --host-cache-memory and --kv-offloading-size given")
+        args.host_cache_memory = f"{size}GiB"
+    if getattr(args, "enforce_eager", False) and args.cuda_graphs:
+        raise ValueError("--enforce-eager and --cuda-graphs contradict each other")
+
+
+def _on_cuda(args: argparse.Namespace) -> bool:
+    device = getattr(args, "device", "auto")
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch
+    return torch.cuda.is_available()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that also takes vLLM's spellings of an option (its FlexibleArgumentParser):
     underscores for dashes (--max_model_len), and a JSON option's keys one at a time
@@ -452,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    vllm_options(args)
     names = flat_fields()
     kwargs = {k: v for k, v in vars(args).items() if k in names}
     served = getattr(args, "served_model_names", None)

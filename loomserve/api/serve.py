@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 
@@ -65,6 +66,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     log_format = getattr(args, "log_format", "text")
     configure_logging(args.log_level, log_format)
+    if getattr(args, "disable_log_requests", False):  # vLLM's option: no line per request
+        logging.getLogger("loomserve.requests").setLevel(logging.WARNING)
     try:
         options = chat_options(args)  # before the model loads: a typo fails fast
     except ValueError as e:

@@ -101,3 +101,31 @@ def test_vllm_spellings_underscores_and_json_keys_one_at_a_time():
     for bad in (["serve", "--no_such_option"], ["serve", "--max-model-len.x", "3"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
+
+
+def test_a_vllm_command_line_runs_as_it_is():
+    """vLLM's serve options map to loomserve's (--model, --gpu-memory-utilization on a GPU
+    only, --kv-offloading-size, --[no-]enable-prefix-caching) or are what loomserve always
+    does (accepted, no effect); contradictions are errors naming both."""
+    p = build_parser()
+    args = p.parse_args([
+        "serve", "--model", "some_dir", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
+        "--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-chunked-prefill", "--disable-log-requests", "--enforce-eager",
+        "--disable-log-stats", "--kv-offloading-size", "4", "--kv-offloading-backend", "native",
+        "--device", "cpu"])
+    cfg = engine_config_from_args(args)
+    assert cfg.model.model == "some_dir" and cfg.cache.enable_prefix_caching
+    assert cfg.cache.kv_cache_memory is None  # a CPU: --gpu-memory-utilization has no effect
+    assert cfg.tier.host_cache_memory == 4 << 30
+    gpu = engine_config_from_args(p.parse_args(
+        ["serve", "--gpu-memory-utilization", "0.5", "--device", "cuda"]))
+    assert gpu.cache.kv_cache_memory.fraction == 0.5
+    assert not engine_config_from_args(
+        p.parse_args(["serve", "--no-enable-prefix-caching"])).cache.enable_prefix_caching
+    for bad, message in ((["a", "--model", "b"], "two models"),
+                         (["--enforce-eager", "--cuda-graphs"], "contradict"),
+                         (["--gpu-memory-utilization", "1.5"], r"\(0, 1\]"),
+                         (["--host-cache-memory", "1GiB", "--kv-offloading-size", "2"], "both")):
+        with pytest.raises(ValueError, match=message):
+            engine_config_from_args(p.parse_args(["serve", *bad]))
