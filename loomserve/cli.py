@@ -235,8 +235,8 @@ def _add_scheduling(p) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    default=_DEFAULTS["async_scheduling"],
                    help="schedule the next step while this one executes (any rank layout, "
-                        "model, P/D role and drafter: a step with drafts runs alone; not with "
-                        "KV tiers or DEP); "
+                        "model, P/D role, KV tier and drafter: a step with drafts runs alone; "
+                        "not with DEP); "
                         "docs/design/scheduler.md (default: off)")
 
 

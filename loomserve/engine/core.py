@@ -219,6 +219,7 @@ class EngineCore:
             self.kv.pins.on_drop = self.spec.drop_session
         self.scheduler.spec = self.spec
         self.overlap = make_step_overlap(config, self.executor, self.scheduler)
+        self._pace_tiers()
         self._last_update: float | None = None  # async: when the latest step was updated
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -327,15 +328,17 @@ class EngineCore:
         return outputs
 
     def _drain_first(self) -> bool:
-        """Async scheduling: this step only finishes the one in flight (1) with a decode leg's
-        KV to import: an import (a tier load, a tail copy) writes rows claimed at schedule
+        """Async scheduling: this step only finishes the one in flight (1) while a decode leg
+        may get its tail copied at admission: the copy writes a block allocated at schedule
         time, and rows a finish, abort or preemption freed meanwhile may still be written by
-        the step in flight; (2) when the step in flight verifies drafts, or the next may draft
-        for a request whose token it samples (drafts follow known tokens, step_overlap.py)."""
+        the step in flight (an import's tier load waits for that step itself,
+        kv/connector/loads.py); (2) when the step in flight verifies drafts, or the next may
+        draft for a request whose token it samples (drafts follow known tokens,
+        step_overlap.py)."""
         ov = self.overlap
         if ov is None or not ov.in_flight:
             return False
-        if self.transfer.peer_attached and self.scheduler.waiting:
+        if self.scheduler.waiting and self.transfer.tails_held():
             return True
         spec = self.spec
         return spec is not None and (ov.drafts_in_flight or
@@ -395,9 +398,15 @@ class EngineCore:
                                    tier_model_id(self.config, runner),
                                    max_inflight or self.config.tier.tier_max_inflight)
         self.scheduler.tiers = self.tiers
+        self._pace_tiers()
         if self.events is not None:
             self.events.watch_tiers(self.tiers)
         return self.tiers
+
+    def _pace_tiers(self) -> None:
+        """Async scheduling: tier copies wait for the steps that write their rows."""
+        if self.overlap is not None and self.tiers is not None:
+            self.tiers.pace(lambda: self.overlap.in_flight)
 
     def idle(self) -> None:
         """No request to run: notice a dead worker rank (so an idle engine reports it within

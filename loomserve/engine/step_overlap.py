@@ -30,8 +30,16 @@ P/D legs: a prefill leg is staged in the update of the step that ran its last ch
 then; a request at its max_tokens is not scheduled again), from rows freed just before and given
 to no step yet. A decode leg's import (a tier load, a tail copy) writes rows claimed at schedule
 time, which may be rows freed while the step in flight still writes them (a finish's extra row,
-an abort, a preemption): while the peer tier is attached and requests wait, a step only finishes
-the one in flight and the next schedules with none (EngineCore._drain_first).
+an abort, a preemption). Its tier load waits for that step (KV tiers, below); the tail copy runs
+on the core thread at admission, so while a decode leg's tail is read or ready and requests wait,
+a step only finishes the one in flight and the next schedules with none (EngineCore._drain_first).
+
+KV tiers: a block is hashed when allocated for the step about to start, and the update of step
+N hashes (a finish writes down) blocks whose last row step N+1 writes; rows a tier load claims
+at schedule time may be rows the step in flight still writes. So the tier connector (paced by
+EngineCore with in_flight) copies a page down only once every step that may write it has run,
+holding its block meanwhile, and starts a load claimed while a step ran only once the swap has
+returned that step (kv/connector/stores.py, loads.py).
 
 Speculative decoding: a step with drafts runs alone. Drafts follow a request's latest token
 and a verified request's count is known only at update, so the core finishes the step in
@@ -55,12 +63,9 @@ from loomserve.execution.batch import ModelInput, ModelOutput
 
 def refuse_unsupported(config: EngineConfig) -> None:
     """ValueError naming each combination --async-scheduling does not support, and why
-    (every rank layout, KV layer kind, P/D role and drafter is supported; DEP and tiers are
+    (every rank layout, KV layer kind, P/D role, drafter and KV tier is supported; DEP is
     not)."""
     why = []
-    if config.tier.enabled:
-        why.append("KV tiers (a tier write copies pages the scheduler counts as computed, "
-                   "which the step in flight may not have written yet)")
     pc = config.parallel
     if pc.enable_expert_parallel and pc.data_parallel_size > 1:
         why.append("expert parallelism over DP ranks (the lockstep runs dummy MoE steps on "

@@ -206,6 +206,9 @@ def test_unsupported_combinations_are_refused_with_the_reason():
                                    async_scheduling=True)
     with pytest.raises(ValueError, match=r"--async-scheduling .*expert parallelism over DP"):
         refuse_unsupported(dep)
+    tiers = EngineConfig.from_kwargs(model=os.path.join(FIXTURES, "tiny-llama"),
+                                     host_cache_memory="1MiB", async_scheduling=True)
+    refuse_unsupported(tiers)  # KV tiers are supported (tests/engine/test_async_tiers.py)
 
 
 def test_cli_flag_parses_and_defaults_off():

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -110,14 +111,23 @@ class TierConnector:
             self.stores.bring_forward(parent)
 
     # -- engine side --------------------------------------------------------------------------
+    def pace(self, in_flight: Callable[[], bool]) -> None:
+        """Async scheduling (EngineCore): in_flight() says whether a step runs on the execution
+        thread. Tier writes then copy a page only once the step that writes it has run, and
+        loads write rows claimed while a step ran only once that step has (stores.py,
+        loads.py)."""
+        self.stores.in_flight = self.loads.in_flight = in_flight
+
     def after_execute(self) -> None:
-        """The step's blocks hold their data now: offer them to the store."""
-        self.stores.offer_stored()
+        """The step's blocks hold their data now: offer them to the store (async scheduling:
+        the step the swap returned; start the loads claimed while it ran)."""
+        self.loads.start_deferred()
+        self.stores.after_execute()
 
     def poll(self) -> None:
         """Once per step: offer pages hashed since the last step, finish the loads that are
         done, release rows whose store/load finished, start due prefetches."""
-        self.stores.offer_stored()
+        self.stores.before_schedule()
         self.loads.finish_done()
         self.stores.release_done()
         self.stores.poll_prefetch()

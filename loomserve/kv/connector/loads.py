@@ -10,6 +10,8 @@ Invariants:
 - A block is hashed (hittable) only once its row holds the data of its hash.
 - Rows being loaded belong to the connector until their handle is done, whatever happens to
   the request meanwhile (an aborted request's rows pass to StoreSide.keep; nothing is cached).
+- A load writes its rows only after every step that ran while they were claimed (async
+  scheduling: the step in flight at the claim) is done.
 - At most max_inflight requests have tier I/O in flight; each gets at most MAX_ROUNDS tier
   rounds per life (a pool that keeps evicting what was just loaded must not loop).
 """
@@ -17,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Callable
 
 from loomserve.kv.connector.hits import HitAccounting
 from loomserve.kv.connector.stores import StoreSide
@@ -30,17 +33,30 @@ LOAD_CHUNK_BLOCKS = 64
 
 
 class _AllOf:
-    """Several load handles seen as one: done when all are; its tiers are the chunks' tiers
-    in order (a failed chunk counts as not loaded)."""
+    """A load's chunks, issued by start() (at once, or under async scheduling once the step in
+    flight at the claim has run), seen as one handle: done when started and every chunk is; its
+    tiers are the chunks' tiers in order (a failed chunk counts as not loaded)."""
 
-    __slots__ = ("handles", "sizes")
+    __slots__ = ("calls", "handles", "sizes")
 
-    def __init__(self, handles: list, sizes: list[int]) -> None:
-        self.handles = handles
-        self.sizes = sizes
+    def __init__(self, calls: list[tuple[list[bytes], list[int]]]) -> None:
+        self.calls: list | None = calls  # (keys, rows) per chunk; None once started
+        self.handles: list = []
+        self.sizes = [len(keys) for keys, _ in calls]
+
+    @property
+    def started(self) -> bool:
+        return self.calls is None
+
+    def start(self, store, buffer, wake) -> None:
+        for keys, rows in self.calls:
+            h = store.load_async(keys, buffer, rows)
+            h.add_done_callback(wake)
+            self.handles.append(h)
+        self.calls = None
 
     def done(self) -> bool:
-        return all(h.done() for h in self.handles)
+        return self.calls is None and all(h.done() for h in self.handles)
 
     def ready(self) -> bool:
         return self.done()
@@ -107,6 +123,10 @@ class LoadSide:
         # hash of the first block of each load in flight -> the loading request: a second
         # request for the same prefix waits for that load instead of loading it again
         self._loading: dict[bytes, str] = {}
+        # Async scheduling (TierConnector.pace): whether a step is in flight; rows claimed
+        # meanwhile may be rows it still writes (freed by a finish, an abort, a preemption),
+        # so a load claimed then starts in start_deferred, once that step has run.
+        self.in_flight: Callable[[], bool] | None = None
 
     def prepare(self, req) -> str:
         """GO: admit req normally (its device probe now sees whatever the tiers gave);
@@ -142,12 +162,20 @@ class LoadSide:
             return
         if st.phase == "load":
             self._loading.pop(req.block_hashes[st.start], None)
-            if st.handle.done():
+            if st.handle.done() or not st.handle.started:  # no tier writes the rows
                 self.kv.release_pages(list(reversed(st.blocks())))
             else:  # the rows are still being written: hold them until the load ends
                 self.stores.keep(st.handle, st.blocks())
         else:
             st.handle.cancel()
+
+    def start_deferred(self) -> None:
+        """Async scheduling, after a swap: start the loads claimed while the step it returned
+        was in flight (the step in flight now was scheduled after their claims and does not
+        touch their rows)."""
+        for st in self.pending.values():
+            if st.phase == "load" and not st.handle.started:
+                st.handle.start(self.store, self.buffer, self.wake)
 
     def finish_done(self) -> None:
         """Finish every load that is done, so the connector holds none of its rows whatever
@@ -282,18 +310,15 @@ class LoadSide:
                 del self.pending[rid]  # could never fit: recompute instead
                 return GO
             return FULL  # keep the lookup result; try again next step
-        handles, sizes = [], []
+        calls = []
         chunk = LOAD_CHUNK_BLOCKS * self.num_groups
         for lo in range(0, len(want), chunk):
-            part = want[lo:lo + chunk]
-            keys = [self.keyspaces[g].key(hashes[p]) for g, p in part]
-            rows = [b.block_id for b in pages[lo:lo + chunk]]
-            h = self.store.load_async(keys, self.buffer, rows)
-            h.add_done_callback(self.wake)
-            handles.append(h)
-            sizes.append(len(part))
-        self.pending[rid] = _Pending(req, "load", _AllOf(handles, sizes), n, want, end, pages,
-                                     kept)
+            keys = [self.keyspaces[g].key(hashes[p]) for g, p in want[lo:lo + chunk]]
+            calls.append((keys, [b.block_id for b in pages[lo:lo + chunk]]))
+        handle = _AllOf(calls)
+        if self.in_flight is None or not self.in_flight():
+            handle.start(self.store, self.buffer, self.wake)
+        self.pending[rid] = _Pending(req, "load", handle, n, want, end, pages, kept)
         self._loading[first] = rid
         self.counters["loads"] += 1
         return WAIT

@@ -5,9 +5,18 @@ step that computed them has run; when a request of a session finishes, it writes
 pages a hit at its end reads and registers them for a prefetch before the session returns.
 When each offer happens and the session write-down: docs/design/tiers.md.
 
+Under async scheduling (TierConnector.pace) a page may be hashed before the step that writes it
+has run: blocks are hashed when allocated for the step about to start, and the update of step N
+hashes (and a finish writes down) blocks whose last row step N+1, in flight, writes. Such pages
+are collected with a reference held (so their rows keep their hashes) and offered only once
+every step that could write them is done: after the next swap returns the step that was in
+flight, or as soon as none is.
+
 Invariants:
 - A row being stored is not reused before the store's handle is done: one reference per block
   is held (hold) and dropped by release_done once the handle is.
+- A page is copied only after the step that writes its row has run (with or without async
+  scheduling).
 - Pages loaded from a tier are not offered back (quiet() while they are cached).
 - The pool is reached through the KV manager's facade only.
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
@@ -43,12 +53,35 @@ class StoreSide:
         # Prefetch brings pages up into host memory: only useful with a host tier above others.
         self.prefetching = store.host is not None and bool(store.lower)
         self._next_prefetch = 0.0
+        # Async scheduling: whether a step is in flight (None: synchronous steps). Pages
+        # (group, hash, block referenced, a pausing session's) wait in _fresh while a step
+        # that may write them runs, then in _due until the swap that returns it.
+        self.in_flight: Callable[[], bool] | None = None
+        self._scheduling = False  # between poll() and after_execute(): hashes for the next step
+        self._fresh: list[tuple[int, bytes, Block, bool]] = []
+        self._due: list[tuple[int, bytes, Block, bool]] = []
         kv.subscribe(self._on_event)
 
     # -- events (engine thread, inside allocate_slots or free) -------------------------------
     def _on_event(self, event) -> None:
         if self._collect and isinstance(event, BlockStored):
-            self._stored.append((event.group_id, event.block_hashes))
+            self._note(event.group_id, event.block_hashes)
+
+    def _note(self, group: int, hashes: list[bytes]) -> None:
+        """Pages to offer once their step has run: at the next offer, or held until then."""
+        if not self._deferring():
+            self._stored.append((group, hashes))
+            return
+        pending = self._pause_pending
+        blocks = [b for b in self.kv.cached_blocks(group, hashes) if b is not None]
+        self.kv.hold_blocks(blocks)
+        self._fresh += [(group, b.block_hash, b, (group, b.block_hash) in pending)
+                        for b in blocks]
+
+    def _deferring(self) -> bool:
+        """Async scheduling, and a step that may write pages hashed now is in flight or being
+        scheduled (after the update of a swap that left none in flight, every step has run)."""
+        return self.in_flight is not None and (self._scheduling or self.in_flight())
 
     @contextmanager
     def quiet(self):
@@ -65,7 +98,7 @@ class StoreSide:
         if self.store.write_after_seen > 1 and num_hit_tokens:
             n = num_hit_tokens // self.kv.block_size
             for g in range(len(self.keyspaces)):
-                self._stored.append((g, req.block_hashes[:n]))
+                self._note(g, req.block_hashes[:n])
 
     # -- writes ------------------------------------------------------------------------------
     def on_session_pause(self, req) -> None:
@@ -94,7 +127,39 @@ class StoreSide:
         self.counters["session_pauses"] += 1
         store = self.store
         store.on_session_pause(all_keys, None, session_id=req.session_id)  # prefetch registry
+        if self._deferring():  # its last row may be the step in flight's: write it after
+            self.kv.hold_blocks(refs)
+            self._fresh += [(b.group_id, b.block_hash, b, True) for b in refs]
+            return
         self._store_unwritten(keys, rows, refs)  # the rest is in the top tier or on its way
+
+    # -- when pages are offered ---------------------------------------------------------------
+    def after_execute(self) -> None:
+        """A step ran: offer what it computed. Under async scheduling the swap started the next
+        step first: offer the pages held for the step it returned, and hold the ones collected
+        since (hashed for the step now in flight) until the next swap returns that one."""
+        self.offer_stored()
+        if self.in_flight is None:
+            return
+        self._scheduling = False
+        if self.in_flight():
+            ready, self._due, self._fresh = self._due, self._fresh, []
+        else:  # every step scheduled so far has run
+            ready, self._due, self._fresh = self._due + self._fresh, [], []
+        self._offer_held(ready)
+
+    def before_schedule(self) -> None:
+        """At the start of each step and while idle: offer what was hashed since the last
+        offer (state checkpoints hashed when their request ends, whose step has run). Under
+        async scheduling only with no step in flight, and then everything held as well."""
+        if self.in_flight is None:
+            self.offer_stored()
+            return
+        if not self.in_flight():
+            self.offer_stored()
+            ready, self._due, self._fresh = self._due + self._fresh, [], []
+            self._offer_held(ready)
+        self._scheduling = True
 
     def offer_stored(self) -> None:
         """Offer the pages of the BlockStored events collected since the last call. Called
@@ -128,6 +193,37 @@ class StoreSide:
                                        [rows[i] for i in new]),
                       [refs[i] for i in new])
 
+    def _offer_held(self, pages: list[tuple[int, bytes, Block, bool]]) -> None:
+        """Offer pages collected with a reference held (async scheduling); each reference then
+        passes to the copy of its row, or is dropped when there is none."""
+        if not pages:
+            return
+        keys, rows, refs = [], [], []
+        must = ([], [], [])  # a pausing session's pages: stored whatever their seen count
+        for g, h, b, m in pages:
+            out = must if m else (keys, rows, refs)
+            out[0].append(self.keyspaces[g].key(h))
+            out[1].append(b.block_id)
+            out[2].append(b)
+        if keys:
+            self.counters["offered_blocks"] += len(keys)
+            self._pass(self.store.offer(keys, self.buffer, rows), refs)
+        if must[0]:
+            keys, rows, refs = must
+            new = self.store.unwritten(keys)  # the rest is in the top tier or on its way
+            written = set(range(len(keys))) - set(new)
+            self.kv.release_pages([refs[i] for i in sorted(written, reverse=True)])
+            if new:
+                self._pass(self.store.store([keys[i] for i in new], self.buffer,
+                                            [rows[i] for i in new]), [refs[i] for i in new])
+
+    def _pass(self, handle, blocks: list[Block]) -> None:
+        """References already held: kept until handle is done, or dropped now if it is."""
+        if handle.done():
+            self.kv.release_pages(reversed(blocks))
+        elif blocks:
+            self._held.append((handle, blocks))
+
     # -- rows held while a tier copies them -------------------------------------------------
     def hold(self, handle, blocks: list[Block]) -> None:
         """Reference blocks until handle is done (their rows are being copied out)."""
@@ -154,7 +250,7 @@ class StoreSide:
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(b) for _, b in self._held)
+        return sum(len(b) for _, b in self._held) + len(self._fresh) + len(self._due)
 
     # -- prefetch ----------------------------------------------------------------------------
     def poll_prefetch(self) -> None:

@@ -15,9 +15,10 @@ PeerTier joins the engine's tiers at the first decode leg: below the configured 
 Invariants:
 - Malformed or unusable params never fail a request: it computes its prefix instead.
 - Under --async-scheduling a prefill leg stages in the update of the step that wrote its pages,
-  from rows no later step was given yet; an import (a tier load, a tail copy) writes rows
-  claimed at schedule time, so the engine schedules with no step in flight while the peer tier
-  is attached and requests wait (EngineCore._drain_first).
+  from rows no later step was given yet; an import's tier load starts once the step in flight
+  at its claim has run (kv/connector/loads.py), and its tail copy, made at admission on the core
+  thread, only with no step in flight: while a tail is read or ready the engine schedules with
+  none in flight (tails_held, EngineCore._drain_first).
 - Every registration is dropped exactly once, whatever way the request ends.
 """
 
@@ -128,6 +129,12 @@ class KVTransferConnector:
     def tail_waiting(self, req) -> bool:
         """req's tail is still on its way (bounded: TailReads.max_wait_s)."""
         return req.request_id in self._legs and self.tails.waiting(req.request_id)
+
+    def tails_held(self) -> bool:
+        """A waiting decode leg may get its tail copied at admission: on the core thread, into
+        a block just allocated, which may be a row the step in flight still writes (async
+        scheduling drains first, EngineCore._drain_first)."""
+        return self.tails.holding()
 
     def tail_for(self, req, num_hit: int):
         """At admission: req's tail (tail, pages) when it continues a hit of num_hit tokens

@@ -87,6 +87,10 @@ class TailReads:
         self._pending[request_id] = (tail, slot, fut, time.monotonic() + self.max_wait_s)
         self.counters["tails_read"] += 1
 
+    def holding(self) -> bool:
+        """Some decode leg's tail is being read or waits for its admission."""
+        return bool(self._pending or self._ready)
+
     def waiting(self, request_id: str) -> bool:
         """The request's tail is still being read, within max_wait_s of the fetch (the
         scheduler holds it back meanwhile); past that the tail is dropped (computed)."""
