@@ -49,6 +49,7 @@ from loomserve.kv.connector import (
 )
 from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.eviction import FlopModel
+from loomserve.kv.managers.sliding_window import SlidingWindowManager
 from loomserve.kv.retention import RetentionConfig
 from loomserve.kv.spec import LinearStateSpec
 from loomserve.kv.transfer import KVTransferConnector
@@ -169,6 +170,9 @@ def make_step_overlap(config: EngineConfig, executor: Executor,
         return None
     refuse_unsupported(config)
     scheduler.async_scheduling = True
+    for m in scheduler.kv.coordinator.managers:  # the step in flight still reads its window
+        if isinstance(m, SlidingWindowManager):
+            m.keep_in_flight_window = True
     log.info("async scheduling: the next step is scheduled while this one executes")
     return StepOverlap(executor.execute_model)
 

@@ -95,6 +95,21 @@ def test_sliding_window_greedy_identical():
     assert out[1] == out[0]
 
 
+def test_sliding_window_sessions_with_chunks_in_flight():
+    """Agent turns arriving while others prefill: a block leaves the window only once the step
+    in flight (whose first queries may still attend to it) is done, not when the next step is
+    allocated (its table entry is nulled in place; kv/managers/sliding_window.py)."""
+    from tests.engine.test_async_tiers import run_sessions
+    out = []
+    for a in (False, True):
+        llm = make(a, "tiny-mistral-swa", block_size=16, enable_prefix_caching=False)
+        out.append(run_sessions(llm)[0])
+        if a:
+            assert_clean(llm)
+        llm.close()
+    assert out[1] == out[0]
+
+
 def varied_then_stopped(llm: LLM) -> tuple:
     """Greedy tokens at varied max_tokens, then tokens and finish reasons with a stop token
     that turns up mid-run (taken from the first run)."""

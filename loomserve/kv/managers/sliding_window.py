@@ -14,7 +14,13 @@ class SlidingWindowManager(SingleTypeKVManager):
     hittable) and their entry becomes the pool's null block. A hit at boundary L blocks needs
     the blocks covering [L*bs - window + 1, L*bs) cached; the ones before are null in the hit.
     Invariants: req_blocks[rid][i] is the null block iff i < removed[rid]; the null block never
-    takes a reference; non-null entries hold one reference each."""
+    takes a reference; non-null entries hold one reference each.
+
+    Async scheduling (`keep_in_flight_window`): the next step is allocated while the one
+    before still runs and reads this list, so a block leaves only once neither needs it: the
+    window of the earlier of this call's and the previous call's first token (the step in
+    flight's). Else that step could read a null entry for a block its first queries attend to
+    (entries are nulled in place) and the freed block could be rewritten by a later step."""
 
     kind = "sliding_window"
     needs_null_block = True
@@ -27,6 +33,8 @@ class SlidingWindowManager(SingleTypeKVManager):
         self.window = spec.sliding_window
         self.null = pool.null_block
         self.removed: dict[str, int] = {}
+        self.keep_in_flight_window = False  # set under async scheduling (EngineCore)
+        self._last_start: dict[str, int] = {}  # request id -> num_computed at its last step
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -94,7 +102,12 @@ class SlidingWindowManager(SingleTypeKVManager):
         self.removed[request_id] = first
 
     def begin_step(self, request_id: str, num_computed: int) -> None:
-        """Free the blocks the next token to compute no longer attends to."""
+        """Free the blocks the next token to compute no longer attends to (under async
+        scheduling: nor the first token of the step before, which may be in flight)."""
+        if self.keep_in_flight_window:
+            last = self._last_start.get(request_id, num_computed)
+            self._last_start[request_id] = num_computed
+            num_computed = min(num_computed, last)
         blocks = self.req_blocks.get(request_id)
         if not blocks:
             return
@@ -116,6 +129,7 @@ class SlidingWindowManager(SingleTypeKVManager):
         super().cache_full_blocks(request_id, num_full_blocks, block_hashes, token_ids)
 
     def free(self, request_id: str) -> None:
+        self._last_start.pop(request_id, None)
         blocks = self.req_blocks.pop(request_id, None)
         self.req_block_ids.pop(request_id, None)
         self.num_cached.pop(request_id, None)
