@@ -12,7 +12,9 @@ while a step is in flight (a finish, an abort, a preemption) are reused only by 
 
 Invariants: at most one step in flight; the core thread never touches the runner while one is
 (the runner's state belongs to the execution thread); a request's block-id lists only grow
-while it lives (KV managers), so the step in flight reads them safely while the core appends.
+while it lives (KV managers), so the step in flight reads them safely while the core appends
+(a sliding window nulls the entries leaving it in place, so under async scheduling only those
+the step in flight does not attend to either: kv/managers/sliding_window.py).
 
 More than one rank (TP, decode/prefill context parallel, with or without DP): execute_model
 and with it every collective and the step message run on the execution thread only, so the
