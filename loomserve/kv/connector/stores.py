@@ -131,7 +131,7 @@ class StoreSide:
             self.kv.hold_blocks(refs)
             self._fresh += [(b.group_id, b.block_hash, b, True) for b in refs]
             return
-        self._store_unwritten(keys, rows, refs)  # the rest is in the top tier or on its way
+        self._write([(k, b, True) for k, b in zip(keys, refs)], held=False)
 
     # -- when pages are offered ---------------------------------------------------------------
     def after_execute(self) -> None:
@@ -170,52 +170,40 @@ class StoreSide:
         if not self._stored:
             return
         stored, self._stored = self._stored, []
-        keys, rows, refs = [], [], []
-        must = ([], [], [])  # a pausing session's pages: stored whatever their seen count
+        pages = []
         for g, hashes in stored:
             ks = self.keyspaces[g]
-            for h, b in zip(hashes, self.kv.cached_blocks(g, hashes)):
-                if b is not None:
-                    out = must if pending and (g, h) in pending else (keys, rows, refs)
-                    out[0].append(ks.key(h))
-                    out[1].append(b.block_id)
-                    out[2].append(b)
-        if keys:
-            self.counters["offered_blocks"] += len(keys)
-            self.hold(self.store.offer(keys, self.buffer, rows), refs)
-        if must[0]:
-            self._store_unwritten(*must)
-
-    def _store_unwritten(self, keys: list[bytes], rows: list[int], refs: list[Block]) -> None:
-        new = self.store.unwritten(keys) if keys else []
-        if new:
-            self.hold(self.store.store([keys[i] for i in new], self.buffer,
-                                       [rows[i] for i in new]),
-                      [refs[i] for i in new])
+            pages += [(ks.key(h), b, bool(pending) and (g, h) in pending)
+                      for h, b in zip(hashes, self.kv.cached_blocks(g, hashes)) if b is not None]
+        self._write(pages, held=False)
 
     def _offer_held(self, pages: list[tuple[int, bytes, Block, bool]]) -> None:
-        """Offer pages collected with a reference held (async scheduling); each reference then
-        passes to the copy of its row, or is dropped when there is none."""
-        if not pages:
+        """Offer pages collected with a reference held (async scheduling)."""
+        if pages:
+            self._write([(self.keyspaces[g].key(h), b, m) for g, h, b, m in pages], held=True)
+
+    def _write(self, pages: list[tuple[bytes, Block, bool]], held: bool) -> None:
+        """Offer (key, block, must) pages to the store; a `must` page (a pausing session's) is
+        stored whatever its seen count, unless the top tier has it or it is on its way. held:
+        a reference per page is held already (async scheduling) and passes to its copy or is
+        dropped; else each copy takes one."""
+        keep = self._pass if held else self.hold
+        plain = [(k, b) for k, b, m in pages if not m]
+        must = [(k, b) for k, b, m in pages if m]
+        if plain:
+            self.counters["offered_blocks"] += len(plain)
+            keep(self.store.offer([k for k, _ in plain], self.buffer,
+                                  [b.block_id for _, b in plain]), [b for _, b in plain])
+        if not must:
             return
-        keys, rows, refs = [], [], []
-        must = ([], [], [])  # a pausing session's pages: stored whatever their seen count
-        for g, h, b, m in pages:
-            out = must if m else (keys, rows, refs)
-            out[0].append(self.keyspaces[g].key(h))
-            out[1].append(b.block_id)
-            out[2].append(b)
-        if keys:
-            self.counters["offered_blocks"] += len(keys)
-            self._pass(self.store.offer(keys, self.buffer, rows), refs)
-        if must[0]:
-            keys, rows, refs = must
-            new = self.store.unwritten(keys)  # the rest is in the top tier or on its way
-            written = set(range(len(keys))) - set(new)
-            self.kv.release_pages([refs[i] for i in sorted(written, reverse=True)])
-            if new:
-                self._pass(self.store.store([keys[i] for i in new], self.buffer,
-                                            [rows[i] for i in new]), [refs[i] for i in new])
+        new = self.store.unwritten([k for k, _ in must])
+        if held:
+            skip = set(new)
+            self.kv.release_pages([b for i, (_, b) in reversed(list(enumerate(must)))
+                                   if i not in skip])
+        if new:
+            keep(self.store.store([must[i][0] for i in new], self.buffer,
+                                  [must[i][1].block_id for i in new]), [must[i][1] for i in new])
 
     def _pass(self, handle, blocks: list[Block]) -> None:
         """References already held: kept until handle is done, or dropped now if it is."""
