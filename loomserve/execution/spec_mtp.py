@@ -6,8 +6,9 @@ token is now known: a row at position p gets the target's final hidden state h_p
 `last_hidden`: its output, after the final norm, in every family) and the token at p + 1,
 which is the next row's token, or for the last accepted row the token just sampled (with
 drafts: rows 0..a, the accepted drafts then the token sampled after them; rejected rows are not
-run). Its K/V rows go to the module's own attention layer (MLA for DeepSeek-V3, GQA for
-GLM-4.5, Qwen3-Next and Qwen3.5) at the same positions and slots, so every position the
+run). Its K/V rows go to the module's own attention layer (MLA for DeepSeek-V3, sparse MLA for
+DeepSeek-V3.2: a latent row and an indexer key, two groups' metadata; GQA for GLM-4.5, Qwen3-Next
+and Qwen3.5) at the same positions and slots, so every position the
 target has accepted also has its MTP row, computed from the accepted tokens: rejected drafts
 leave nothing behind that the next steps do not overwrite, and a page holds the MTP row with the
 target's (prefix hits, tiers, P/D move it).
@@ -53,9 +54,6 @@ from loomserve.execution.batch import ModelOutput, ScheduledSeq
 # families whose config.json names MTP modules the drafter does not run, and why
 # (docs/design/speculative.md, MTP drafts: Refused)
 _NOT_BUILT = {
-    "DeepseekV32ForCausalLM": "its MTP layer has a lightning indexer of its own, which needs "
-                              "the layer's rows in two KV groups (latent rows and indexer keys); "
-                              "the drafter builds one group's attention metadata",
     "MiniMaxM2ForCausalLM": "the released MiniMax-M2 checkpoints name MTP modules in config.json "
                             "(num_mtp_modules) but carry no trained MTP weights",
 }
@@ -80,6 +78,7 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
         return None
     from loomserve.execution.models import deepseek_mtp, glm4_moe_mtp, qwen3_next_mtp
     from loomserve.execution.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from loomserve.execution.models.deepseek_v32 import DeepseekV32ForCausalLM
     from loomserve.execution.models.glm4_moe import Glm4MoeForCausalLM
     from loomserve.execution.models.qwen3_5 import Qwen3_5ForCausalLM, text_config
     from loomserve.execution.models.qwen3_next import Qwen3NextForCausalLM
@@ -89,6 +88,7 @@ def make_proposer(config: EngineConfig, model, folder: str) -> "MtpProposer | No
     # h, meta) -> g (normed) and have .logits(model, g); while it is set, forward keeps its
     # output (after the final norm) in model.last_hidden
     loaders = {DeepseekV3ForCausalLM: deepseek_mtp.load_mtp,
+               DeepseekV32ForCausalLM: deepseek_mtp.load_mtp,  # its layers' block: V3.2's
                Glm4MoeForCausalLM: glm4_moe_mtp.load_mtp,
                Qwen3NextForCausalLM: qwen3_next_mtp.load_mtp,
                Qwen3_5ForCausalLM: qwen3_next_mtp.load_mtp}  # Qwen3-Next's layer, dense or MoE
@@ -205,19 +205,22 @@ class MtpProposer:
         """MTP module `index` over the runs' rows (one-row runs as decodes, then the others as
         chunks over the cached prefix); returns its hidden states in the runs' row order.
         previous: h_p per row in that order (default: the runs' own)."""
-        g = runner.attn_groups[0]  # the model's attention group: the MTP layers are in it
         tables = runner.block_tables
         sizes = [len(r.next_ids) for r in runs]
         one = [i for i, n in enumerate(sizes) if n == 1]
         many = [i for i, n in enumerate(sizes) if n > 1]
         order = one + many  # the metadata's row order: decodes first
-        meta, positions = build_metadata(
-            [(runs[i].start, tables.get(runs[i].seq.request_id, g, runs[i].seq.block_ids[g]))
-             for i in one],
-            [(runs[i].start, sizes[i], tables.get(runs[i].seq.request_id, g,
-                                                  runs[i].seq.block_ids[g])) for i in many],
-            runner.block_size, runner.device, runner.dtype, runner.attention,
-            workspace=runner.workspace)
+        metas = []
+        for g in _mtp_groups(runner, index):
+            meta, positions = build_metadata(
+                [(runs[i].start, tables.get(runs[i].seq.request_id, g, runs[i].seq.block_ids[g]))
+                 for i in one],
+                [(runs[i].start, sizes[i], tables.get(runs[i].seq.request_id, g,
+                                                      runs[i].seq.block_ids[g])) for i in many],
+                runner.block_size, runner.device, runner.dtype, runner.attention,
+                workspace=runner.workspace)
+            metas.append(meta)
+        meta = metas[0] if len(metas) == 1 else tuple(metas)
         first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         gather = np.concatenate([np.arange(first[i], first[i] + sizes[i]) for i in order])
         ids = to_device(np.array([t for i in order for t in runs[i].next_ids], dtype=np.int64),
@@ -234,6 +237,14 @@ class MtpProposer:
         g = runner.attn_groups[0]
         return (position < runner.max_model_len
                 and position // runner.block_size < len(s.block_ids[g]))
+
+
+def _mtp_groups(runner, index: int) -> list[int]:
+    """The KV groups MTP module `index`'s attention reads: the model's first attention group,
+    which holds every MTP layer but DeepSeek-V3.2's; V3.2's layer reads two (its latent rows'
+    and its indexer keys' group: DeepseekV32ForCausalLM.mtp_kv_groups), passed as a pair."""
+    own = getattr(runner.model, "mtp_kv_groups", None)
+    return [runner.attn_groups[0]] if own is None else list(own(index))
 
 
 def emitted_ids(seqs: list[ScheduledSeq], out: ModelOutput | None, tp,

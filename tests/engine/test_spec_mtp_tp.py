@@ -1,6 +1,6 @@
 """MTP drafts under tensor parallelism (-tp 2, gloo on the CPU) on tiny-deepseek-v3, and on
-tiny-glm4-moe, tiny-qwen3-next and tiny-qwen3-5-moe (their MTP layer split as their target's
-layers).
+tiny-glm4-moe, tiny-qwen3-next, tiny-qwen3-5-moe and tiny-deepseek-v32 (their MTP layer split as
+their target's layers).
 
 Oracles: the same engine at one rank, without drafts (greedy outputs) and with MTP drafts (every
 draft list the core received, and so the acceptance counts). Rank 1 holds half the MTP module's
@@ -105,6 +105,24 @@ def test_glm_and_qwen3_next_mtp_split_as_their_targets(name, slice_of):
         assert outs == plain == one
         assert drafts == one_drafts and len(drafts) > 10
         assert stats.num_draft_tokens > stats.num_drafts  # chained drafts (k = 3) ran
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert stats.accepted_per_pos == one_stats.accepted_per_pos
+        assert_clean_mtp(llm)
+    finally:
+        llm.close()
+
+
+def test_deepseek_v32_mtp_splits_as_its_target():
+    """DeepSeek-V3.2's MTP layer (sparse MLA: heads split, its lightning indexer and so its
+    keys whole on every rank, as the target's): outputs and drafts equal one rank's with MTP
+    (which equal the plain engine's: test_spec_mtp_v32.py)."""
+    model = fixture("tiny-deepseek-v32")
+    one, one_drafts, one_stats = _closed(model, 1)
+    outs, drafts, stats, llm = _drafting(model, 2)
+    try:
+        attn = llm.core.executor.driver_runner.model.mtp.layers[0].block.self_attn
+        assert (attn.heads, attn.indexer.heads) == (2, 16)
+        assert outs == one and drafts == one_drafts and len(drafts) > 10
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
         assert stats.accepted_per_pos == one_stats.accepted_per_pos
         assert_clean_mtp(llm)

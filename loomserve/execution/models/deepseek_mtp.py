@@ -23,8 +23,11 @@ acceptance going from 61.4% to 64.6% (3 drafts). The three families here (GLM-4.
 too) take h_p so. The embedding at position 0 is zeroed, as vLLM and SGLang do.
 
 Each module's attention keeps its own latent rows: one more MLA layer in the model's KV group
-(DeepseekV3ForCausalLM.kv_cache_specs). transformers has no MTP code; the test reference is
-the formula above in plain torch around transformers' decoder layer
+(DeepseekV3ForCausalLM.kv_cache_specs). DeepSeek-V3.2's module is the same around a V3.2 decoder
+layer (the target's `decoder_layer`: sparse MLA with a lightning indexer of its own), whose
+latent rows and indexer keys are one more layer in each of V3.2's two kinds of group
+(deepseek_v32.py). transformers has no MTP code; the test reference is the formula above in
+plain torch around transformers' decoder layer, DeepseekV3's or DeepseekV32's
 (tests/fixtures/build_mla_fixture.py: mtp_reference).
 
 Tensor parallelism: on a rank of N (target.tp set) the module is that rank's slice, split by
@@ -50,7 +53,6 @@ from torch import nn
 from loomserve.execution.layers.moe import DeepseekMoE
 from loomserve.execution.layers.norm import RMSNorm
 from loomserve.execution.models.deepseek_v3 import (
-    DecoderLayer,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     copy_into,
@@ -125,11 +127,13 @@ class MtpLayer(NextNParts, nn.Module):
     """One MTP module; embed and head fall back to the target model's when the checkpoint
     has none of its own."""
 
-    def __init__(self, cfg: DeepseekV3Config, index: int, own_embed: bool, own_head: bool):
+    def __init__(self, cfg: DeepseekV3Config, block: nn.Module, own_embed: bool, own_head: bool):
         super().__init__()
         self.add_nextn_parts(cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, cfg,
                              own_embed, own_head)
-        self.block = DecoderLayer(cfg, index)  # layer N + i: MoE where DeepSeek puts it
+        # layer N + i as the target's family builds it (MoE where DeepSeek puts it; V3.2:
+        # sparse MLA with a lightning indexer of its own)
+        self.block = block
 
     def forward(self, target: DeepseekV3ForCausalLM, input_ids: torch.Tensor,
                 positions: torch.Tensor, previous: torch.Tensor, meta) -> torch.Tensor:
@@ -179,7 +183,8 @@ def load_mtp(target: DeepseekV3ForCausalLM, folder: str, num_nextn: int,
     for i, (pre, mine) in enumerate(mtp_layer_files(folder, cfg.num_layers, num_nextn,
                                                     ("weight_scale_inv",), "FP8 block-scaled")):
         with torch.device("meta"):  # no time spent initializing what is loaded next
-            layer = MtpLayer(cfg, cfg.num_layers + i, pre + "embed_tokens.weight" in mine,
+            layer = MtpLayer(cfg, target.decoder_layer(cfg, cfg.num_layers + i),
+                             pre + "embed_tokens.weight" in mine,
                              pre + "shared_head.head.weight" in mine)
             if target.tp is not None:
                 _parallelize(target, layer)

@@ -220,6 +220,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _num_mtp(self) -> int:
         return 0 if self.mtp is None else len(self.mtp.layers)
 
+    @staticmethod
+    def decoder_layer(cfg: DeepseekV3Config, i: int) -> nn.Module:
+        """Layer i as this family builds it (deepseek_mtp.py builds the MTP layers so)."""
+        return DecoderLayer(cfg, i)
+
     def set_layer_groups(self, groups: list[int | None]) -> None:
         self.groups = list(groups)
 

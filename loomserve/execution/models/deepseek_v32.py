@@ -12,7 +12,11 @@ m: every page is as large as the largest group's block; one key (128) per layer 
 latent row (576) per layer would leave 78% of each indexer page empty (the pool ~61% in use);
 with m keys per entry the planner (kv/planning.py group_layers) cuts the latent layers into
 groups of E, whose pages hold about the indexer group's bytes (~95% in use at real dims).
-Layer i's attention gets (metadata of entry i's group, of entry L + i // m's).
+Layer i's attention gets (metadata of entry i's group, of entry L + i // m's). With the
+checkpoint's MTP layers loaded (`"method": "mtp"`, deepseek_mtp.py: each a V3.2 decoder layer
+with a lightning indexer of its own) L counts them too, after the model's N layers: their latent
+specs follow the model's and their keys follow the model's in the banks (a spare column of the
+last entry when N % m != 0, else one entry more); mtp_kv_groups names their two groups.
 
 TP: as V3 (heads split); the indexer (its heads are summed into one score per key) and its key
 cache replicated on every rank. Decode context parallelism (-dcp D): both groups split by token,
@@ -31,6 +35,7 @@ from torch import nn
 from loomserve.execution.layers.mla import yarn_softmax_scale
 from loomserve.execution.layers.sparse_mla import IndexerKeyBank, SparseLatentAttention
 from loomserve.execution.models.deepseek_v3 import (
+    DecoderLayer,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     DeepseekV3TP,
@@ -70,11 +75,14 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     def __init__(self, cfg: DeepseekV32Config) -> None:
         super().__init__(cfg)
         for layer in self.model.layers:  # built on the meta device: replacing costs nothing
-            layer.self_attn = SparseLatentAttention(
-                cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
-                cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias,
-                yarn_softmax_scale(cfg.head_dim, cfg.rope_scaling), cfg.index_n_heads,
-                cfg.index_head_dim, cfg.index_topk)
+            layer.self_attn = sparse_attention(cfg)
+
+    @staticmethod
+    def decoder_layer(cfg: DeepseekV32Config, i: int) -> nn.Module:
+        """Layer i (an MTP layer's too: it has a lightning indexer of its own)."""
+        layer = DecoderLayer(cfg, i)
+        layer.self_attn = sparse_attention(cfg)
+        return layer
 
     @property
     def keys_per_entry(self) -> int:
@@ -83,15 +91,29 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         even = lambda n: (n + 1) // 2 * 2  # noqa: E731 - for_latent's row width
         return max(1, min(c.num_layers, even(c.latent_dim) // even(c.index_head_dim)))
 
+    def _layers(self) -> list[nn.Module]:
+        """The decoder layers whose rows the cache holds: the model's, then the MTP layers'."""
+        mtp = [m.block for m in self.mtp.layers] if self.mtp is not None else []
+        return list(self.model.layers) + mtp
+
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        m, n = self.keys_per_entry, self.config.num_layers
+        m, n = self.keys_per_entry, self.config.num_layers + self._num_mtp()
         key = IndexerKeySpec.for_latent(block_size, m * self.config.index_head_dim, dtype)
         return super().kv_cache_specs(block_size, dtype) + [key] * (-(-n // m))
 
     def kv_cache_modules(self) -> list[nn.Module]:
-        m, indexers = self.keys_per_entry, [layer.self_attn.indexer for layer in self.model.layers]
+        m, indexers = self.keys_per_entry, [layer.self_attn.indexer for layer in self._layers()]
         banks = [IndexerKeyBank(indexers[i:i + m]) for i in range(0, len(indexers), m)]
         return super().kv_cache_modules() + banks
+
+    def layer_groups(self, i: int) -> tuple[int, int]:
+        """(latent group, indexer-key group) of layer i (i >= N: MTP layer i - N)."""
+        n = self.config.num_layers + self._num_mtp()
+        return self.groups[i], self.groups[n + i // self.keys_per_entry]
+
+    def mtp_kv_groups(self, index: int) -> tuple[int, int]:
+        """The groups MTP layer `index` reads (spec_mtp.py builds metadata for both)."""
+        return self.layer_groups(self.config.num_layers + index)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: Any,
                 state_batch: Any = None) -> torch.Tensor:
@@ -99,7 +121,18 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         cos, sin = self.rotary.lookup(positions)
         rope = (cos, sin, self.rotary.half)
         x = self.model.embed_tokens(input_ids)
-        n, m = len(self.model.layers), self.keys_per_entry
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, (attn_meta[self.groups[i]], attn_meta[self.groups[n + i // m]]))
-        return self.model.norm(x)
+            lat, idx = self.layer_groups(i)
+            x = layer(x, rope, (attn_meta[lat], attn_meta[idx]))
+        x = self.model.norm(x)
+        if self.mtp is not None:  # the first MTP layer's h_p, as DeepSeek-V3's
+            self.last_hidden = x
+        return x
+
+
+def sparse_attention(cfg: DeepseekV32Config) -> SparseLatentAttention:
+    return SparseLatentAttention(
+        cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_bias,
+        yarn_softmax_scale(cfg.head_dim, cfg.rope_scaling), cfg.index_n_heads,
+        cfg.index_head_dim, cfg.index_topk)
