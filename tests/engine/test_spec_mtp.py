@@ -184,6 +184,35 @@ def assert_clean_mtp(llm) -> None:
     assert not core.executor.driver_runner.mtp._held
 
 
+def check_greedy_and_first_drafts(name: str, prompts: list[list[int]], sp, reference_logits):
+    """Greedy outputs with MTP drafts equal the plain engine's cold (prompts in 32-token chunks:
+    the MTP's held-back chunk row) and warm (prefix hits), drafts both accepted and rejected,
+    nothing left behind; and every step's draft 1 of the first prompt equals the argmax, at
+    that position, of reference_logits(tokens[:-1], tokens[-1]) over the prompt and its output
+    (the MTP cache rows stay those of the accepted tokens through chunks, rejections, rollback
+    and prefix hits)."""
+    want = [o.token_ids for o in make(name, None).generate(prompts, sp)]
+    llm = make(name, MTP, max_num_batched_tokens=32)
+    seen: list[tuple[int, int]] = []
+    receive = llm.core.spec.receive
+    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
+                                       receive(d))
+    cold = [o.token_ids for o in llm.generate(prompts[:1], sp)]
+    drafts_of_first = list(seen)
+    cold += [o.token_ids for o in llm.generate(prompts[1:], sp)]
+    warm = [o.token_ids for o in llm.generate(prompts, sp)]  # prefix hits this time
+    assert cold == want and warm == want
+    stats = llm.core.spec.stats
+    assert stats.num_draft_tokens > stats.num_drafts > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_clean_mtp(llm)
+    tokens = prompts[0] + want[0]
+    logits = reference_logits(tokens[:-1], tokens[-1])
+    assert len(drafts_of_first) > 5
+    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
+        assert first == int(logits[count - 2].argmax()), count
+
+
 
 def test_mtp_drafter_proposes_only_for_the_token_count_drafted_for():
     from loomserve.engine.spec.drafter import DraftRequest

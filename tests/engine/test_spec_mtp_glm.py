@@ -30,6 +30,7 @@ from tests.engine.test_spec_mtp import (
     PROMPTS,
     assert_clean_mtp,
     check_chained_drafts,
+    check_greedy_and_first_drafts,
     fixture_without,
     load_builder,
     mla_reference_fn,
@@ -79,30 +80,10 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
     """Exact greedy outputs, drafts accepted and rejected, and every step's draft 1 equal to the
     reference's argmax over the final sequence at that position (the MTP cache rows stay those
     of the accepted tokens through chunked prefill, rejections, rollback and prefix hits)."""
-    plain = make(NAME, None)
-    ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    # 32-token steps: prompts run as several chunks (the MTP's held-back chunk row)
-    llm = make(NAME, MTP, max_num_batched_tokens=32)
-    seen: list[tuple[int, int]] = []
-    receive = llm.core.spec.receive
-    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
-                                       receive(d))
-    cold = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
-    drafts_of_first = list(seen)
-    cold += [o.token_ids for o in llm.generate(PROMPTS[1:], GREEDY)]
-    warm = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix hits this time
-    assert cold == ref and warm == ref
-    stats = llm.core.spec.stats
-    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.accepted_per_pos[0] > 0
-    assert_clean_mtp(llm)
     b, model = reference
-    tokens = PROMPTS[0] + ref[0]
-    logits, _ = b.mtp_reference(fixture(NAME), tokens[:-1], tokens[-1], ref=model)
-    assert len(drafts_of_first) > 5
-    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
-        assert first == int(logits[count - 2].argmax()), count
+    check_greedy_and_first_drafts(
+        NAME, PROMPTS, GREEDY,
+        lambda t, nxt: b.mtp_reference(fixture(NAME), t, nxt, ref=model)[0])
 
 
 @pytest.mark.parametrize("name, cls, why", [

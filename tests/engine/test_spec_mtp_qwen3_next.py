@@ -19,13 +19,12 @@ import torch
 from loomserve.execution.batch import ModelInput
 from loomserve.execution.spec_mtp import MtpRun
 from loomserve.kv.spec import FullAttentionSpec
-from tests.engine.test_spec_decode import fixture, make
+from tests.engine.test_spec_decode import fixture
 from tests.engine.test_spec_mtp import (
     GREEDY,
-    MTP,
     PROMPTS,
-    assert_clean_mtp,
     check_chained_drafts,
+    check_greedy_and_first_drafts,
     fixture_without,
     load_builder,
     mtp_runner,
@@ -94,28 +93,10 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(reference)
 def check_greedy_exact(name: str, reference) -> None:
     """Exact greedy outputs over the hybrid target, drafts accepted and rejected, and every
     step's draft 1 equal to the reference's argmax over the final sequence at that position."""
-    plain = make(name, None)
-    ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    llm = make(name, MTP, max_num_batched_tokens=32)  # prompts in several chunks
-    seen: list[tuple[int, int]] = []
-    receive = llm.core.spec.receive
-    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
-                                       receive(d))
-    cold = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
-    drafts_of_first = list(seen)
-    cold += [o.token_ids for o in llm.generate(PROMPTS[1:], GREEDY)]
-    warm = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix hits this time
-    assert cold == ref and warm == ref
-    stats = llm.core.spec.stats
-    assert stats.num_draft_tokens > stats.num_drafts > 0
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert_clean_mtp(llm)
     b, ref_model = reference
-    tokens = PROMPTS[0] + ref[0]
-    logits, _ = b.qwen3_next_mtp_reference(ref_model, tokens[:-1], tokens[-1])
-    assert len(drafts_of_first) > 5
-    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
-        assert first == int(logits[count - 2].argmax()), count
+    check_greedy_and_first_drafts(
+        name, PROMPTS, GREEDY,
+        lambda t, nxt: b.qwen3_next_mtp_reference(ref_model, t, nxt)[0])
 
 
 def test_mtp_is_refused_without_the_mtp_weights(tmp_path):

@@ -32,6 +32,7 @@ from tests.engine.test_spec_mtp import (
     PROMPTS,
     assert_clean_mtp,
     check_chained_drafts,
+    check_greedy_and_first_drafts,
     load_builder,
     mtp_runner,
 )
@@ -141,27 +142,8 @@ def test_greedy_identical_with_mtp_drafts_cold_and_warm_and_leak_free(builder):
     equal to the reference's argmax over its final sequence (the MTP layer's latent rows and
     indexer keys stay those of the accepted tokens through chunked prefill, rejections,
     rollback and prefix hits)."""
-    plain = make(NAME, None)
-    want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    llm = make(NAME, MTP, max_num_batched_tokens=32)  # prompts run as several chunks
-    seen: list[tuple[int, int]] = []
-    receive = llm.core.spec.receive
-    llm.core.spec.receive = lambda d: (seen.extend((c, ids[0]) for c, ids in d.values()),
-                                       receive(d))
-    cold = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
-    drafts_of_first = list(seen)
-    cold += [o.token_ids for o in llm.generate(PROMPTS[1:], GREEDY)]
-    warm = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix hits this time
-    assert cold == want and warm == want
-    stats = llm.core.spec.stats
-    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.accepted_per_pos[0] > 0
-    assert_clean_mtp(llm)
     folder = fixture(NAME)
-    tokens = PROMPTS[0] + want[0]
-    logits, _ = builder.mtp_reference(folder, tokens[:-1], tokens[-1],
-                                      ref=builder.reference_model(folder))
-    assert len(drafts_of_first) > 5
-    for count, first in drafts_of_first:  # drafted when the request had `count` tokens
-        assert first == int(logits[count - 2].argmax()), count
+    ref = builder.reference_model(folder)
+    check_greedy_and_first_drafts(
+        NAME, PROMPTS, GREEDY,
+        lambda t, nxt: builder.mtp_reference(folder, t, nxt, ref=ref)[0])
