@@ -33,7 +33,7 @@ from loomserve.engine.sched.request import Request, RequestStatus
 from loomserve.engine.sched.scheduler import Scheduler, SchedulerOutput
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
 from loomserve.engine.spec.verify import SpecDecoder
-from loomserve.engine.step_overlap import StepOverlap, refuse_unsupported
+from loomserve.engine.step_overlap import StepOverlap, leave_a_core, refuse_unsupported
 from loomserve.engine.step_trace import StepTrace
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.model_runner import ModelRunner
@@ -174,7 +174,12 @@ def make_step_overlap(config: EngineConfig, executor: Executor,
         if isinstance(m, SlidingWindowManager):
             m.keep_in_flight_window = True
     log.info("async scheduling: the next step is scheduled while this one executes")
-    return StepOverlap(executor.execute_model)
+    threads = leave_a_core(executor.driver_runner.device)
+    if threads is not None:
+        log.info("async scheduling on a CPU: the model runs %d threads, leaving a core to the "
+                 "core thread (on a few cores the synchronous engine is faster: "
+                 "docs/design/scheduler.md)", threads - 1)
+    return StepOverlap(executor.execute_model, threads)
 
 
 def _shape(inp) -> str:

@@ -383,3 +383,25 @@ def test_hybrid_cold_warm_and_stop_tokens_match_sync(name):
     finally:
         for llm in llms:
             llm.close()
+
+
+def test_a_cpu_model_leaves_a_core_to_the_core_thread(monkeypatch):
+    """On a CPU the model runs one thread fewer under async scheduling (an OpenMP team on
+    every core stalls while the core thread works beside it), restored when the engine closes;
+    LOOMSERVE_NUM_THREADS, or a GPU, leaves the count alone."""
+    import torch
+
+    from loomserve.engine.step_overlap import leave_a_core
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "3")
+        assert leave_a_core(torch.device("cpu")) is None and torch.get_num_threads() == 3
+        monkeypatch.delenv("LOOMSERVE_NUM_THREADS")
+        assert leave_a_core(torch.device("cuda")) is None
+        llm = make(True)
+        assert torch.get_num_threads() == 2
+        llm.close()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
