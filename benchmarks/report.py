@@ -388,8 +388,9 @@ def spec_decode(r: Result) -> list[Block]:
                     + _pass_ratios(x["runs"], b["runs"])
                     + f"{num(x['tok_per_s'])} tok/s; greedy text "
                     + _text_diff(x["runs"], b["runs"]) + f"; {_load(s)}")
-            sync = systems.get(sys_name.removesuffix("-async"), {}).get("rounds", {}).get(name)
-            if sys_name.endswith("-async") and sync is not None:  # what async scheduling adds
+            sync_name = sys_name.removesuffix("-async")
+            sync = systems.get(sync_name, {}).get("rounds", {}).get(name)
+            if sync_name not in (sys_name, "none") and sync is not None:  # async's own share
                 out.add(src, f"{sys_name} / {sys_name.removesuffix('-async')}, {label}",
                         f"{x['tok_per_s'] / sync['tok_per_s']:.2f}x", "-", len(x["runs"]),
                         _pass_ratios(x["runs"], sync["runs"]) + _load(s))
