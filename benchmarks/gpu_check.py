@@ -19,7 +19,9 @@ Parts (--parts, all by default), in this order:
               streams (prompts of 32 tokens, all prefilled in one step), rounds alternating
               (benchmarks/async_scheduling.py's one_round): greedy outputs equal (required),
               decode tok/s (streams / median decode step), the host share of a step (the core
-              thread outside the model, over the step)
+              thread outside the model, over the step); then one round of prompts that repeat
+              themselves with ngram drafts under async scheduling: greedy outputs equal the
+              synchronous loop's (required), the drafts verified, the steps that overlapped
   models      per model, below
   fp8         the fp8 check, below
 
@@ -82,6 +84,10 @@ SPEC_STREAMS = (1, 8)
 COPY_ASK = "\n\nRepeat the text above exactly, from its start:\n\n"
 COPY_SEED = 8  # the copy's first tokens, given in the prompt
 ASYNC_ROUNDS = 3
+# the async part's round with drafts (every step that may draft does: exactness, not speed)
+ASYNC_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 4, "always_draft": True}
+ASYNC_SPEC_TOKENS = 32  # at least: a request whose drafter had nothing is asked every 4 steps
 ASYNC_PROMPT_LEN = 32  # at most: every prompt prefills in the first step, as in
 # benchmarks/async_scheduling.py, so the steps after it are decode steps of every stream
 
@@ -462,6 +468,18 @@ def async_check(name: str, args) -> dict[str, Any]:
                            "host_share": round(statistics.median(
                                x["host_share"] for x in rs), 3),
                            "runs_step_ms": [round(x["step_ms"], 3) for x in rs]}
+        copying = [p[:max(1, plen // 4)] * 4 for p in ps]  # repeats: prompt lookup drafts
+        spec_gen = min(max(gen, ASYNC_SPEC_TOKENS), ready.max_model_len - plen - 1)
+        want = asy.one_round(engines["sync"], "copy", copying, spec_gen, skip)["outputs"]
+        for mode in list(engines):  # the device memory back before the next engine
+            release(engines.pop(mode), args.device)
+        engines["async_spec"] = make_llm(
+            name, args.device, args.dtype, args.kv_memory, async_scheduling=True,
+            speculative_config=ASYNC_SPEC, enable_prefix_caching=False,
+            max_num_seqs=args.streams,
+            max_num_batched_tokens=max(2048, args.streams * ASYNC_PROMPT_LEN))
+        entry["async_spec"] = async_spec_round(engines["async_spec"], copying, spec_gen, skip,
+                                               want)
     except Exception as e:  # noqa: BLE001 - reported; the other parts stand
         entry.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
     finally:
@@ -472,11 +490,27 @@ def async_check(name: str, args) -> dict[str, Any]:
     return entry
 
 
+def async_spec_round(llm, ps, gen: int, skip: int, want: list[list[int]]) -> dict[str, Any]:
+    """One round of prompts `ps` with ngram drafts under async scheduling (a step with drafts
+    runs alone): greedy outputs against the synchronous loop's (`want`, required equal), the
+    drafts verified, the share of steps that overlapped, decode tok/s."""
+    import async_scheduling as asy
+
+    res = asy.one_round(llm, "spec", ps, gen, skip)
+    out = res.pop("outputs")
+    s, ov = llm.core.stats(), llm.core.overlap
+    return {"equal": sum(a == b for a, b in zip(out, want)), "drafts": s.spec_decode_num_drafts,
+            "accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "overlapped_steps": ov.num_overlapped, "steps": ov.num_steps,
+            "decode_tok_per_s": round(1e3 * len(ps) / res["step_ms"], 1)}
+
+
 def spec_async_ok(spec: dict | None, asyn: dict | None) -> bool:
     """The spec and async parts (None: not run) ran whole and every greedy output agreed."""
     return (spec is None or (not spec.get("errors") and all(
         m["agreement"]["equal"] == m["agreement"]["prompts"] for m in spec["methods"].values()))
-    ) and (asyn is None or (not asyn.get("errors") and asyn["equal"] == asyn["prompts"]))
+    ) and (asyn is None or (not asyn.get("errors") and asyn["equal"] == asyn["prompts"]
+                            and asyn["async_spec"]["equal"] == asyn["prompts"]))
 
 
 def measure_hardware(device: str, dtype: str) -> dict[str, Any]:

@@ -80,6 +80,10 @@ def assert_spec_and_async(data, gpu_check, streams):
     assert not gpu_check.spec_async_ok(spec, {**data["async"], "errors": ["RuntimeError: x"]})
     asy = data["async"]
     assert "errors" not in asy and asy["equal"] == asy["prompts"] == streams
+    spec_round = asy["async_spec"]  # drafts under async scheduling: the same greedy outputs
+    assert spec_round["equal"] == streams and spec_round["decode_tok_per_s"] > 0
+    assert spec_round["drafts"] > 0 and 0 <= spec_round["overlapped_steps"] <= spec_round["steps"]
+    assert not gpu_check.spec_async_ok(spec, {**asy, "async_spec": {**spec_round, "equal": 0}})
     for mode in ("sync", "async"):
         x = asy[mode]
         assert x["decode_tok_per_s"] > 0 and 0 <= x["host_share"] <= 1
