@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from loomserve import SamplingParams
+from loomserve.engine.spec.drafter import Drafter
 from tests.engine.test_spec_decode import NGRAM, make, prompts
 from tests.engine.test_spec_hybrid import HYBRID, PROMPTS, ScriptedDrafter
 
@@ -131,13 +132,14 @@ def test_small_pool_preemption_and_chunked_prefill_stay_exact():
 
 
 def test_nothing_to_copy_keeps_the_overlap():
-    """Prompts without repeats: the drafter has nothing, so after a first ask per request
-    most steps overlap (a request is asked again only every REASK_EVERY steps)."""
+    """A drafter that never has anything: after a first ask per request most steps overlap
+    (a request is asked again only every REASK_EVERY steps, all of them at once)."""
     ps = [[(37 * i + 11 * j) % 401 + 50 for j in range(20 + i)] for i in range(6)]
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "always_draft": True}
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ref = reference("tiny-llama", ps, sp)
     llm = make("tiny-llama", spec, async_scheduling=True)
+    llm.core.spec.drafter = Drafter()  # the base drafter proposes nothing
     try:
         assert tokens(llm, ps, sp) == ref
         ov = llm.core.overlap

@@ -143,6 +143,27 @@ def test_budget_gives_drafts_to_the_requests_that_copy():
     assert b.request_acceptance("copy") == b.acceptance
 
 
+def test_budget_asks_a_drafter_with_nothing_to_offer_only_every_few_steps():
+    """A request whose drafter keeps proposing nothing stops costing a call each step (q_r, the
+    share of its asks that gave drafts, falls) and is asked again every few steps as its asks
+    decay; one whose drafter gives drafts is asked every step."""
+    b = DraftBudget(SpeculativeConfig("ngram", 4))
+    asked: dict[str, list[int]] = {"novel": [], "copy": []}
+    for step in range(60):
+        b.step_cap(2)
+        for rid in asked:
+            if b.worth_proposing(rid, 2):
+                asked[rid].append(step)
+                b.observe_ask(rid, rid == "copy")
+        b.end_step()
+    assert len(asked["copy"]) == 60
+    novel = asked["novel"]
+    assert novel[:4] == [0, 1, 2, 3] and 8 <= len(novel) <= 20  # then every few steps
+    assert novel[-1] >= 50 and max(b - a for a, b in zip(novel, novel[1:])) <= 8
+    b.forget("novel")
+    assert b.ask_yield("novel") == 1.0
+
+
 # -- the rejection sampler in isolation ----------------------------------------------------------
 
 def _seqs(n, drafts, **sp):

@@ -14,7 +14,10 @@ decoding:
   pass over its context; a fit over batch sizes alone mixes context lengths), and tv is what a
   step with any drafts costs beyond its rows (on a small model, most of it);
 - the drafter is asked only for requests whose first draft may pay, its own time included:
-  a_r (T(B, 0) + tv) >= ROW_MARGIN (td + the drafter's mean time a call) B;
+  q_r a_r (T(B, 0) + tv) >= ROW_MARGIN (td + the drafter's mean time a call) B, where q_r is
+  the share of the request's recent asks that gave drafts, decayed by ASK_DECAY a step (a
+  request with nothing to copy stops costing a call each step and is asked again every few
+  steps);
 - rows are given greedily, the most valuable first, while each still pays and while a
   request's rows yield on average at least `min_accepted_per_draft` expected tokens each
   (`_greedy`). When every decoding request drafts, the batch needs fewer steps and a token is
@@ -49,6 +52,8 @@ PROBE_SHARE = 4
 DECAY = 0.98
 REQUEST_DECAY = 0.9
 PRIOR_WEIGHT = 2.0
+ASK_PRIOR_WEIGHT = 1.0  # q_r's prior (every ask gives drafts) counts as this many asks
+ASK_DECAY = 0.95  # per step: a request that stopped getting drafts is asked every ~5 steps
 STEP_DECAY = 0.99
 ROW_MARGIN = 1.05
 STEP_MARGIN = 1.02
@@ -129,6 +134,7 @@ class DraftBudget:
         self.rejected = 1.0
         self.fit = StepTimeFit()
         self._requests: dict[str, list[float]] = {}  # id -> [accepted, rejections, step]
+        self._asks: dict[str, list[float]] = {}  # id -> [asks that gave drafts, asks, step]
         self._step = 0
         self._off_steps = 0
         self._step_accepted = self._step_rejections = 0
@@ -149,6 +155,14 @@ class DraftBudget:
         decay = REQUEST_DECAY ** (self._step - s[2])
         acc, rej = s[0] * decay, s[1] * decay
         return (acc + PRIOR_WEIGHT * a) / (acc + rej + PRIOR_WEIGHT)
+
+    def ask_yield(self, request_id: str) -> float:
+        """q_r: the decayed share of the request's asks that gave drafts (prior: 1)."""
+        s = self._asks.get(request_id)
+        if s is None:
+            return 1.0
+        decay = ASK_DECAY ** (self._step - s[2])
+        return (s[0] * decay + ASK_PRIOR_WEIGHT) / (s[1] * decay + ASK_PRIOR_WEIGHT)
 
     # -- each step ---------------------------------------------------------------------------
     def may_draft(self, num_decodes: int) -> bool:
@@ -171,7 +185,7 @@ class DraftBudget:
         (Skips the drafter where not.)"""
         if self.always or self._probing():
             return True
-        a = self.request_acceptance(request_id)
+        a = self.request_acceptance(request_id) * self.ask_yield(request_id)
         if a < self.min_yield:
             return False
         prices = self._prices
@@ -248,6 +262,14 @@ class DraftBudget:
         whether or not they are given: it counts against its first row)."""
         self.propose_s = self.propose_s * DECAY + seconds * (1.0 - DECAY)
 
+    def observe_ask(self, request_id: str, gave: bool) -> None:
+        """The drafter was asked for the request this step; `gave`: it had drafts."""
+        s = self._asks.get(request_id)
+        if s is None:
+            s = self._asks[request_id] = [0.0, 0.0, self._step]
+        decay = ASK_DECAY ** (self._step - s[2])
+        s[0], s[1], s[2] = s[0] * decay + gave, s[1] * decay + 1.0, self._step
+
     def observe(self, request_id: str, accepted: int, rejected: bool) -> None:
         """One verified request: its accepted drafts, whether one was rejected."""
         s = self._requests.get(request_id)
@@ -267,3 +289,4 @@ class DraftBudget:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._asks.pop(request_id, None)

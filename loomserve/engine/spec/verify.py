@@ -90,6 +90,7 @@ class SpecDecoder:
         for req in decodes:
             if self.budget.worth_proposing(req.request_id, b):
                 drafts = self._propose(req)
+                self.budget.observe_ask(req.request_id, bool(drafts))
                 if drafts:
                     ids.append(req.request_id)
                     proposals.append(drafts)
