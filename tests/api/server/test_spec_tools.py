@@ -77,3 +77,22 @@ def test_seeded_calls_are_schema_valid_and_streamed_alike(spec_client, spec_serv
                                         "arguments": call.function.arguments}]
     assert json.loads(call.function.arguments) is not None
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_client_leaving_mid_stream_leaves_nothing_behind(spec_client, spec_server):
+    """The client closes a drafting stream after a few chunks (drafted steps in flight under
+    async scheduling): the request is aborted and every block comes back."""
+    stream = spec_client.completions.create(
+        model=spec_server.model, prompt="1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3 4", max_tokens=400,
+        temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        got += len(chunk.choices[0].text or "") > 0
+        if got >= 3:
+            break
+    stream.close()
+    stats = spec_server.wait_idle(timeout=30)
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+    again = spec_client.completions.create(model=spec_server.model, prompt="1 2 3 4", max_tokens=4,
+                                           temperature=0.0)
+    assert again.choices[0].finish_reason == "length"  # the server keeps serving
