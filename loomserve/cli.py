@@ -234,10 +234,9 @@ def _add_scheduling(p) -> None:
                         "%(default)s = every token)")
     g.add_argument("--async-scheduling", action="store_true",
                    default=_DEFAULTS["async_scheduling"],
-                   help="schedule the next step while this one executes (any rank layout, "
-                        "model, P/D role, KV tier and drafter: a step with drafts runs alone; "
-                        "not with DEP); "
-                        "docs/design/scheduler.md (default: off)")
+                   help="schedule the next step while this one executes (any rank layout "
+                        "with DEP, model, P/D role, KV tier and drafter: a step with drafts "
+                        "runs alone); docs/design/scheduler.md (default: off)")
 
 
 def _add_tiers(p) -> None:

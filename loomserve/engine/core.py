@@ -33,7 +33,7 @@ from loomserve.engine.sched.request import Request, RequestStatus
 from loomserve.engine.sched.scheduler import Scheduler, SchedulerOutput
 from loomserve.engine.sched.step_cost import ModelLayout, StepCostModel, prior_seconds_per_unit
 from loomserve.engine.spec.verify import SpecDecoder
-from loomserve.engine.step_overlap import StepOverlap, leave_a_core, refuse_unsupported
+from loomserve.engine.step_overlap import StepOverlap, leave_a_core
 from loomserve.engine.step_trace import StepTrace
 from loomserve.execution.batch import ModelInput, ModelOutput
 from loomserve.execution.model_runner import ModelRunner
@@ -165,10 +165,9 @@ def make_spec_decoder(config: EngineConfig, runner: ModelRunner,
 
 def make_step_overlap(config: EngineConfig, executor: Executor,
                       scheduler: Scheduler) -> StepOverlap | None:
-    """The execution thread of --async-scheduling (refusing what it does not support)."""
+    """The execution thread of --async-scheduling (None without it)."""
     if not config.scheduler.async_scheduling:
         return None
-    refuse_unsupported(config)
     scheduler.async_scheduling = True
     for m in scheduler.kv.coordinator.managers:  # the step in flight still reads its window
         if isinstance(m, SlidingWindowManager):

@@ -49,7 +49,9 @@ flight before scheduling one that may draft, and finishes a step with drafts bef
 the next (EngineCore._drain_first; which requests may draft: engine/spec/verify.py). Steps
 without drafts overlap as usual; the update rolls a verified request back as the synchronous one.
 
-Refused (refuse_unsupported): what reads or changes KV or tokens outside the step order.
+DEP (expert parallelism over DP ranks): a lockstep turn's dummy step runs on the execution
+thread after the step in flight (run_after), so every rank's MoE collectives keep turn order
+(execution/parallel/dp_lockstep.py).
 """
 
 from __future__ import annotations
@@ -57,24 +59,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from loomserve.config import EngineConfig
 from loomserve.engine.sched.request import PLACEHOLDER_TOKEN
 from loomserve.engine.sched.scheduler import SchedulerOutput
 from loomserve.execution.batch import ModelInput, ModelOutput
-
-
-def refuse_unsupported(config: EngineConfig) -> None:
-    """ValueError naming each combination --async-scheduling does not support, and why
-    (every rank layout, KV layer kind, P/D role, drafter and KV tier is supported; DEP is
-    not)."""
-    why = []
-    pc = config.parallel
-    if pc.enable_expert_parallel and pc.data_parallel_size > 1:
-        why.append("expert parallelism over DP ranks (the lockstep runs dummy MoE steps on "
-                   "the core thread, which would meet the step in flight's collectives out of "
-                   "order)")
-    if why:
-        raise ValueError("--async-scheduling is not supported with " + "; ".join(why))
 
 
 def leave_a_core(device) -> int | None:
@@ -125,6 +112,8 @@ class StepOverlap:
         self.execute_s = 0.0
         self.num_steps = 0  # steps started
         self.num_overlapped = 0  # of them, started while the step before was in flight
+        self.num_forwards = 0  # of them, with sequences (a model forward)
+        self._side: list[Future] = []  # run_after's, until seen done
 
     @property
     def in_flight(self) -> bool:
@@ -147,13 +136,26 @@ class StepOverlap:
             started = (sched, self._thread.submit(self._run, inp))
             self.num_steps += 1
             self.num_overlapped += self._pending is not None
+            self.num_forwards += bool(inp.seqs)
         done, self._pending = self._pending, started
         if done is None:
             return None
         t0 = time.perf_counter()
         output, seconds = done[1].result()  # re-raises the step's exception here
         self.wait_s += time.perf_counter() - t0
+        self._check_side()
         return done[0], output, seconds
+
+    def run_after(self, fn) -> None:
+        """Run fn on the execution thread after the steps started so far (DEP: a dummy step's
+        collectives, in the order the peers run theirs); its exception surfaces at a swap."""
+        self._side.append(self._thread.submit(fn))
+
+    def _check_side(self) -> None:
+        done = [f for f in self._side if f.done()]
+        self._side = [f for f in self._side if not f.done()]
+        for f in done:
+            f.result()
 
     def _run(self, inp: ModelInput) -> tuple[ModelOutput, float]:
         """On the execution thread: fill the placeholders, run the step."""

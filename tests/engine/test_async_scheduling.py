@@ -22,7 +22,6 @@ from loomserve import LLM, SamplingParams
 from loomserve.config import EngineConfig
 from loomserve.engine.messages import EngineCoreRequest
 from loomserve.engine.sched.request import RequestStatus
-from loomserve.engine.step_overlap import refuse_unsupported
 from loomserve.execution.batch import ModelInput, ScheduledSeq
 from loomserve.execution.parallel.step_message import (
     BlockSyncReceiver,
@@ -215,17 +214,6 @@ def test_seeded_sampling_penalties_and_a_grammar_identical(pair):
     assert_clean(overlapped)
 
 
-def test_unsupported_combinations_are_refused_with_the_reason():
-    dep = EngineConfig.from_kwargs(model=os.path.join(FIXTURES, "tiny-qwen3-moe"),
-                                   data_parallel_size=2, enable_expert_parallel=True,
-                                   async_scheduling=True)
-    with pytest.raises(ValueError, match=r"--async-scheduling .*expert parallelism over DP"):
-        refuse_unsupported(dep)
-    tiers = EngineConfig.from_kwargs(model=os.path.join(FIXTURES, "tiny-llama"),
-                                     host_cache_memory="1MiB", async_scheduling=True)
-    refuse_unsupported(tiers)  # KV tiers are supported (tests/engine/test_async_tiers.py)
-
-
 def test_cli_flag_parses_and_defaults_off():
     from loomserve.cli import build_parser, engine_config_from_args
     p = build_parser()
@@ -260,7 +248,6 @@ def test_served_core_streams_the_same_tokens(pair):
     stop string the front end matched while a token was in flight; the engine ends idle."""
     import asyncio
 
-    from loomserve.config import EngineConfig
     from loomserve.engine.async_llm import AsyncLLM
     from tests.engine.test_async_llm import wait_idle
 

@@ -60,3 +60,21 @@ def test_dep_dp2_greedy_matches_dp1(name, monkeypatch, capfd):
     assert [len(t) for t in got] == MAX_TOKENS
     ranks = [(int(p), int(b)) for p, b in LOCKSTEP.findall(capfd.readouterr().err)]
     assert len(ranks) == 2 and all(p > 0 and b > 0 for p, b in ranks), ranks
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3-next"])
+def test_dep_with_async_scheduling_matches_dp1(name, monkeypatch, capfd):
+    """--async-scheduling under DEP: forwards run on each rank's execution thread, a turn's
+    dummy step queued there after the step in flight, the turn's all-reduce on a group of its
+    own; greedy outputs equal one rank's and the all-to-all ran on both ranks."""
+    fixture = os.path.join(FIXTURES, name)
+    monkeypatch.setenv("LOOMSERVE_NUM_THREADS", "1")
+    expected = run(fixture, in_process=True)
+    capfd.readouterr()
+    got = run(fixture, data_parallel_size=2, enable_expert_parallel=True,
+              prefill_schedule_interval=2, async_scheduling=True)
+    assert got == expected
+    err = capfd.readouterr().err
+    assert err.count("async scheduling: the next step is scheduled") == 2  # on both ranks
+    ranks = [(int(p), int(b)) for p, b in LOCKSTEP.findall(err)]
+    assert len(ranks) == 2 and all(p > 0 and b > 0 for p, b in ranks), ranks

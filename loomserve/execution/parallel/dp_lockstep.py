@@ -15,6 +15,12 @@ parallelism every MoE layer's forward is a collective over the DP ranks' gloo gr
   into the scheduler before each step, so --prefill-schedule-interval admits prefills on the
   same steps on every rank.
 
+Async scheduling (engine/step_overlap.py): forwards run on each rank's execution thread, in
+the order they were started, so a turn's dummy step is queued there too (after the step in
+flight), and every rank's execution thread runs one forward or dummy a turn, in turn order;
+the "I have work" all-reduce runs on the core thread over a group of its own (two threads must
+never share a gloo group: their collectives could pair across ranks out of order).
+
 The group meets at ParallelConfig.dp_rendezvous() (the front end's port, or master_addr:master_port over nodes). Dense models
 need no lockstep: LockstepCore is only used when the model has MoE layers.
 """
@@ -64,7 +70,10 @@ def maybe_lockstep(core, config):
     log.info("DP rank %d/%d: expert parallel over %d MoE layers, %d experts each",
              pc.data_parallel_rank, pc.data_parallel_size, len(moes),
              moes[0].local_experts)
-    return LockstepCore(core, moes, group)
+    # async scheduling: the turn's all-reduce on the core thread, beside the execution
+    # thread's all-to-alls on WORLD (every rank creates it: same config, same order)
+    flags = dist.new_group(backend="gloo") if core.overlap is not None else group
+    return LockstepCore(core, moes, group, flags)
 
 
 class LockstepCore:
@@ -77,8 +86,9 @@ class LockstepCore:
     # before calling the failure a real one (core_loop.CoreLoop.run).
     peer_grace_s = 2.0
 
-    def __init__(self, core, moes, group) -> None:
+    def __init__(self, core, moes, group, flags=None) -> None:
         self.core, self.moes, self.group = core, moes, group
+        self.flags = flags if flags is not None else group  # the turn's all-reduce's group
         self.global_step = 0
         self.dummy_steps = 0
         self._idle_at = 0.0
@@ -112,7 +122,7 @@ class LockstepCore:
     def step(self):
         import torch.distributed as dist
         flag = torch.tensor([1 if self.core.has_work() else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flags)
         if not flag.item():
             now = time.monotonic()
             if now - self._idle_at >= IDLE_HOUSEKEEPING_S:
@@ -122,10 +132,17 @@ class LockstepCore:
             return []
         self.core.scheduler.step_number = self.global_step
         self.global_step += 1
-        before = self.moes[0].ep_calls
+        ov = self.core.overlap
+        before = ov.num_forwards if ov is not None else self.moes[0].ep_calls
         outputs = self.core.step() if self.core.has_work() else []
-        if self.moes[0].ep_calls == before:  # this rank ran no forward: keep the others company
-            self.dummy_steps += 1
-            for m in self.moes:
-                m.ep_dummy(self._dtype, self._device)
+        if (ov.num_forwards if ov is not None else self.moes[0].ep_calls) == before:
+            self.dummy_steps += 1  # this rank started no forward: keep the others company
+            if ov is not None:
+                ov.run_after(self._dummy)
+            else:
+                self._dummy()
         return outputs
+
+    def _dummy(self) -> None:
+        for m in self.moes:
+            m.ep_dummy(self._dtype, self._device)
