@@ -143,25 +143,31 @@ def test_budget_gives_drafts_to_the_requests_that_copy():
     assert b.request_acceptance("copy") == b.acceptance
 
 
-def test_budget_asks_a_drafter_with_nothing_to_offer_only_every_few_steps():
-    """A request whose drafter keeps proposing nothing stops costing a call each step (q_r, the
-    share of its asks that gave drafts, falls) and is asked again every few steps as its asks
-    decay; one whose drafter gives drafts is asked every step."""
-    b = DraftBudget(SpeculativeConfig("ngram", 4))
-    asked: dict[str, list[int]] = {"novel": [], "copy": []}
-    for step in range(60):
-        b.step_cap(2)
-        for rid in asked:
-            if b.worth_proposing(rid, 2):
-                asked[rid].append(step)
-                b.observe_ask(rid, rid == "copy")
-        b.end_step()
-    assert len(asked["copy"]) == 60
-    novel = asked["novel"]
-    assert novel[:4] == [0, 1, 2, 3] and 8 <= len(novel) <= 20  # then every few steps
-    assert novel[-1] >= 50 and max(b - a for a, b in zip(novel, novel[1:])) <= 8
-    b.forget("novel")
-    assert b.ask_yield("novel") == 1.0
+def test_budget_asks_a_dear_drafter_with_nothing_to_offer_only_every_few_steps():
+    """The drafter's call costs every time, its drafts come only with q_r (the share of the
+    request's asks that gave drafts): with a dear drafter a request whose asks keep coming
+    back empty is asked again only every few steps, one whose drafter gives drafts every step;
+    with a cheap drafter both are asked every step."""
+    def run(propose_s: float) -> dict[str, list[int]]:
+        b = DraftBudget(SpeculativeConfig("ngram", 4))
+        for n, d in [(2, 0), (4, 0), (2, 2), (4, 4), (2, 1)] * 4:  # T = 1 + 4B + D + [D>0] ms
+            b.observe_step(n, d, 0.001 + 0.004 * n + 0.001 * d + 0.001 * (d > 0))
+        b.propose_s = propose_s
+        asked: dict[str, list[int]] = {"novel": [], "copy": []}
+        for step in range(60):
+            b.step_cap(2)
+            for rid in asked:
+                if b.worth_proposing(rid, 2):
+                    asked[rid].append(step)
+                    b.observe_ask(rid, rid == "copy")
+            b.end_step()
+        return asked
+    dear = run(0.0015)  # a call costs a sixth of the step
+    assert len(dear["copy"]) == 60
+    novel = dear["novel"]
+    assert novel[0] == 0 and 2 <= len(novel) <= 10 and novel[1] > 4  # asked again later
+    cheap = run(0.00001)
+    assert len(cheap["copy"]) == len(cheap["novel"]) == 60
 
 
 # -- the rejection sampler in isolation ----------------------------------------------------------

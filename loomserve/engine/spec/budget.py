@@ -14,10 +14,10 @@ decoding:
   pass over its context; a fit over batch sizes alone mixes context lengths), and tv is what a
   step with any drafts costs beyond its rows (on a small model, most of it);
 - the drafter is asked only for requests whose first draft may pay, its own time included:
-  q_r a_r (T(B, 0) + tv) >= ROW_MARGIN (td + the drafter's mean time a call) B, where q_r is
-  the share of the request's recent asks that gave drafts, decayed by ASK_DECAY a step (a
-  request with nothing to copy stops costing a call each step and is asked again every few
-  steps);
+  q_r (a_r (T(B, 0) + tv) - ROW_MARGIN td B) >= ROW_MARGIN (the drafter's mean time a call) B,
+  where q_r is the share of the request's recent asks that gave drafts, decayed by ASK_DECAY
+  a step: the draft and its row come only with q_r, the call costs every time (a dear drafter
+  is asked less often for a request with nothing to copy; a cheap one still every step);
 - rows are given greedily, the most valuable first, while each still pays and while a
   request's rows yield on average at least `min_accepted_per_draft` expected tokens each
   (`_greedy`). When every decoding request drafts, the batch needs fewer steps and a token is
@@ -53,7 +53,7 @@ DECAY = 0.98
 REQUEST_DECAY = 0.9
 PRIOR_WEIGHT = 2.0
 ASK_PRIOR_WEIGHT = 1.0  # q_r's prior (every ask gives drafts) counts as this many asks
-ASK_DECAY = 0.95  # per step: a request that stopped getting drafts is asked every ~5 steps
+ASK_DECAY = 0.95  # per step: how fast a request's empty asks are forgotten
 STEP_DECAY = 0.99
 ROW_MARGIN = 1.05
 STEP_MARGIN = 1.02
@@ -185,14 +185,15 @@ class DraftBudget:
         (Skips the drafter where not.)"""
         if self.always or self._probing():
             return True
-        a = self.request_acceptance(request_id) * self.ask_yield(request_id)
+        a = self.request_acceptance(request_id)
         if a < self.min_yield:
             return False
         prices = self._prices
         if prices is None:
             return True
-        return a * (prices.base + prices.tv) >= \
-            ROW_MARGIN * (prices.td + self.propose_s) * num_decodes
+        # the first draft's value net of its row, had only with q_r; the call costs always
+        pays = a * (prices.base + prices.tv) - ROW_MARGIN * prices.td * num_decodes
+        return self.ask_yield(request_id) * pays >= ROW_MARGIN * self.propose_s * num_decodes
 
     def allocate(self, candidates: list[tuple[str, int]], num_decodes: int,
                  cap: int) -> list[int]:
