@@ -49,7 +49,6 @@ from loomserve.kv.connector import (
 )
 from loomserve.kv.event_publisher import KVEventPublisher
 from loomserve.kv.eviction import FlopModel
-from loomserve.kv.managers.sliding_window import SlidingWindowManager
 from loomserve.kv.retention import RetentionConfig
 from loomserve.kv.spec import LinearStateSpec
 from loomserve.kv.transfer import KVTransferConnector
@@ -169,9 +168,7 @@ def make_step_overlap(config: EngineConfig, executor: Executor,
     if not config.scheduler.async_scheduling:
         return None
     scheduler.async_scheduling = True
-    for m in scheduler.kv.coordinator.managers:  # the step in flight still reads its window
-        if isinstance(m, SlidingWindowManager):
-            m.keep_in_flight_window = True
+    scheduler.kv.keep_in_flight_windows()
     log.info("async scheduling: the next step is scheduled while this one executes")
     threads = leave_a_core(executor.driver_runner.device)
     if threads is not None:

@@ -152,10 +152,12 @@ class StepOverlap:
         self._side.append(self._thread.submit(fn))
 
     def _check_side(self) -> None:
-        done = [f for f in self._side if f.done()]
-        self._side = [f for f in self._side if not f.done()]
-        for f in done:
-            f.result()
+        side, self._side = self._side, []
+        for f in side:
+            if f.done():
+                f.result()  # re-raises its exception
+            else:
+                self._side.append(f)
 
     def _run(self, inp: ModelInput) -> tuple[ModelOutput, float]:
         """On the execution thread: fill the placeholders, run the step."""

@@ -26,6 +26,7 @@ from loomserve.kv.events import EventHook
 from loomserve.kv.eviction import FlopAwareEvictor, FlopModel
 from loomserve.kv.hashing import BlockHasher
 from loomserve.kv.managers import count_free, manager_class
+from loomserve.kv.managers.sliding_window import SlidingWindowManager
 from loomserve.kv.miss_causes import RELEASE_PREEMPTED, DropRecord, MissAttribution, MissAttributor
 from loomserve.kv.pool import Block, BlockPool
 from loomserve.kv.retention import RetentionConfig, SessionPins
@@ -395,6 +396,13 @@ class KVCacheManager:
             for sid in list(self.pins._pins):
                 self.pins.release(sid)
         return self.pool.reset_prefix_cache()
+
+    def keep_in_flight_windows(self) -> None:
+        """Async scheduling: sliding-window groups keep the blocks the step in flight still
+        attends to (kv/managers/sliding_window.py)."""
+        for m in self.coordinator.managers:
+            if isinstance(m, SlidingWindowManager):
+                m.keep_in_flight_window = True
 
     def end_session(self, session_id: str) -> None:
         """The session ended: drop its hash memo and release its pinned blocks."""

@@ -142,6 +142,11 @@ class DraftBudget:
         self._prices: Prices | None = None  # the fit's, at the step's B (step_cap)
 
     @property
+    def step(self) -> int:
+        """Steps begun (step_cap calls)."""
+        return self._step
+
+    @property
     def acceptance(self) -> float:
         """The batch's measured per-position acceptance probability."""
         return self.accepted / (self.accepted + self.rejected)

@@ -75,13 +75,11 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._planned: dict[str, list[int]] = {}
         self._views: dict[str, DraftRequest] = {}
-        self._step = 0
-        self._asked: dict[str, tuple[int, bool]] = {}  # id -> (step last asked, got drafts)
+        self._asked: dict[str, tuple[int, bool]] = {}  # id -> (budget step asked, got drafts)
 
     def begin_step(self, decodes: list) -> None:
         """Chooses this step's drafts for the decoding requests (before it is scheduled)."""
         self._planned = {}
-        self._step += 1
         b = len(decodes)
         cap = self.budget.step_cap(b)
         if cap <= 0:
@@ -99,7 +97,7 @@ class SpecDecoder:
             if n:
                 self._planned[rid] = drafts[:n]
         for req in decodes:
-            self._asked[req.request_id] = (self._step, req.request_id in self._planned)
+            self._asked[req.request_id] = (self.budget.step, req.request_id in self._planned)
 
     def wants_drain(self, running: list) -> bool:
         """Async scheduling, a step in flight: would the next step draft for a request whose
@@ -109,7 +107,7 @@ class SpecDecoder:
             return False
         for req in decodes:
             last = self._asked.get(req.request_id)
-            if last is None or last[1] or self._step - last[0] >= REASK_EVERY:
+            if last is None or last[1] or self.budget.step - last[0] >= REASK_EVERY:
                 return True
         return False
 

@@ -132,16 +132,21 @@ class LockstepCore:
             return []
         self.core.scheduler.step_number = self.global_step
         self.global_step += 1
-        ov = self.core.overlap
-        before = ov.num_forwards if ov is not None else self.moes[0].ep_calls
+        before = self._forwards()
         outputs = self.core.step() if self.core.has_work() else []
-        if (ov.num_forwards if ov is not None else self.moes[0].ep_calls) == before:
-            self.dummy_steps += 1  # this rank started no forward: keep the others company
-            if ov is not None:
+        if self._forwards() == before:  # this rank started no forward: keep the others company
+            self.dummy_steps += 1
+            ov = self.core.overlap
+            if ov is not None:  # async scheduling: after the step in flight, on its thread
                 ov.run_after(self._dummy)
             else:
                 self._dummy()
         return outputs
+
+    def _forwards(self) -> int:
+        """Forwards started so far (async scheduling: on the execution thread)."""
+        ov = self.core.overlap
+        return ov.num_forwards if ov is not None else self.moes[0].ep_calls
 
     def _dummy(self) -> None:
         for m in self.moes:

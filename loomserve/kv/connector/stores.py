@@ -144,9 +144,9 @@ class StoreSide:
         self._scheduling = False
         if self.in_flight():
             ready, self._due, self._fresh = self._due, self._fresh, []
+            self._offer_held(ready)
         else:  # every step scheduled so far has run
-            ready, self._due, self._fresh = self._due + self._fresh, [], []
-        self._offer_held(ready)
+            self._offer_all_held()
 
     def before_schedule(self) -> None:
         """At the start of each step and while idle: offer what was hashed since the last
@@ -157,8 +157,7 @@ class StoreSide:
             return
         if not self.in_flight():
             self.offer_stored()
-            ready, self._due, self._fresh = self._due + self._fresh, [], []
-            self._offer_held(ready)
+            self._offer_all_held()
         self._scheduling = True
 
     def offer_stored(self) -> None:
@@ -176,6 +175,11 @@ class StoreSide:
             pages += [(ks.key(h), b, bool(pending) and (g, h) in pending)
                       for h, b in zip(hashes, self.kv.cached_blocks(g, hashes)) if b is not None]
         self._write(pages, held=False)
+
+    def _offer_all_held(self) -> None:
+        """No step in flight: every page held for one has been written."""
+        ready, self._due, self._fresh = self._due + self._fresh, [], []
+        self._offer_held(ready)
 
     def _offer_held(self, pages: list[tuple[int, bytes, Block, bool]]) -> None:
         """Offer pages collected with a reference held (async scheduling)."""

@@ -33,7 +33,7 @@ class SlidingWindowManager(SingleTypeKVManager):
         self.window = spec.sliding_window
         self.null = pool.null_block
         self.removed: dict[str, int] = {}
-        self.keep_in_flight_window = False  # set under async scheduling (EngineCore)
+        self.keep_in_flight_window = False  # async scheduling: KVCacheManager sets it
         self._last_start: dict[str, int] = {}  # request id -> num_computed at its last step
 
     def num_blocks_needed(self, num_tokens: int) -> int:
